@@ -1,0 +1,61 @@
+"""``tpplan`` command line: one subcommand per module in :mod:`tpplan.commands`.
+
+A mistake in a plan prints ``file:line:col: error: message`` lines and exits 1, never a
+Python traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from . import __version__
+from .errors import PlanErrors
+
+__all__ = ["main", "print_errors"]
+
+COMMANDS = ("validate",)
+
+
+def print_errors(errors: PlanErrors, stream=None) -> None:
+    stream = stream or sys.stderr
+    for e in errors.errors:
+        print(f"{e.loc}: error: {e.message}", file=stream)
+    n = len(errors.errors)
+    print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """``--plan`` and ``--set``, the same on every subcommand."""
+    p.add_argument("--plan", required=True, help="the plan YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a plan key, e.g. --set model.config=70b (repeatable)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpplan", description="Tensor-parallel training from a "
+                                "YAML parallel plan.")
+    p.add_argument("--version", action="version", version=f"tpplan {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = importlib.import_module(f"tpplan.commands.{name}")
+        module.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except PlanErrors as e:
+        print_errors(e)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

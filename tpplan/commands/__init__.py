@@ -1,0 +1,1 @@
+"""Subcommands of ``tpplan``: each module has ``register(subparsers)`` setting ``run``."""

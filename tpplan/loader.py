@@ -1,0 +1,113 @@
+"""Reading a plan document: ``extends`` chains and ``--set`` overrides, locations kept.
+
+A child plan overrides its parent key by key, recursively for mappings; lists and scalars
+replace. Rules under ``tensor_parallel`` replace whole (a child's ``wo: colwise`` does not
+inherit the parent's ``output_layouts``). A key set to ``null`` removes what the parent set.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import Loc, PlanError
+from .yamlio import LMap, LSeq, load_file, load_text
+
+__all__ = ["read_document", "apply_override"]
+
+MAX_EXTENDS = 16
+REPLACE_WHOLE = ("tensor_parallel",)  # sections whose entries replace, never merge
+
+
+def merge(base: LMap, child: LMap, path: tuple = ()) -> LMap:
+    out = LMap(child.loc)
+    for key, value in base.items():
+        out.put(key, value, base.key_loc(key), base.value_loc(key))
+    for key, value in child.items():
+        if key == "extends" and not path:
+            continue
+        if value is None:
+            out.pop(key, None)  # null removes what the parent set
+            continue
+        old = out.get(key)
+        replace = bool(path) and path[0] in REPLACE_WHOLE
+        if isinstance(old, LMap) and isinstance(value, LMap) and not replace:
+            value = merge(old, value, path + (key,))
+        out.put(key, value, child.key_loc(key), child.value_loc(key))
+    return out
+
+
+def _read(path: Path, chain: tuple[str, ...]) -> LMap:
+    doc = load_file(path)
+    if not isinstance(doc, LMap):
+        raise PlanError("a plan must be a YAML mapping of sections (mesh:, model:, ...)",
+                        getattr(doc, "loc", None) or Loc(str(path), 1, 1))
+    parent = doc.get("extends")
+    if parent is None:
+        return doc
+    loc = doc.value_loc("extends")
+    if not isinstance(parent, str):
+        raise PlanError("'extends' takes the path of another plan file, relative to this one", loc)
+    target = (path.parent / parent).resolve()
+    if str(target) in chain:
+        raise PlanError(f"'extends' forms a cycle: {' -> '.join(chain + (str(target),))}", loc)
+    if len(chain) >= MAX_EXTENDS:
+        raise PlanError(f"'extends' chain deeper than {MAX_EXTENDS} files", loc)
+    if not target.exists():
+        raise PlanError(f"'extends' names '{parent}', which does not exist ({target})", loc)
+    return merge(_read(target, chain + (str(target),)), doc)
+
+
+def apply_override(doc: LMap, text: str) -> None:
+    """Apply one ``key.path=value`` override in place; the value is read as YAML."""
+    file = f"--set {text}"
+    key_path, sep, raw = text.partition("=")
+    if not sep or not key_path.strip():
+        raise PlanError("an override reads key.path=value (for example model.config=70b)",
+                        Loc(file, 1, 1))
+    value_loc = Loc(file, 1, len(key_path) + 2)
+    value = load_text(raw, file) if raw.strip() else None
+    if isinstance(value, (LMap, LSeq)):
+        _shift(value, len(key_path) + 1)
+    keys = key_path.strip().split(".")
+    node = doc
+    for i, key in enumerate(keys[:-1]):
+        if key in REPLACE_WHOLE and i == 0:
+            rest = ".".join(keys[1:])
+            child = node.get(key)
+            if not isinstance(child, LMap):
+                child = LMap(value_loc)
+                node.put(key, child, value_loc, value_loc)
+            child.put(rest, value, Loc(file, 1, 1), value_loc)
+            return
+        child = node.get(key)
+        if not isinstance(child, LMap):
+            child = LMap(value_loc)
+            node.put(key, child, Loc(file, 1, 1), value_loc)
+        node = child
+    node.put(keys[-1], value, Loc(file, 1, 1), value_loc)
+
+
+def _shift(value: Any, columns: int) -> None:
+    """Move the locations inside a flow value read from an override to its real columns."""
+    if isinstance(value, LMap):
+        value.loc = Loc(value.loc.file, 1, value.loc.column + columns)
+        for d in (value.key_locs, value.value_locs):
+            for k, loc in d.items():
+                d[k] = Loc(loc.file, 1, loc.column + columns)
+        for v in value.values():
+            _shift(v, columns)
+    elif isinstance(value, LSeq):
+        value.loc = Loc(value.loc.file, 1, value.loc.column + columns)
+        value.item_locs = [Loc(x.file, 1, x.column + columns) for x in value.item_locs]
+        for v in value:
+            _shift(v, columns)
+
+
+def read_document(path: str | Path, overrides: Sequence[str] = ()) -> LMap:
+    """The merged plan document: the file, its ``extends`` chain, then the overrides."""
+    p = Path(path)
+    doc = _read(p, (str(p.resolve()),))
+    for text in overrides:
+        apply_override(doc, text)
+    return doc

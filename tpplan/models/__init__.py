@@ -1,0 +1,63 @@
+"""Model sources: built-in models by name and size, or a user's factory function."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import PlanError, PlanErrors, nearest
+from . import llama
+
+__all__ = ["BUILTIN", "build_model"]
+
+# name -> (builder(config, **kwargs), the named sizes)
+BUILTIN: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
+    "llama3": (llama.build, llama.CONFIGS),
+}
+
+
+def _factory(spec) -> Callable[..., nn.Module]:
+    module_name, _, fn_name = spec.factory.partition(":")
+    loc = spec.locs.get("factory", spec.loc)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}", loc)])
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
+        raise PlanErrors([PlanError(f"model.factory: '{module_name}' has no function "
+                                    f"'{fn_name}'{nearest(fn_name, names)}", loc)])
+    return fn
+
+
+def build_model(spec, device: str | torch.device = "meta") -> nn.Module:
+    """Construct the plan's model on ``device`` (``meta``: shapes only, no memory).
+
+    Mistakes in the ``model`` section raise :class:`PlanErrors` located in the plan.
+    """
+    if spec is None:
+        raise PlanErrors([PlanError("the plan has no 'model' section", None)])
+    if spec.factory:
+        fn, kwargs = _factory(spec), dict(spec.kwargs)
+    else:
+        if spec.name not in BUILTIN:
+            raise PlanErrors([PlanError(f"unknown model '{spec.name}'{nearest(spec.name, BUILTIN)};"
+                                        f" built-in models: {', '.join(BUILTIN)}",
+                                        spec.locs.get("name", spec.loc))])
+        builder, sizes = BUILTIN[spec.name]
+        config = spec.config or "debug"
+        if config not in sizes:
+            raise PlanErrors([PlanError(f"unknown config '{config}' for {spec.name}"
+                                        f"{nearest(config, sizes)}; sizes: {', '.join(sizes)}",
+                                        spec.locs.get("config", spec.loc))])
+        fn, kwargs = builder, {"config": config, **spec.kwargs}
+    try:
+        with torch.device(device):
+            return fn(**kwargs)
+    except TypeError as e:
+        raise PlanErrors([PlanError(f"model: building the model failed: {e}",
+                                    spec.locs.get("kwargs", spec.loc))]) from None

@@ -1,0 +1,173 @@
+"""A reference Llama-3: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Written so tensor parallelism works on it unchanged: every reshape that involves heads uses
+``-1`` for the head count, so a rank holding ``n_heads / tp`` heads runs the same code. The
+head counts stored on ``Attention`` are informational (plans list them in ``divide_by_tp``
+so the validator checks they divide and they read per rank afterwards).
+
+Shapes: ``bs`` batch, ``s`` sequence, ``d`` model width, ``h``/``kv`` heads, ``hd`` head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["LlamaConfig", "CONFIGS", "Transformer", "build"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 256
+    multiple_of: int = 64  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        # Llama's rule: 2/3 of 4d, scaled, rounded up to multiple_of.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+# Published shapes (Meta's Llama 3 / 3.1 / 3.2 model cards); debug is ours, for CPU tests.
+CONFIGS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(),
+    "1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0,
+                      max_seq_len=8192),
+    "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                      max_seq_len=8192),
+    "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                       multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                       max_seq_len=8192),
+    "405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                        multiple_of=4096, ffn_dim_multiplier=1.2, rope_theta=500000.0,
+                        max_seq_len=8192),
+}
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(s, hd/2, 2): cos and sin of each position times each rotary frequency."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x`` (bs, s, h, hd) by the angles in ``rope`` (s, hd/2, 2)."""
+    pairs = x.float().unflatten(-1, (-1, 2))  # (bs, s, h, hd/2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, s, _ = x.shape
+        # -1, not n_heads: under TP each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bs, s, -1, self.head_dim)
+        k = self.wk(x).view(bs, s, -1, self.head_dim)
+        v = self.wv(x).view(bs, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        # (bs, h, s, hd); kv heads are shared by h / kv query heads (the ratio survives TP)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Tokens (bs, s) -> logits (bs, s, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Not persistent: derived from the config, rebuilt by init_buffers after to_empty().
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta),
+                             persistent=False)
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        cfg = self.config
+        self.rope = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+
+    def init_std(self, name: str) -> float | None:
+        """Initial std of parameter ``name`` (None: a norm weight, initialized to ones).
+
+        Small-init as in GPT-2 / torchtitan: projections that write into the residual stream
+        (wo, w2) are scaled down with depth, the head by width.
+        """
+        if name.endswith("norm.weight"):
+            return None
+        if name.startswith("output."):
+            return self.config.dim ** -0.5
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return 0.02 / math.sqrt(2 * self.config.n_layers)
+        return 0.02
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        rope = self.rope[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.output(self.norm(h))
+
+
+def build(config: str = "debug", **overrides) -> Transformer:
+    """The reference Llama at a named size, fields overridable (``n_layers=2``)."""
+    if config not in CONFIGS:
+        raise KeyError(config)
+    return Transformer(replace(CONFIGS[config], **overrides))

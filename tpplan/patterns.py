@@ -1,0 +1,66 @@
+"""Module-path patterns: the names ``named_modules()`` prints, with two wildcards.
+
+``*`` matches one path segment (``layers.*.attention``), ``?`` one character inside a
+segment, and ``{a,b}`` any of the alternatives (``attention.{wq,wk,wv}``). A pattern is
+matched against the whole path. ``re:`` before a pattern makes it a Python regular
+expression, for the rare plan that needs one (``re:layers\\.(0|1)\\.attention``).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+__all__ = ["compile_pattern", "generalize"]
+
+
+@lru_cache(maxsize=4096)
+def compile_pattern(pattern: str) -> re.Pattern:
+    """The regex for a plan pattern; raises ValueError with what is wrong."""
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ValueError("a pattern must be a non-empty module path")
+    if pattern.startswith("re:"):
+        try:
+            return re.compile(pattern[3:])
+        except re.error as e:
+            raise ValueError(f"bad regular expression: {e}") from None
+    out: list[str] = []
+    in_braces = False
+    for ch in pattern:
+        if ch == "{":
+            if in_braces:
+                raise ValueError("nested '{' is not supported")
+            in_braces = True
+            out.append("(?:")
+        elif ch == "}":
+            if not in_braces:
+                raise ValueError("'}' without '{'")
+            in_braces = False
+            out.append(")")
+        elif ch == "," and in_braces:
+            out.append("|")
+        elif ch == "*":
+            out.append("[^.]+")
+        elif ch == "?":
+            out.append("[^.]")
+        elif ch.isspace():
+            raise ValueError("a module path has no spaces")
+        else:
+            out.append(re.escape(ch))
+    if in_braces:
+        raise ValueError("'{' without '}'")
+    if ".." in pattern or pattern.startswith(".") or pattern.endswith("."):
+        raise ValueError("empty path segment")
+    return re.compile("".join(out))
+
+
+def matches(pattern: str, path: str) -> bool:
+    return compile_pattern(pattern).fullmatch(path) is not None
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def generalize(path: str) -> str:
+    """``layers.3.attention`` -> ``layers.*.attention``: how a path is written in a plan."""
+    return _INDEX.sub("*", path)

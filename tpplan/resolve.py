@@ -1,0 +1,195 @@
+"""Patterns -> concrete module paths, and every check that needs the model.
+
+Runs on any model, meta-device ones included, without a process group: a plan that does
+not fit is reported with its lines before any collective could hang on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .errors import ErrorList, nearest
+from .parallel_dims import ParallelDims
+from .patterns import compile_pattern, generalize
+from .schema import AttrRule, Rule, Unit
+
+__all__ = ["Resolution", "resolve", "SHARD_DIMS"]
+
+# (style, module type) -> {parameter: the dimension the style splits}
+SHARD_DIMS: dict[tuple[str, type], dict[str, int]] = {
+    ("colwise", nn.Linear): {"weight": 0, "bias": 0},
+    ("rowwise", nn.Linear): {"weight": 1},
+    ("colwise", nn.Embedding): {"weight": 1},
+    ("rowwise", nn.Embedding): {"weight": 0},
+}
+TORCH_CLASS = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+WHOLE_MODULE_STYLES = ("sequence_parallel", "replicate")  # they claim every parameter below
+
+
+@dataclass
+class Resolution:
+    """What a plan means for one model at one world size."""
+
+    dims: ParallelDims | None
+    errors: ErrorList = field(default_factory=ErrorList)
+    rules: list[tuple[Rule, list[str]]] = field(default_factory=list)
+    rule_of: dict[str, Rule] = field(default_factory=dict)  # module path -> its rule
+    attrs: list[tuple[AttrRule, list[tuple[str, int]]]] = field(default_factory=list)
+    units: list[tuple[Unit, list[str]]] = field(default_factory=list)
+    ac_blocks: list[str] = field(default_factory=list)
+    compile_blocks: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _match(pattern: str, paths: list[str]) -> list[str]:
+    rx = compile_pattern(pattern)
+    return [p for p in paths if rx.fullmatch(p)]
+
+
+def _no_match(pattern: str, what: str, paths: list[str], params: set[str]) -> str:
+    if any(compile_pattern(pattern).fullmatch(p) for p in params):
+        return (f"{what} '{pattern}' names a parameter, not a module; "
+                f"write the module path ('{pattern.rpartition('.')[0]}')")
+    candidates = sorted({generalize(p) for p in paths if p})
+    return f"{what} '{pattern}' matches no module of the model{nearest(pattern, candidates, 0.5)}"
+
+
+def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: ErrorList) -> None:
+    style = rule.style.name
+    kind = next((t for (s, t) in SHARD_DIMS if s == style and isinstance(module, t)), None)
+    if kind is None:
+        errs.add(f"style '{style}' cannot shard module '{path}' ({type(module).__name__}): "
+                 f"PyTorch's {TORCH_CLASS[style]} shards nn.Linear and nn.Embedding only", rule.loc)
+        return
+    for pname, dim in SHARD_DIMS[(style, kind)].items():
+        param = getattr(module, pname, None)
+        if param is None:
+            continue
+        size = param.shape[dim]
+        if size % tp:
+            errs.add(f"module '{path}' ({kind.__name__}), parameter '{pname}': dimension {dim} "
+                     f"of size {size} is not divisible by tp={tp} (rule '{rule.pattern}' is "
+                     f"{style})", rule.loc)
+
+
+def _resolve_rules(plan, res: Resolution, paths: list[str], modules: dict, params: set[str],
+                   tp: int) -> None:
+    errs = res.errors
+    for rule in plan.rules:
+        hits = _match(rule.pattern, paths)
+        res.rules.append((rule, hits))
+        if not hits:
+            errs.add(_no_match(rule.pattern, "pattern", paths, params), rule.loc)
+        for path in hits:
+            other = res.rule_of.get(path)
+            if other is not None:
+                errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line "
+                         f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line})", rule.loc)
+                continue
+            res.rule_of[path] = rule
+            if rule.style.name in TORCH_CLASS:
+                _check_sharding(rule, path, modules[path], tp, errs)
+    for path, rule in res.rule_of.items():
+        if rule.style.name not in WHOLE_MODULE_STYLES:
+            continue
+        for inner, other in res.rule_of.items():
+            if inner.startswith(path + ".") and other.style.name in TORCH_CLASS:
+                errs.add(f"rule '{rule.pattern}' ({rule.style.name}) replicates every parameter "
+                         f"under '{path}', but rule '{other.pattern}' (line {other.loc.line}) "
+                         f"shards '{inner}' inside it", rule.loc)
+                break
+
+
+def _resolve_attrs(plan, res: Resolution, paths: list[str], modules: dict, params: set[str],
+                   tp: int) -> None:
+    for attr_rule in plan.divide_by_tp:
+        hits = _match(attr_rule.pattern, paths)
+        found: list[tuple[str, int]] = []
+        res.attrs.append((attr_rule, found))
+        if not hits:
+            res.errors.add("divide_by_tp: " + _no_match(attr_rule.pattern, "module pattern", paths,
+                                                        params), attr_rule.loc)
+        for path in hits:
+            module = modules[path]
+            name = attr_rule.attribute
+            if not hasattr(module, name):
+                ints = [k for k, v in vars(module).items() if isinstance(v, int)]
+                res.errors.add(f"divide_by_tp: module '{path}' ({type(module).__name__}) has no "
+                               f"attribute '{name}'{nearest(name, ints)}", attr_rule.loc)
+                continue
+            value = getattr(module, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                res.errors.add(f"divide_by_tp: '{path}.{name}' is {type(value).__name__} "
+                               f"{value!r}, not an integer", attr_rule.loc)
+            elif value % tp:
+                res.errors.add(f"divide_by_tp: '{path}.{name}' = {value} is not divisible by "
+                               f"tp={tp}", attr_rule.loc)
+            else:
+                found.append((path, value))
+
+
+def _resolve_units(plan, res: Resolution, paths: list[str], params: set[str]) -> None:
+    owner: dict[str, int] = {}
+    for i, unit in enumerate(plan.fsdp.units):
+        hits: list[str] = []
+        for pattern in unit.patterns:
+            got = _match(pattern, paths)
+            if not got:
+                res.errors.add(_no_match(pattern, "FSDP unit pattern", paths, params), unit.loc)
+            hits += [p for p in got if p not in hits]
+        for path in hits:
+            if path in owner:
+                first = plan.fsdp.units[owner[path]]
+                res.errors.add(f"module '{path}' is in two FSDP units (line {first.loc.line} and "
+                               f"line {unit.loc.line})", unit.loc)
+            owner[path] = i
+        res.units.append((unit, hits))
+
+
+def resolve(plan, model: nn.Module, world_size: int) -> Resolution:
+    """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised."""
+    errs = ErrorList()
+    try:
+        dims = ParallelDims.solve(plan.mesh.tp, plan.mesh.dp_shard, plan.mesh.dp_replicate,
+                                  world_size)
+    except ValueError as e:
+        errs.add(str(e), plan.mesh.loc)
+        dims = None
+    res = Resolution(dims=dims, errors=errs)
+    modules = dict(model.named_modules())
+    paths = list(modules)
+    params = {n for n, _ in model.named_parameters()}
+    tp = dims.tp if dims else plan.mesh.tp
+    _resolve_rules(plan, res, paths, modules, params, tp)
+    _resolve_attrs(plan, res, paths, modules, params, tp)
+    if plan.fsdp is not None:
+        _resolve_units(plan, res, paths, params)
+    elif dims is not None and dims.dp > 1:
+        errs.add(f"the mesh has {dims.dp} data-parallel ranks but the plan has no 'fsdp' section, "
+                 "so gradients would never be averaged; add 'fsdp: {units: [...]}' (or 'fsdp: {}' "
+                 "to shard at the root only)", plan.mesh.loc)
+    for spec, target in ((plan.activation_checkpointing, res.ac_blocks),
+                         (plan.compile, res.compile_blocks)):
+        if spec.mode == "none":
+            continue
+        hits = _match(spec.blocks, paths)
+        if not hits:
+            errs.add(_no_match(spec.blocks, "blocks pattern", paths, params), spec.loc)
+        target += hits
+    _check_sequence_length(plan, tp, errs)
+    return res
+
+
+def _check_sequence_length(plan, tp: int, errs: ErrorList) -> None:
+    """Sequence parallelism splits the sequence dimension over tp; it must divide."""
+    train = plan.section("train")
+    seq_len = train.get("seq_len")
+    if plan.uses_sequence_parallel and isinstance(seq_len, int) and seq_len % tp:
+        errs.add(f"train.seq_len={seq_len} is not divisible by tp={tp}, which sequence "
+                 "parallelism needs (it splits the sequence over the tp ranks)",
+                 train.value_loc("seq_len"))

@@ -1,0 +1,136 @@
+"""The style vocabulary: names, options and layouts, as data (no torch needed to read them).
+
+Each style is the PyTorch one under a stable short name, with PyTorch's keyword names:
+
+=====================  =============================================  ==========================
+tpplan name            PyTorch class                                  options
+=====================  =============================================  ==========================
+colwise                ColwiseParallel                                input_layouts, output_layouts, use_local_output
+rowwise                RowwiseParallel                                input_layouts, output_layouts, use_local_output
+sequence_parallel      SequenceParallel                               sequence_dim, use_local_output
+prepare_input          PrepareModuleInput                             input_layouts, desired_input_layouts,
+                                                                      input_kwarg_layouts, desired_input_kwarg_layouts,
+                                                                      use_local_output
+prepare_output         PrepareModuleOutput                            output_layouts, desired_output_layouts, use_local_output
+prepare_input_output   PrepareModuleInputOutput                       all of the two above, plus use_local_input
+replicate              (tpplan) parameters replicated on tp           none
+=====================  =============================================  ==========================
+
+HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
+``colwise_rep`` is colwise with ``output_layouts: replicate``, ``rowwise_rep`` is rowwise
+with ``input_layouts: replicate``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Layout", "STYLES", "ALIASES", "parse_layout", "StyleSpec"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A placement on the tp dimension: ``shard(dim)``, ``replicate`` or ``partial``."""
+
+    kind: str  # "shard" | "replicate" | "partial"
+    dim: int | None = None
+
+    def __str__(self) -> str:
+        return f"shard({self.dim})" if self.kind == "shard" else self.kind
+
+    def to_torch(self):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        if self.kind == "shard":
+            return Shard(self.dim)
+        return Replicate() if self.kind == "replicate" else Partial()
+
+
+_SHARD = re.compile(r"^\s*shard\s*\(\s*(-?\d+)\s*\)\s*$", re.IGNORECASE)
+LAYOUT_WORDS = ["shard(0)", "shard(1)", "shard(-1)", "replicate", "partial", "null"]
+
+
+def parse_layout(value: Any) -> Layout | None:
+    """``shard(d)``, ``replicate``, ``partial`` or ``null`` (None). Raises ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        m = _SHARD.match(value)
+        if m:
+            return Layout("shard", int(m.group(1)))
+        word = value.strip().lower().removesuffix("()")
+        if word in ("replicate", "partial"):
+            return Layout(word)
+        if word in ("null", "none", "~"):
+            return None
+    raise ValueError(f"'{value}' is not a layout; expected shard(d), replicate, partial or null")
+
+
+# kinds of option values
+LAYOUT = "layout"  # one layout
+LAYOUTS = "layouts"  # one layout or a list of layouts (one per positional input/output)
+KWARG_LAYOUTS = "kwarg_layouts"  # {name: layout}
+BOOL = "bool"
+INT = "int"
+
+_INPUT = {
+    "input_layouts": LAYOUTS,
+    "desired_input_layouts": LAYOUTS,
+    "input_kwarg_layouts": KWARG_LAYOUTS,
+    "desired_input_kwarg_layouts": KWARG_LAYOUTS,
+}
+_OUTPUT = {"output_layouts": LAYOUTS, "desired_output_layouts": LAYOUTS}
+
+STYLES: dict[str, dict[str, str]] = {
+    "colwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
+    "rowwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
+    "sequence_parallel": {"sequence_dim": INT, "use_local_output": BOOL},
+    "prepare_input": {**_INPUT, "use_local_output": BOOL},
+    "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
+    "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL},
+    "replicate": {},
+}
+
+# options a style cannot do without
+REQUIRED = {
+    "prepare_output": ("output_layouts", "desired_output_layouts"),
+    "prepare_input_output": ("output_layouts", "desired_output_layouts"),
+}
+
+# HuggingFace tp_plan names with an exact PyTorch equivalent: name -> (style, preset options)
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "colwise_rep": ("colwise", {"output_layouts": Layout("replicate")}),
+    "rowwise_rep": ("rowwise", {"input_layouts": Layout("replicate")}),
+}
+
+# styles that shard parameters, and the module types PyTorch can shard with them
+SHARDING_STYLES = ("colwise", "rowwise")
+
+
+@dataclass
+class StyleSpec:
+    """A style name with its parsed options; ``build()`` makes the PyTorch style object."""
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if not self.options:
+            return self.name
+        opts = ", ".join(f"{k}={_show(v)}" for k, v in self.options.items())
+        return f"{self.name}({opts})"
+
+    def build(self):
+        from .tp_styles import build_style
+
+        return build_style(self)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
+    return "null" if v is None else str(v)

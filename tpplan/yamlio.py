@@ -1,0 +1,156 @@
+"""YAML with locations, read with the safe loader only.
+
+PyYAML's ``safe_load`` forgets where a value came from and silently keeps the last of two
+duplicate keys. tpplan composes the node graph (safe: no object is constructed from tags),
+then walks it into plain dicts, lists and scalars that remember their line and column.
+The walk has a budget, so an alias bomb ("billion laughs") is refused instead of
+expanded into all of memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import Loc, PlanError
+
+__all__ = ["LMap", "LSeq", "load_file", "load_text", "MAX_BYTES", "MAX_NODES"]
+
+MAX_BYTES = 1 << 20  # a plan is a page of text; a megabyte is already absurd
+MAX_NODES = 100_000  # values after alias expansion
+MAX_DEPTH = 64
+
+
+class LMap(dict):
+    """A mapping that remembers where it, each key and each value stand in the file."""
+
+    def __init__(self, loc: Loc):
+        super().__init__()
+        self.loc = loc
+        self.key_locs: dict[Any, Loc] = {}
+        self.value_locs: dict[Any, Loc] = {}
+
+    def key_loc(self, key: Any) -> Loc:
+        return self.key_locs.get(key, self.loc)
+
+    def value_loc(self, key: Any) -> Loc:
+        return self.value_locs.get(key, self.key_loc(key))
+
+    def put(self, key: Any, value: Any, key_loc: Loc, value_loc: Loc) -> None:
+        self[key] = value
+        self.key_locs[key] = key_loc
+        self.value_locs[key] = value_loc
+
+
+class LSeq(list):
+    """A list that remembers where it and each item stand in the file."""
+
+    def __init__(self, loc: Loc):
+        super().__init__()
+        self.loc = loc
+        self.item_locs: list[Loc] = []
+
+    def item_loc(self, index: int) -> Loc:
+        return self.item_locs[index] if index < len(self.item_locs) else self.loc
+
+    def push(self, value: Any, loc: Loc) -> None:
+        self.append(value)
+        self.item_locs.append(loc)
+
+
+def loc_of(container: Any, key: Any = None, *, value: bool = True) -> Loc | None:
+    """Where ``container[key]`` (or the container itself) stands, if it is located."""
+    if isinstance(container, LMap):
+        if key is None:
+            return container.loc
+        return container.value_loc(key) if value else container.key_loc(key)
+    if isinstance(container, LSeq):
+        return container.loc if key is None else container.item_loc(key)
+    return None
+
+
+def _mark(file: str, mark: Any) -> Loc:
+    return Loc(file, mark.line + 1, mark.column + 1)
+
+
+class _Walker:
+    def __init__(self, file: str):
+        self.file = file
+        self.count = 0
+        self.scalars = yaml.constructor.SafeConstructor()
+
+    def walk(self, node: yaml.Node, depth: int = 0) -> Any:
+        loc = _mark(self.file, node.start_mark)
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise PlanError(
+                f"the plan expands to more than {MAX_NODES} values (an alias bomb?); refused",
+                loc,
+            )
+        if depth > MAX_DEPTH:
+            raise PlanError(f"the plan nests deeper than {MAX_DEPTH} levels (a recursive alias?)", loc)
+        if isinstance(node, yaml.ScalarNode):
+            return self.scalars.construct_object(node)
+        if isinstance(node, yaml.SequenceNode):
+            seq = LSeq(loc)
+            for item in node.value:
+                seq.push(self.walk(item, depth + 1), _mark(self.file, item.start_mark))
+            return seq
+        if isinstance(node, yaml.MappingNode):
+            out = LMap(loc)
+            for key_node, value_node in node.value:
+                key_loc = _mark(self.file, key_node.start_mark)
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    raise PlanError("YAML merge keys ('<<') are not supported; use 'extends:'", key_loc)
+                key = self.walk(key_node, depth + 1)
+                if isinstance(key, (LMap, LSeq)):
+                    raise PlanError("a mapping key must be a plain value", key_loc)
+                if key in out:
+                    first = out.key_loc(key)
+                    raise PlanError(
+                        f"duplicate key '{key}' (first defined at line {first.line}); "
+                        "YAML would silently keep only the last one",
+                        key_loc,
+                    )
+                value = self.walk(value_node, depth + 1)
+                out.put(key, value, key_loc, _mark(self.file, value_node.start_mark))
+            return out
+        raise PlanError(f"unsupported YAML node {type(node).__name__}", loc)
+
+
+def load_text(text: str, file: str = "<plan>") -> Any:
+    """Parse YAML text into located values; raises :class:`PlanError` with the place."""
+    if len(text.encode("utf-8", errors="replace")) > MAX_BYTES:
+        raise PlanError(f"the file is larger than {MAX_BYTES} bytes; a plan is refused above that",
+                        Loc(file, 1, 1))
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        loc = _mark(file, mark) if mark is not None else Loc(file, 1, 1)
+        what = " ".join(x for x in (e.context, e.problem) if x)
+        raise PlanError(f"YAML syntax error: {what}", loc) from None
+    except yaml.YAMLError as e:
+        raise PlanError(f"YAML error: {e}", Loc(file, 1, 1)) from None
+    if node is None:
+        return LMap(Loc(file, 1, 1))
+    return _Walker(file).walk(node)
+
+
+def load_file(path: str | Path) -> Any:
+    """Read and parse a YAML file into located values."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except OSError as e:
+        raise PlanError(f"cannot read plan: {e.strerror}", Loc(str(path), 0, 0)) from None
+    if size > MAX_BYTES:
+        raise PlanError(f"the file is {size} bytes; a plan is refused above {MAX_BYTES}",
+                        Loc(str(path), 1, 1))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"cannot read plan: {e}", Loc(str(path), 0, 0)) from None
+    return load_text(text, str(path))
