@@ -6,11 +6,12 @@ not fit is reported with its lines before any collective could hang on it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .errors import ErrorList, nearest
+from .errors import ErrorList, PlanError, nearest
 from .parallel_dims import ParallelDims
 from .patterns import compile_pattern, generalize
 from .schema import AttrRule, Rule, Unit
@@ -124,8 +125,8 @@ def _resolve_attrs(plan, res: Resolution, paths: list[str], modules: dict, param
                 continue
             value = getattr(module, name)
             if not isinstance(value, int) or isinstance(value, bool):
-                res.errors.add(f"divide_by_tp: '{path}.{name}' is {type(value).__name__} "
-                               f"{value!r}, not an integer", attr_rule.loc)
+                res.errors.add(f"divide_by_tp: '{path}.{name}' is a {type(value).__name__}, "
+                               "not an integer", attr_rule.loc)
             elif value % tp:
                 res.errors.add(f"divide_by_tp: '{path}.{name}' = {value} is not divisible by "
                                f"tp={tp}", attr_rule.loc)
@@ -182,7 +183,26 @@ def resolve(plan, model: nn.Module, world_size: int) -> Resolution:
             errs.add(_no_match(spec.blocks, "blocks pattern", paths, params), spec.loc)
         target += hits
     _check_sequence_length(plan, tp, errs)
+    res.errors = _collapse_repeats(errs)
     return res
+
+
+_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)|(?<=')\d+(?=\.)")
+
+
+def _collapse_repeats(errs: ErrorList) -> ErrorList:
+    """One error per rule for a mistake repeated in every block, not 80 identical lines."""
+    groups: dict[tuple, list] = {}
+    for e in errs:
+        groups.setdefault((e.loc, _LAYER_INDEX.sub("*", e.message)), []).append(e)
+    out = ErrorList()
+    for same in groups.values():
+        first = same[0]
+        if len(same) > 1:
+            first = PlanError(f"{first.message} (and {len(same) - 1} more modules like it)",
+                              first.loc)
+        out.append(first)
+    return out
 
 
 def _check_sequence_length(plan, tp: int, errs: ErrorList) -> None:

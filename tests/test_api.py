@@ -1,0 +1,132 @@
+"""The Python API a user's own training loop gets: load, build_mesh, apply, loss_context."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tpplan
+from tpplan.models import build_model
+from tpplan.patterns import compile_pattern
+from tpplan.styles import Layout
+
+
+@pytest.mark.parametrize("pattern,path,hit", [
+    ("layers.*.attention", "layers.12.attention", True),
+    ("layers.*.attention", "layers.12.attention.wq", False),  # '*' is one segment
+    ("layers.*", "layers.3", True),
+    ("layers.*.attention.{wq,wk,wv}", "layers.0.attention.wk", True),
+    ("layers.*.attention.{wq,wk,wv}", "layers.0.attention.wo", False),
+    ("layers.?.ffn_norm", "layers.7.ffn_norm", True),
+    ("re:layers\\.(0|1)\\.attention", "layers.1.attention", True),
+    ("re:layers\\.(0|1)\\.attention", "layers.2.attention", False),
+])
+def test_patterns(pattern, path, hit):
+    assert (compile_pattern(pattern).fullmatch(path) is not None) == hit
+
+
+def test_extends_inherits_and_overrides(root):
+    tp = tpplan.load(root / "plans/llama-tp.yaml")
+    base = tpplan.load(root / "plans/llama.yaml")
+    assert (tp.mesh.tp, base.mesh.tp) == (4, 2)
+    assert tp.model == base.model or tp.model.name == base.model.name == "llama3"
+    styles = {r.pattern: r.style.describe() for r in tp.rules}
+    assert "layers.*.attention_norm" not in styles  # removed with null
+    assert styles["layers.*.attention.wo"] == "rowwise"  # replaced whole, no output_layouts
+    assert styles["layers.*.attention.{wq,wk,wv}"] == "colwise"  # inherited
+    assert tp.loss_parallel and tp.fsdp.units == base.fsdp.units
+
+
+def test_overrides_any_key(root):
+    plan = tpplan.load(root / "plans/llama.yaml", overrides=[
+        "model.config=70b", "mesh.tp=8", "fsdp.reshard_after_forward=false",
+        "tensor_parallel.layers.*.attention.wo=rowwise", "train.seq_len=512"])
+    assert (plan.model.config, plan.mesh.tp, plan.fsdp.reshard_after_forward) == ("70b", 8, False)
+    assert {r.pattern: r.style.describe() for r in plan.rules}["layers.*.attention.wo"] == "rowwise"
+    assert plan.section("train")["seq_len"] == 512
+
+
+def test_huggingface_tp_plan_strings(write_plan):
+    path = write_plan("model: {name: llama3}\ntensor_parallel:\n"
+                      "  layers.*.attention.{wq,wk,wv}: colwise_rep\n"
+                      "  layers.*.attention.wo: rowwise_rep\n"
+                      "  norm: replicate\n  layers.*.ffn_norm: sequence_parallel\n")
+    rules = {r.pattern: r.style for r in tpplan.load(path).rules}
+    assert rules["layers.*.attention.{wq,wk,wv}"].name == "colwise"
+    assert rules["layers.*.attention.{wq,wk,wv}"].options == {"output_layouts": Layout("replicate")}
+    assert rules["layers.*.attention.wo"].options == {"input_layouts": Layout("replicate")}
+    assert rules["norm"].name == "replicate"
+
+
+def test_resolve_reports_which_rule_hit_which_modules(root):
+    plan = tpplan.load(root / "plans/llama.yaml")
+    res = plan.check(build_model(plan.model, "meta"), world_size=4)
+    hits = {rule.pattern: paths for rule, paths in res.rules}
+    assert hits["layers.*.attention.{wq,wk,wv}"][:3] == [
+        "layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv"]
+    assert len(hits["layers.*.attention.{wq,wk,wv}"]) == 12
+    assert [paths for _, paths in res.units] == [
+        ["tok_embeddings"], [f"layers.{i}" for i in range(4)], ["norm", "output"]]
+
+
+def test_plan_reading_imports_no_torch(root):
+    code = ("import sys, tpplan; tpplan.load('plans/llama.yaml'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_user_loop_on_a_meta_model_one_process(root):
+    """load -> build_mesh -> apply on meta -> materialize -> loss under loss_context."""
+    script = textwrap.dedent("""
+        import torch, torch.nn.functional as F, tpplan
+        from tpplan.models import build_model
+        plan = tpplan.load("plans/llama.yaml", overrides=["mesh.tp=1"])
+        mesh = plan.build_mesh("cpu")
+        model = plan.apply(build_model(plan.model, "meta"), mesh)
+        model.to_empty(device="cpu")
+        model.init_buffers("cpu")
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.randint(0, 256, (2, 17))
+        with plan.loss_context():
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+        print(round(loss.item(), 1), len(plan.last_report.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    loss, rows = out.stdout.split()
+    assert abs(float(loss) - torch.log(torch.tensor(256.0)).item()) < 0.2  # near-uniform start
+    assert int(rows) > 0
+
+
+def test_validate_json(root):
+    out = subprocess.run([sys.executable, "-m", "tpplan", "validate", "--plan", "plans/llama.yaml",
+                          "--world-size", "8", "--json"], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["ok"] and data["errors"] == [] and data["world_size"] == 8
+    assert data["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 2}
+    wq = next(m for m in data["modules"] if m["path"] == "layers.0.attention.wq")
+    assert wq["rule"] == "line 13" and wq["style"] == "colwise"
+    (weight,) = wq["params"]
+    assert weight["global_shape"] == [128, 128]
+    assert weight["local_shape"] == [16, 128]  # 128 / tp 2 / dp_shard 4
+    assert weight["placements"].endswith("tp:S(0)")
+
+
+def test_validate_70b_at_1024_ranks(root):
+    out = subprocess.run([sys.executable, "-m", "tpplan", "validate", "--plan", "plans/llama.yaml",
+                          "--set", "model.config=70b", "--world-size", "1024", "--json"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["mesh"] == {"dp_replicate": 1, "dp_shard": 512, "tp": 2}
+    assert len([m for m in data["modules"] if m["path"].endswith("attention.wq")]) == 80

@@ -1,0 +1,222 @@
+"""Every mistake in a plan is reported as file:line:col with what was expected.
+
+One test per error class the plan language promises; each checks the message and the line.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+import tpplan
+from tpplan.models import build_model
+
+BASE = """\
+mesh: {tp: 2, dp_shard: -1}
+model: {name: llama3, config: debug}
+fsdp: {units: ["layers.*"]}
+"""
+
+
+def errors_of(path: str, world: int = 4, overrides=()) -> list:
+    """Load, then resolve against the meta model: what `tpplan validate` reports."""
+    try:
+        plan = tpplan.load(path, overrides)
+        return list(plan.resolve(build_model(plan.model, "meta"), world).errors)
+    except tpplan.PlanErrors as e:
+        return e.errors
+
+
+def one_error(path: str, **kw):
+    errors = errors_of(path, **kw)
+    assert len(errors) == 1, [str(e) for e in errors]
+    return errors[0]
+
+
+def test_yaml_syntax_error_has_line_and_column(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output: {style: colwise\n"))
+    assert "YAML syntax error" in e.message
+    assert e.loc.line == 6
+
+
+def test_duplicate_key_is_an_error_not_last_wins(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output: colwise\n  output: rowwise\n"))
+    assert "duplicate key 'output'" in e.message and "first defined at line 5" in e.message
+    assert (e.loc.line, e.loc.column) == (6, 3)
+
+
+def test_unknown_section_suggests_nearest(write_plan):
+    e = one_error(write_plan(BASE + "tensor_paralel:\n  output: colwise\n"))
+    assert "unknown section 'tensor_paralel'" in e.message
+    assert "did you mean 'tensor_parallel'" in e.message
+    assert e.loc.line == 4
+
+
+def test_unknown_key_in_section(write_plan):
+    e = one_error(write_plan("mesh: {tp: 2, dp_shrd: -1}\nmodel: {name: llama3}\n"))
+    assert "unknown key 'dp_shrd' in 'mesh'" in e.message and "'dp_shard'" in e.message
+    assert (e.loc.line, e.loc.column) == (1, 15)
+
+
+def test_unknown_style_suggests_nearest(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output: colwsie\n"))
+    assert "unknown style 'colwsie'" in e.message and "did you mean 'colwise'" in e.message
+    assert (e.loc.line, e.loc.column) == (5, 11)
+
+
+def test_unknown_style_option(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output: {style: colwise, output_layout: "
+                                    "shard(-1)}\n"))
+    assert "no option 'output_layout'" in e.message and "'output_layouts'" in e.message
+    assert e.loc.line == 5
+
+
+def test_bad_layout(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output: {style: colwise, "
+                                    "input_layouts: shard_1}\n"))
+    assert "'shard_1' is not a layout" in e.message
+    assert e.loc.line == 5
+
+
+def test_bad_layout_inside_a_list(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  layers.*.attention:\n"
+                                    "    style: prepare_input\n"
+                                    "    input_layouts: [shard(1), nul]\n"
+                                    "    desired_input_layouts: [replicate, null]\n"))
+    assert "'nul' is not a layout" in e.message
+    assert (e.loc.line, e.loc.column) == (7, 31)
+
+
+def test_wrong_type(write_plan):
+    e = one_error(write_plan("mesh: {tp: two}\nmodel: {name: llama3}\n"))
+    assert "'mesh.tp' must be an integer" in e.message and "'two'" in e.message
+    assert (e.loc.line, e.loc.column) == (1, 12)
+
+
+def test_pattern_that_matches_nothing_suggests_a_module(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  layers.*.attention.w_q: colwise\n"))
+    assert "matches no module" in e.message and "did you mean 'layers.*.attention.wq'" in e.message
+    assert (e.loc.line, e.loc.column) == (5, 3)
+
+
+def test_pattern_naming_a_parameter(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  output.weight: colwise\n"))
+    assert "names a parameter, not a module" in e.message and "'output'" in e.message
+
+
+def test_module_matched_by_two_rules_names_both(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  layers.*.attention.{wq,wk}: colwise\n"
+                                    "  layers.*.attention.wq: rowwise\n"))
+    assert "matched by two rules" in e.message
+    assert "'layers.*.attention.{wq,wk}' (line 5)" in e.message
+    assert "'layers.*.attention.wq' (line 6)" in e.message
+    assert e.loc.line == 6
+
+
+def test_style_on_a_module_it_cannot_shard(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  norm: colwise\n"))
+    assert "cannot shard module 'norm' (RMSNorm)" in e.message
+    assert "nn.Linear and nn.Embedding" in e.message and e.loc.line == 5
+
+
+def test_dimension_not_divisible_by_tp(write_plan):
+    # debug Llama: the SwiGLU hidden size is 384, not divisible by 5
+    path = write_plan("mesh: {tp: 5}\nmodel: {name: llama3}\nfsdp: {}\n"
+                      "tensor_parallel:\n  layers.*.feed_forward.w2: rowwise\n")
+    e = one_error(path, world=5)  # once for the rule, not once per layer
+    assert "module 'layers.0.feed_forward.w2' (Linear), parameter 'weight': dimension 1 of " \
+           "size 384 is not divisible by tp=5" in e.message
+    assert "(and 3 more modules like it)" in e.message
+    assert e.loc.line == 5
+
+
+def test_divide_by_tp_missing_attribute(write_plan):
+    e = one_error(write_plan(BASE + "divide_by_tp: [layers.*.attention.n_head]\n"))
+    assert "has no attribute 'n_head'" in e.message and "did you mean 'n_heads'" in e.message
+    assert (e.loc.line, e.loc.column) == (4, 16)
+
+
+def test_divide_by_tp_not_an_integer(write_plan):
+    e = one_error(write_plan(BASE + "divide_by_tp: [layers.*.attention.wq]\n"))
+    assert "not an integer" in e.message and e.loc.line == 4
+
+
+def test_divide_by_tp_not_divisible(write_plan):
+    # n_kv_heads is 4: fine on tp=2 and tp=4, not on tp=8
+    path = write_plan("mesh: {tp: 8}\nmodel: {name: llama3}\n"
+                      "divide_by_tp: [layers.*.attention.n_kv_heads]\n")
+    e = one_error(path, world=8)
+    assert e.message == ("divide_by_tp: 'layers.0.attention.n_kv_heads' = 4 is not divisible by "
+                         "tp=8 (and 3 more modules like it)")
+    assert e.loc.line == 3
+
+
+def test_mesh_that_does_not_fit_names_every_factor(write_plan):
+    assert errors_of(write_plan(BASE, name="fits.yaml"), world=6) == []  # dp_shard -1 -> 3
+    e = one_error(write_plan("mesh: {tp: 4, dp_shard: 2, dp_replicate: 1}\nmodel: {name: llama3}\n"
+                             "fsdp: {}\n"), world=6)
+    assert "dp_replicate=1 × dp_shard=2 × tp=4 = 8 ranks does not fit world size 6" in e.message
+    assert e.loc.line == 1
+
+
+def test_mesh_rest_that_does_not_divide(write_plan):
+    e = one_error(write_plan("mesh: {tp: 4}\nmodel: {name: llama3}\nfsdp: {}\n"), world=6)
+    assert "dp_replicate × tp = 4 does not divide 6" in e.message
+
+
+def test_data_parallel_without_fsdp_is_an_error(write_plan):
+    e = one_error(write_plan("mesh: {tp: 2}\nmodel: {name: llama3}\n"), world=4)
+    assert "2 data-parallel ranks but the plan has no 'fsdp' section" in e.message
+
+
+def test_sequence_length_under_sequence_parallel(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  norm: sequence_parallel\n"
+                                    "train: {seq_len: 255}\n"))
+    assert "train.seq_len=255 is not divisible by tp=2" in e.message and e.loc.line == 6
+
+
+def test_alias_bomb_is_refused(write_plan):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        prev = f"*a{i-1}"
+        lines.append(f"a{i}: &a{i} [{', '.join([prev] * 10)}]")
+    e = one_error(write_plan("\n".join(lines) + "\n"))
+    assert "alias bomb" in e.message
+
+
+def test_oversized_file_is_refused(write_plan):
+    e = one_error(write_plan("# " + "x" * (2 << 20) + "\n"))
+    assert "refused" in e.message and "bytes" in e.message
+
+
+def test_unsafe_tags_are_not_constructed(write_plan):
+    e = one_error(write_plan("mesh: !!python/object/apply:os.system ['echo pwned']\n"))
+    assert e.loc.line == 1  # the safe loader has no constructor for it: an error, not a call
+
+
+def test_many_errors_reported_at_once_in_file_order(write_plan):
+    errors = errors_of(write_plan(BASE + "tensor_parallel:\n  output: colwsie\n  norm: {style: "
+                                         "replicate, foo: 1}\nloss_parallel: yes please\n"))
+    assert [e.loc.line for e in errors] == [5, 6, 7]
+
+
+def test_extends_cycle(write_plan):
+    write_plan("extends: b.yaml\nmesh: {tp: 2}\n", name="a.yaml")
+    e = one_error(write_plan("extends: a.yaml\n", name="b.yaml"))
+    assert "'extends' forms a cycle" in e.message
+
+
+def test_override_with_bad_value_points_at_the_override(root):
+    e = one_error(str(root / "plans/llama.yaml"), overrides=["mesh.tp=two"])
+    assert e.loc.file == "--set mesh.tp=two" and e.loc.column == 9
+    assert "'mesh.tp' must be an integer" in e.message
+
+
+@pytest.mark.parametrize("args", [["validate", "--world-size", "4"]])
+def test_cli_prints_located_errors_without_traceback(write_plan, args):
+    path = write_plan(BASE + "tensor_parallel:\n  layers.*.attention.w_q: colwise\n")
+    proc = subprocess.run([sys.executable, "-m", "tpplan", *args, "--plan", path],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert f"{path}:5:3: error: pattern 'layers.*.attention.w_q' matches no module" in proc.stderr
