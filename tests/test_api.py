@@ -115,7 +115,7 @@ def test_validate_json(root):
     assert data["ok"] and data["errors"] == [] and data["world_size"] == 8
     assert data["mesh"] == {"dp_replicate": 1, "dp_shard": 4, "tp": 2}
     wq = next(m for m in data["modules"] if m["path"] == "layers.0.attention.wq")
-    assert wq["rule"] == "line 13" and wq["style"] == "colwise"
+    assert wq["rule"] == "llama.yaml:13" and wq["style"] == "colwise"
     (weight,) = wq["params"]
     assert weight["global_shape"] == [128, 128]
     assert weight["local_shape"] == [16, 128]  # 128 / tp 2 / dp_shard 4

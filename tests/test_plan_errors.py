@@ -220,3 +220,29 @@ def test_cli_prints_located_errors_without_traceback(write_plan, args):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr + proc.stdout
     assert f"{path}:5:3: error: pattern 'layers.*.attention.w_q' matches no module" in proc.stderr
+
+
+def test_unsafe_scalar_tag_is_located(write_plan):
+    e = one_error(write_plan("model: {name: llama3}\nmesh: !!python/name:os.system\n"))
+    assert "YAML tag 'tag:yaml.org,2002:python/name:os.system' is not allowed" in e.message
+    assert e.loc.line == 2
+
+
+def test_prepare_input_needs_its_desired_layouts(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  layers.*.attention: {style: prepare_input,"
+                                    " input_layouts: [shard(1), null]}\n"))
+    assert "has 'input_layouts' but no 'desired_input_layouts'" in e.message and e.loc.line == 5
+
+
+def test_prepare_input_lists_must_line_up(write_plan):
+    e = one_error(write_plan(BASE + "tensor_parallel:\n  layers.*.attention:\n"
+                                    "    style: prepare_input\n"
+                                    "    input_layouts: [shard(1), null]\n"
+                                    "    desired_input_layouts: [replicate]\n"))
+    assert "'input_layouts' is a list of 2 but 'desired_input_layouts' is a list of 1" in e.message
+    assert e.loc.line == 8
+
+
+def test_override_with_null_removes_a_rule(root):
+    plan = tpplan.load(root / "plans/llama.yaml", overrides=["tensor_parallel.norm=null"])
+    assert "norm" not in {r.pattern for r in plan.rules}

@@ -16,13 +16,14 @@ from .errors import PlanErrors
 
 __all__ = ["main", "print_errors"]
 
-COMMANDS = ("validate",)
+COMMANDS = ("validate", "suggest", "import-hf")
 
 
 def print_errors(errors: PlanErrors, stream=None) -> None:
     stream = stream or sys.stderr
     for e in errors.errors:
-        print(f"{e.loc}: error: {e.message}", file=stream)
+        where = f"{e.loc}: " if e.loc.line else ""  # errors about no line of a plan
+        print(f"{where}error: {e.message}", file=stream)
     n = len(errors.errors)
     print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
 
@@ -40,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tpplan {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        module = importlib.import_module(f"tpplan.commands.{name}")
+        module = importlib.import_module(f"tpplan.commands.{name.replace('-', '_')}")
         module.register(sub)
     return p
 

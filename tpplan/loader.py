@@ -78,14 +78,20 @@ def apply_override(doc: LMap, text: str) -> None:
             if not isinstance(child, LMap):
                 child = LMap(value_loc)
                 node.put(key, child, value_loc, value_loc)
-            child.put(rest, value, Loc(file, 1, 1), value_loc)
+            if value is None:
+                child.pop(rest, None)  # null removes, as in an extends child
+            else:
+                child.put(rest, value, Loc(file, 1, 1), value_loc)
             return
         child = node.get(key)
         if not isinstance(child, LMap):
             child = LMap(value_loc)
             node.put(key, child, Loc(file, 1, 1), value_loc)
         node = child
-    node.put(keys[-1], value, Loc(file, 1, 1), value_loc)
+    if value is None:
+        node.pop(keys[-1], None)
+    else:
+        node.put(keys[-1], value, Loc(file, 1, 1), value_loc)
 
 
 def _shift(value: Any, columns: int) -> None:

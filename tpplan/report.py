@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +91,7 @@ class ApplyReport:
                 continue
             rows.append(ModuleRow(
                 path or "<root>", type(module).__name__,
-                f"line {rule.loc.line}" if rule else None,
+                f"{os.path.basename(rule.loc.file)}:{rule.loc.line}" if rule else None,
                 rule.style.describe() if rule else None, params))
         return rows
 

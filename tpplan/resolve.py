@@ -146,8 +146,8 @@ def _resolve_units(plan, res: Resolution, paths: list[str], params: set[str]) ->
         for path in hits:
             if path in owner:
                 first = plan.fsdp.units[owner[path]]
-                res.errors.add(f"module '{path}' is in two FSDP units (line {first.loc.line} and "
-                               f"line {unit.loc.line})", unit.loc)
+                res.errors.add(f"module '{path}' is in two FSDP units ({first.loc.line}:"
+                               f"{first.loc.column} and {unit.loc.line}:{unit.loc.column})", unit.loc)
             owner[path] = i
         res.units.append((unit, hits))
 

@@ -7,6 +7,7 @@ shapes divide, is for :mod:`tpplan.resolve`, which needs the model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import ErrorList, Loc, nearest
@@ -36,12 +37,17 @@ class MeshSpec:
 
 @dataclass
 class ModelSpec:
-    """``{name, config}`` for a built-in model or ``{factory, kwargs}`` for a user's own."""
+    """``{name, config}`` for a built-in model, ``{factory, kwargs}`` for a user's own, or
+    ``{hf: ClassName, config: {...}}`` / ``{hf_config: path}`` for a HuggingFace model."""
 
     name: str | None = None
     config: str | None = None
     factory: str | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
+    hf: str | None = None
+    hf_config: str | None = None
+    hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
+    base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 
@@ -163,18 +169,26 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
     if doc.get("model") is None:
         return None
     r = _Reader(errs, "model", doc["model"], doc.value_loc("model"),
-                ("name", "config", "factory", "kwargs"))
-    spec = ModelSpec(name=r.get("name", str, None), config=r.get("config", str, None),
-                     factory=r.get("factory", str, None), loc=doc.key_loc("model"),
-                     locs={k: r.loc(k) for k in r.m})
-    kwargs = r.get("kwargs", LMap, LMap(r.m.loc))
-    spec.kwargs = dict(kwargs)
-    if spec.name and spec.factory:
-        errs.add("'model' takes either 'name' (a built-in model) or 'factory', not both",
+                ("name", "config", "factory", "kwargs", "hf", "hf_config"))
+    hf = r.get("hf", str, None)
+    spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
+                     hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
+                     locs={k: r.loc(k) for k in r.m}, base_dir=str(Path(doc.loc.file).parent))
+    if hf:
+        spec.hf_kwargs = dict(r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields"))
+    else:
+        spec.config = r.get("config", str, None, "a config name such as debug or 70b")
+    spec.kwargs = dict(r.get("kwargs", LMap, LMap(r.m.loc)))
+    sources = [k for k in ("name", "factory", "hf", "hf_config") if getattr(spec, k)]
+    if spec.hf and spec.hf_config:
+        sources.remove("hf")  # hf_config says the shapes, hf the class to build
+    if len(sources) > 1:
+        errs.add(f"'model' takes one of name, factory, hf or hf_config; got {' and '.join(sources)}",
                  doc.value_loc("model"))
-    elif not spec.name and not spec.factory:
-        errs.add("'model' needs 'name' (a built-in model, e.g. llama3) or 'factory' "
-                 "('package.module:function')", doc.value_loc("model"))
+    elif not sources:
+        errs.add("'model' needs 'name' (a built-in model, e.g. llama3), 'factory' "
+                 "('package.module:function'), 'hf' (a transformers class) or 'hf_config' "
+                 "(a config.json)", doc.value_loc("model"))
     if spec.factory and ":" not in spec.factory:
         errs.add(f"'model.factory' reads 'package.module:function', got '{spec.factory}'",
                  r.loc("factory"))
@@ -201,6 +215,7 @@ def _parse_option(kind: str, value: Any, loc: Loc, name: str, errs: ErrorList) -
                         out.append(parse_layout(v))
                     except ValueError as e:
                         errs.add(f"{e}{nearest(str(v), LAYOUT_WORDS)}", value.item_loc(i))
+                        out.append(None)  # keep positions, so only this item is reported
                 return out
             return parse_layout(value)
         if kind == KWARG_LAYOUTS:
@@ -253,7 +268,38 @@ def parse_style(value: Any, loc: Loc, errs: ErrorList) -> StyleSpec | None:
     for key in REQUIRED.get(name, ()):
         if key not in options:
             errs.add(f"style '{name}' needs '{key}'", loc)
+    _check_pairs(name, options, body, loc, errs)
     return StyleSpec(name, options)
+
+
+PAIRS = (("input_layouts", "desired_input_layouts"),
+         ("input_kwarg_layouts", "desired_input_kwarg_layouts"),
+         ("output_layouts", "desired_output_layouts"))
+
+
+def _check_pairs(name: str, options: dict, body: Any, loc: Loc, errs: ErrorList) -> None:
+    """prepare_* styles convert each layout into its desired one: the two must line up."""
+    if not name.startswith("prepare_"):
+        return
+    for have, want in PAIRS:
+        if (have in options) != (want in options):
+            given, missing = (have, want) if have in options else (want, have)
+            where = body.key_loc(given) if isinstance(body, LMap) else loc
+            errs.add(f"style '{name}' has '{given}' but no '{missing}': each layout needs the "
+                     "one it is converted to", where)
+            continue
+        if have not in options:
+            continue
+        a, b = options[have], options[want]
+        where = body.value_loc(want) if isinstance(body, LMap) else loc
+        if isinstance(a, dict) and isinstance(b, dict) and a.keys() != b.keys():
+            errs.add(f"'{have}' and '{want}' name different keywords: {sorted(a)} vs {sorted(b)}",
+                     where)
+        elif isinstance(a, list) != isinstance(b, list) or \
+                (isinstance(a, list) and len(a) != len(b)):
+            n = lambda v: f"a list of {len(v)}" if isinstance(v, list) else "one layout"  # noqa: E731
+            errs.add(f"'{have}' is {n(a)} but '{want}' is {n(b)}; give one entry per input, "
+                     "null for inputs left alone", where)
 
 
 def parse_rules(doc: LMap, errs: ErrorList) -> list[Rule]:
@@ -357,6 +403,8 @@ def parse_blocks(doc: LMap, key: str, errs: ErrorList) -> BlockSpec:
                          fullgraph=r.get("fullgraph", bool, False), loc=loc)
     if value is None or value is False:
         return BlockSpec(loc=loc)
+    if value is True:
+        value = "full"
     if isinstance(value, str):
         value_map = LMap(loc)
         value_map.put("mode", value, loc, loc)

@@ -2,19 +2,15 @@
 
 Each style is the PyTorch one under a stable short name, with PyTorch's keyword names:
 
-=====================  =============================================  ==========================
-tpplan name            PyTorch class                                  options
-=====================  =============================================  ==========================
-colwise                ColwiseParallel                                input_layouts, output_layouts, use_local_output
-rowwise                RowwiseParallel                                input_layouts, output_layouts, use_local_output
-sequence_parallel      SequenceParallel                               sequence_dim, use_local_output
-prepare_input          PrepareModuleInput                             input_layouts, desired_input_layouts,
-                                                                      input_kwarg_layouts, desired_input_kwarg_layouts,
-                                                                      use_local_output
-prepare_output         PrepareModuleOutput                            output_layouts, desired_output_layouts, use_local_output
-prepare_input_output   PrepareModuleInputOutput                       all of the two above, plus use_local_input
-replicate              (tpplan) parameters replicated on tp           none
-=====================  =============================================  ==========================
+- ``colwise`` (ColwiseParallel): input_layouts, output_layouts, use_local_output
+- ``rowwise`` (RowwiseParallel): input_layouts, output_layouts, use_local_output
+- ``sequence_parallel`` (SequenceParallel): sequence_dim, use_local_output
+- ``prepare_input`` (PrepareModuleInput): input_layouts, desired_input_layouts,
+  input_kwarg_layouts, desired_input_kwarg_layouts, use_local_output
+- ``prepare_output`` (PrepareModuleOutput): output_layouts, desired_output_layouts,
+  use_local_output
+- ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input
+- ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` is colwise with ``output_layouts: replicate``, ``rowwise_rep`` is rowwise
@@ -129,6 +125,8 @@ class StyleSpec:
 
 
 def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_show(x) for x in v) + "]"
     if isinstance(v, dict):

@@ -2,7 +2,9 @@
 
 The parallel side runs the plan for real: N processes on a gloo CPU mesh, the same
 ``plan.apply`` the trainer uses. The reference is the same model (same seed) and the same
-global batch on one device with no plan at all. Each data-parallel rank takes its slice of
+global batch on one device with no plan at all. Both run in ``eval()`` mode, so dropout
+(random, and drawn differently on sharded tensors) does not blur the comparison; gradients
+flow the same. Each data-parallel rank takes its slice of
 the batch; FSDP averages gradients over them, which equals the reference's mean loss.
 """
 
@@ -43,7 +45,7 @@ def reference_step(plan, tokens: torch.Tensor, seed: int) -> StepResult:
     from .models import build_model
 
     torch.manual_seed(seed)
-    model = build_model(plan.model, device="cpu")
+    model = build_model(plan.model, device="cpu").eval()  # eval: dropout off on both sides
     logits = model(tokens[:, :-1])
     loss = _loss(logits, tokens[:, 1:])
     loss.backward()
@@ -67,7 +69,7 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
 
     plan = load(plan_path, overrides)
     torch.manual_seed(seed)
-    model = build_model(plan.model, device="cpu")
+    model = build_model(plan.model, device="cpu").eval()
     mesh = plan.build_mesh("cpu")
     try:
         model = plan.apply(model, mesh)

@@ -21,6 +21,7 @@ __all__ = ["LMap", "LSeq", "load_file", "load_text", "MAX_BYTES", "MAX_NODES"]
 MAX_BYTES = 1 << 20  # a plan is a page of text; a megabyte is already absurd
 MAX_NODES = 100_000  # values after alias expansion
 MAX_DEPTH = 64
+SAFE_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
 
 
 class LMap(dict):
@@ -91,6 +92,9 @@ class _Walker:
             )
         if depth > MAX_DEPTH:
             raise PlanError(f"the plan nests deeper than {MAX_DEPTH} levels (a recursive alias?)", loc)
+        if node.tag not in SAFE_TAGS:
+            raise PlanError(f"YAML tag '{node.tag}' is not allowed in a plan; plans hold plain "
+                            "mappings, lists, strings, numbers, booleans and null", loc)
         if isinstance(node, yaml.ScalarNode):
             return self.scalars.construct_object(node)
         if isinstance(node, yaml.SequenceNode):

@@ -25,7 +25,7 @@ def _factory(spec) -> Callable[..., nn.Module]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}", loc)])
+        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}", loc)]) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
@@ -41,7 +41,14 @@ def build_model(spec, device: str | torch.device = "meta") -> nn.Module:
     """
     if spec is None:
         raise PlanErrors([PlanError("the plan has no 'model' section", None)])
-    if spec.factory:
+    if spec.hf or spec.hf_config:
+        from pathlib import Path
+
+        from .hf import build_hf
+
+        fn = build_hf
+        kwargs = {"spec": spec, "base_dir": Path(spec.base_dir) if spec.base_dir else None}
+    elif spec.factory:
         fn, kwargs = _factory(spec), dict(spec.kwargs)
     else:
         if spec.name not in BUILTIN:

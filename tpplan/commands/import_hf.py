@@ -1,0 +1,39 @@
+"""``tpplan import-hf``: turn the tp_plan transformers ships for an architecture into a plan."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..planwriter import render_plan
+from .planout import emit, relocate
+
+
+def register(sub) -> None:
+    p = sub.add_parser("import-hf", help="write a plan from a HuggingFace base_model_tp_plan",
+                       description=__doc__)
+    p.add_argument("target", metavar="ARCH_OR_CONFIG",
+                   help="a transformers class (LlamaForCausalLM), a model type (llama), or a "
+                        "config.json (or its folder)")
+    p.add_argument("-o", "--output", help="write the plan here (default: print it)")
+    p.add_argument("--tp", type=int, default=2, help="tp degree written into the plan's mesh")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="sequence parallelism inside each decoder layer")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..hf_import import import_hf
+
+    imported = import_hf(args.target, args.sequence_parallel)
+    s = imported.suggestion
+    header = [f"Imported from {imported.source}",
+              f"by `tpplan import-hf {args.target}"
+              f"{' --sequence-parallel' if args.sequence_parallel else ''}`.",
+              "Linear styles are transformers'; embedding, head, parent prepare_input, loss",
+              "parallel and FSDP units come from the model's dataflow (as in `tpplan suggest`)."]
+    model = relocate(imported.model, os.getcwd(), args.output)
+    text = render_plan(header, model, s.rules, tp=args.tp, loss_parallel=s.loss_parallel,
+                       divide_by_tp=s.divide_by_tp, units=s.units, notes=s.notes)
+    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr)

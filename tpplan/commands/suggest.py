@@ -1,0 +1,47 @@
+"""``tpplan suggest``: infer a Megatron-style plan from the model itself."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..planwriter import render_plan
+import os
+
+from .planout import emit, relocate
+
+
+def register(sub) -> None:
+    p = sub.add_parser("suggest", help="infer a plan from a model's dataflow",
+                       description=__doc__)
+    p.add_argument("model", help="a YAML file with a 'model:' section (any plan works)")
+    p.add_argument("-o", "--output", help="write the plan here (default: print it)")
+    p.add_argument("--tp", type=int, default=2, help="tp degree written into the plan's mesh")
+    p.add_argument("--sequence-parallel", choices=("auto", "blocks", "off"), default="auto",
+                   help="auto: end to end where the model allows it; blocks: inside each block "
+                        "only; off: none")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..loader import read_document
+    from ..plan import _plain
+    from ..schema import parse_model
+    from ..errors import ErrorList
+    from ..suggest import suggest_plan
+
+    doc = read_document(args.model)
+    errs = ErrorList()
+    spec = parse_model(doc, errs)
+    if spec is None:
+        errs.add("the file has no 'model:' section to suggest a plan for", doc.loc)
+    errs.raise_if_any()
+    s = suggest_plan(spec, args.sequence_parallel)
+    header = [f"Suggested by `tpplan suggest {args.model}` from the model's dataflow.",
+              "Review it: every rule says why it is there; what was not decided is at the end."]
+    model = relocate(_plain(doc["model"]), os.path.dirname(os.path.abspath(args.model)),
+                     args.output)
+    text = render_plan(header, model, s.rules, tp=args.tp,
+                       loss_parallel=s.loss_parallel, divide_by_tp=s.divide_by_tp, units=s.units,
+                       notes=s.notes)
+    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr)

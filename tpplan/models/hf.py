@@ -1,0 +1,79 @@
+"""HuggingFace ``transformers`` causal LMs as a model source (``pip install 'tpplan[hf]'``).
+
+Built from a configuration only, never from downloaded weights, so it works offline and on
+the meta device. The model's forward returns the logits tensor (a forward hook unpacks
+``CausalLMOutput.logits``), so the trainer, the dry run and verify treat it like any other
+model: tokens in, logits out.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+from ..errors import PlanError, PlanErrors, nearest
+
+__all__ = ["build_hf", "require_transformers", "hf_config"]
+
+EXTRA_HINT = "HuggingFace models need the 'hf' extra: pip install 'tpplan[hf]'"
+
+
+def require_transformers(loc=None):
+    try:
+        import transformers
+    except ImportError:
+        raise PlanErrors([PlanError(EXTRA_HINT, loc)]) from None
+    return transformers
+
+
+def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
+    return output.logits if hasattr(output, "logits") else output
+
+
+def hf_config(spec, base_dir: Path | None = None):
+    """The ``transformers`` config object the plan describes (``hf_config`` or ``hf`` + ``config``)."""
+    transformers = require_transformers(spec.loc)
+    if spec.hf_config:
+        loc = spec.locs.get("hf_config", spec.loc)
+        path = Path(spec.hf_config)
+        if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
+            path = base_dir / path
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e}", loc)]) from None
+        model_type = data.pop("model_type", None)
+        try:
+            return transformers.AutoConfig.for_model(model_type, **data)
+        except ValueError as e:
+            raise PlanErrors([PlanError(f"model.hf_config: {e}", loc)]) from None
+    cls = _model_class(spec)
+    return cls.config_class(**dict(spec.hf_kwargs))
+
+
+def _model_class(spec):
+    transformers = require_transformers(spec.loc)
+    cls = getattr(transformers, spec.hf, None)
+    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
+        names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
+        raise PlanErrors([PlanError(f"model.hf: transformers has no model class '{spec.hf}'"
+                                    f"{nearest(spec.hf, names)}", spec.locs.get("hf", spec.loc))])
+    return cls
+
+
+def build_hf(spec, base_dir: Path | None = None) -> nn.Module:
+    """Construct the model on the current default device (``meta`` in the dry run)."""
+    transformers = require_transformers(spec.loc)
+    config = hf_config(spec, base_dir)
+    config.use_cache = False  # training: no KV cache
+    if spec.hf:
+        model = _model_class(spec)._from_config(config, attn_implementation="sdpa")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.register_forward_hook(_logits_only)
+    return model

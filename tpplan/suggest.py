@@ -1,0 +1,257 @@
+"""Infer a Megatron-style plan from a model's own dataflow (``tpplan suggest``).
+
+From one traced forward:
+
+- the repeated blocks: the longest ``ModuleList`` of same-typed children;
+- in a block, the sub-layers: the linear layers between one norm and the next;
+- in a sub-layer, the linears that read the sub-layer's input (the first linear's input
+  tensor) are *colwise*, and the last linear, which writes back to the residual stream, is
+  *rowwise*; anything else is reported as undecided rather than guessed;
+- the vocabulary embedding (rows = the head's output size) and the output head;
+- sequence parallelism only where it is safe: the embedding's output must go to the first
+  block and nowhere else (a model that derives positions or masks from it would see a
+  sequence shard);
+- integer attributes holding head counts (names with "head") for ``divide_by_tp``;
+- FSDP units: the embedding, each block, the final norm with the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .patterns import generalize
+from .trace import Call, Trace, trace_forward
+
+__all__ = ["Suggestion", "suggest_plan", "find_blocks"]
+
+
+@dataclass
+class Suggestion:
+    rules: list[tuple[str, Any, str]] = field(default_factory=list)  # pattern, style, comment
+    divide_by_tp: list[str] = field(default_factory=list)
+    units: list[Any] = field(default_factory=list)
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    blocks: str | None = None  # path of the ModuleList of repeated blocks
+    notes: list[str] = field(default_factory=list)  # what could not be decided, and why
+
+
+def find_blocks(model: nn.Module) -> str | None:
+    """Path of the longest ModuleList whose children all share one type."""
+    best, size = None, 1
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > size:
+            if len({type(m) for m in module}) == 1:
+                best, size = path, len(module)
+    return best
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and not list(module.children())
+
+
+def _common_parent(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths]
+    common = []
+    for seg in zip(*parts):
+        if len(set(seg)) != 1:
+            break
+        common.append(seg[0])
+    if len(common) == len(parts[0]):  # one linear: its parent
+        common = common[:-1]
+    return ".".join(common)
+
+
+def _group(paths: list[str]) -> str:
+    """``[a.x.wq, a.x.wk]`` -> ``a.*.{wq,wk}`` (generalized)."""
+    parent = generalize(paths[0].rpartition(".")[0])
+    names = [p.rpartition(".")[2] for p in paths]
+    if len(names) == 1:
+        return f"{parent}.{names[0]}"
+    return f"{parent}.{{{','.join(names)}}}"
+
+
+def _input_layouts(call: Call, hidden: int, src: str, dst: str) -> dict[str, Any]:
+    """prepare_input options for a module called with the hidden states ``hidden``."""
+    for name, tid in call.kwargs.items():
+        if tid == hidden:
+            return {"input_kwarg_layouts": {name: src}, "desired_input_kwarg_layouts": {name: dst}}
+    layouts = [src if a == hidden else None for a in call.args]
+    if len(layouts) == 1:
+        return {"input_layouts": src, "desired_input_layouts": dst}
+    return {"input_layouts": layouts,
+            "desired_input_layouts": [dst if x else None for x in layouts]}
+
+
+def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call]]]:
+    """(the norm that opens it, its linear calls) for each sub-layer of one block."""
+    out: list[tuple[Call | None, list[Call]]] = [(None, [])]
+    for call in trace.within(block):
+        if _is_norm(call.module):
+            out.append((call, []))
+        elif isinstance(call.module, nn.Linear):
+            out[-1][1].append(call)
+    return [(norm, lins) for norm, lins in out if lins]
+
+
+def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str = "auto"
+            ) -> Suggestion:
+    """``sequence_parallel``: ``auto`` (end to end where safe), ``blocks`` (inside each block
+    only: the block gathers its output back, for models that read the sequence length outside
+    the blocks), or ``off``."""
+    s = Suggestion(blocks=blocks)
+    first_block = f"{blocks}.0"
+    block_call = trace.first_call(first_block)
+    outside = [c for c in trace.calls if not c.path.startswith(blocks + ".")]
+    head = next((c for c in reversed(outside) if isinstance(c.module, nn.Linear)), None)
+    vocab = head.module.out_features if head else None
+    embed = next((c for c in outside if isinstance(c.module, nn.Embedding)
+                  and c.module.num_embeddings == vocab), None)
+    for c in outside:
+        if isinstance(c.module, nn.Embedding) and c is not embed:
+            s.notes.append(f"left '{c.path}' replicated: an embedding that is not the vocabulary "
+                           "one (positions?) is small and read whole by every rank")
+    if head is None or embed is None:
+        s.notes.append("found no output head (a final Linear) with a matching vocabulary "
+                       "embedding: embedding and head rules left out")
+    tied = head is not None and embed is not None and head.module.weight is embed.module.weight
+    if tied:
+        s.notes.append(f"'{head.path}' shares its weight with '{embed.path}' (tied embeddings): "
+                       "they cannot be sharded two ways; both left replicated")
+        head = embed = None
+
+    # Sequence parallel is safe only if the embedding output feeds the first block alone.
+    hidden0 = embed.outputs[0] if embed and embed.outputs else None
+    users = [c for c in trace.consumers(hidden0) if not c.path.startswith(first_block + ".")] \
+        if hidden0 is not None else []
+    s.sequence_parallel = sequence_parallel == "auto" and bool(block_call) and \
+        hidden0 is not None and [c.path for c in users] == [first_block]
+    if sequence_parallel == "auto" and hidden0 is not None and not s.sequence_parallel:
+        others = ", ".join(sorted({c.path for c in users if c.path != first_block}))
+        others = others or "code outside any module (it is combined with something before the first block)"
+        s.notes.append(f"no sequence parallelism: the embedding output is also read by {others}, "
+                       "which would see only a sequence shard")
+    sp = s.sequence_parallel  # end to end: the residual stream is sequence-sharded
+    inner = sp or sequence_parallel == "blocks"  # sequence-sharded inside the blocks
+    if sequence_parallel == "blocks" and block_call is not None:
+        hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
+            next(iter(block_call.kwargs.values()))
+        opts = {"style": "prepare_input_output",
+                **_input_layouts(block_call, hidden, "replicate", "shard(1)"),
+                "use_local_input": True, "output_layouts": "shard(1)",
+                "desired_output_layouts": "replicate"}
+        s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
+                        "is gathered back for the code between blocks"))
+        s.sequence_parallel = True
+
+    if embed:
+        opts = {"style": "rowwise", "input_layouts": "replicate"}
+        if sp:
+            opts["output_layouts"] = "shard(1)"
+        s.rules.append((embed.path, opts, "vocabulary rows split over tp"))
+
+    for norm, linears in _sub_layers(trace, first_block):
+        x = linears[0].args[0] if linears[0].args else next(iter(linears[0].kwargs.values()))
+        colwise = [c for c in linears if x in c.inputs]
+        rest = [c for c in linears if c not in colwise]
+        last = linears[-1]
+        d = block_call.shapes.get(block_call.inputs[0], (None,))[-1] if block_call else None
+        rowwise = last if last in rest and last.module.out_features == d else None
+        for c in rest:
+            if c is not rowwise:
+                s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the sub-layer's "
+                               "input nor the last projection; left replicated")
+        if inner and norm is not None:
+            s.rules.append((generalize(norm.path), "sequence_parallel",
+                            "norm on a sequence shard"))
+        container = _common_parent([c.path for c in colwise])
+        call = trace.first_call(container)
+        needs_prepare = container != first_block and call is not None and \
+            (inner or len(colwise) > 1)
+        if needs_prepare:
+            hidden = norm.outputs[0] if norm is not None else x
+            src = "shard(1)" if inner else "replicate"
+            opts = {"style": "prepare_input", **_input_layouts(call, hidden, src, "replicate")}
+            why = ("one all-gather of the sequence, shared by " if inner else
+                   "siblings share one replicated input: one gradient all-reduce for ")
+            s.rules.append((generalize(container), opts,
+                            why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
+        if colwise:
+            s.rules.append((_group([c.path for c in colwise]), "colwise",
+                            "reads the sub-layer input"))
+        if rowwise is not None:
+            opts = {"style": "rowwise", "output_layouts": "shard(1)"} if inner else "rowwise"
+            s.rules.append((generalize(rowwise.path), opts, "writes back to the residual stream"))
+            for name, value in vars(call.module if call else {}).items() if call else []:
+                if isinstance(value, int) and not isinstance(value, bool) and "head" in name \
+                        and not any(w in name for w in ("dim", "size", "group")) and value > 1 \
+                        and all(c.module.out_features % value == 0 for c in colwise):
+                    s.divide_by_tp.append(f"{generalize(container)}.{name}")
+
+    final_norms = [c for c in outside if _is_norm(c.module) and head and
+                   trace.calls.index(c) < trace.calls.index(head) and
+                   trace.calls.index(c) > trace.calls.index(block_call)]
+    if sp:
+        for c in final_norms:
+            s.rules.append((c.path, "sequence_parallel", "final norm on a sequence shard"))
+    if head:
+        opts = {"style": "colwise", "use_local_output": False}
+        if sp:
+            opts = {"style": "colwise", "input_layouts": "shard(1)", "use_local_output": False}
+        s.rules.append((head.path, opts, "logits stay vocabulary-sharded for loss_parallel"))
+        s.loss_parallel = True
+
+    if embed:
+        s.units.append(embed.path)
+    s.units.append(f"{blocks}.*")
+    tail = [c.path for c in final_norms] + ([head.path] if head else [])
+    if tail:
+        s.units.append(tail if len(tail) > 1 else tail[0])
+    return s
+
+
+def shrink_hf_config(config) -> Any:
+    """The same architecture at toy widths: the dataflow does not depend on sizes."""
+    small = {"hidden_size": 64, "intermediate_size": 128, "ffn_dim": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "vocab_size": 256, "word_embed_proj_dim": 64,
+             "head_dim": 16}
+    cfg = config.__class__(**config.to_dict())
+    for key, value in small.items():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    if hasattr(cfg, "num_key_value_heads"):
+        kv = config.num_key_value_heads or config.num_attention_heads
+        cfg.num_key_value_heads = 4 if kv == config.num_attention_heads else 2
+    return cfg
+
+
+def suggest_plan(spec, sequence_parallel: str = "auto") -> Suggestion:
+    """Trace the plan's model (``spec`` is a ModelSpec) and infer its rules."""
+    from .models import build_model
+
+    model = build_model(spec, "meta")
+    blocks = find_blocks(model)
+    if blocks is None:
+        s = Suggestion()
+        s.notes.append("found no repeated blocks (a ModuleList of same-typed modules)")
+        return s
+    tokens = torch.randint(0, 2, (2, 16), device="meta")
+    try:
+        trace = trace_forward(model, tokens)
+    except (RuntimeError, NotImplementedError):
+        if not (spec.hf or spec.hf_config):
+            raise
+        # HF mask code reads tensor values; trace a toy-width CPU copy of the architecture.
+        from .models.hf import hf_config, require_transformers
+
+        transformers = require_transformers()
+        cfg = shrink_hf_config(hf_config(spec, Path(spec.base_dir) if spec.base_dir else None))
+        cfg.use_cache = False
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        trace = trace_forward(model, torch.randint(0, 256, (2, 16)))
+    return analyse(model, trace, blocks, sequence_parallel)

@@ -1,0 +1,99 @@
+"""Record which module hands which tensor to which: one forward, hooks on every module.
+
+``tpplan suggest`` reads a model's dataflow from this instead of from its names. The forward
+runs on the meta device when the model allows it (no memory at any size); HuggingFace models
+whose mask code reads tensor values run on a shrunk CPU copy of the same architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["Call", "Trace", "trace_forward"]
+
+
+def _tensor_ids(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        return [id(value)]
+    if isinstance(value, (list, tuple)):
+        return [i for v in value for i in _tensor_ids(v)]
+    if isinstance(value, dict):
+        return [i for v in value.values() for i in _tensor_ids(v)]
+    if hasattr(value, "logits"):  # HF ModelOutput
+        return _tensor_ids(value.logits)
+    return []
+
+
+@dataclass
+class Call:
+    """One module call: positional inputs, keyword inputs and output, as tensor ids."""
+
+    path: str
+    module: nn.Module
+    args: list[int | None]  # per positional argument: the tensor's id, None if not a tensor
+    kwargs: dict[str, int]  # keyword arguments that are tensors
+    outputs: list[int] = field(default_factory=list)
+    shapes: dict[int, tuple] = field(default_factory=dict)  # id -> shape
+
+    @property
+    def inputs(self) -> list[int]:
+        return [a for a in self.args if a is not None] + list(self.kwargs.values())
+
+
+@dataclass
+class Trace:
+    calls: list[Call]
+
+    def within(self, prefix: str) -> list[Call]:
+        return [c for c in self.calls if c.path.startswith(prefix + ".")]
+
+    def consumers(self, tensor_id: int) -> list[Call]:
+        return [c for c in self.calls if tensor_id in c.inputs]
+
+    def first_call(self, path: str) -> Call | None:
+        return next((c for c in self.calls if c.path == path), None)
+
+
+def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
+    """Run ``model(tokens)`` once, recording every module call in order."""
+    calls: list[Call] = []
+    keep: list[Any] = []  # hold every tensor so ids stay unique while we look at them
+    stack: list[Call] = []
+    handles = []
+
+    def pre(path):
+        def hook(module, args, kwargs):
+            keep.append((args, kwargs))
+            call = Call(path, module,
+                        [id(a) if isinstance(a, torch.Tensor) else None for a in args],
+                        {k: id(v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)})
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    call.shapes[id(a)] = tuple(a.shape)
+            calls.append(call)
+            stack.append(call)
+        return hook
+
+    def post(module, args, kwargs, output):
+        keep.append(output)
+        call = stack.pop()
+        call.outputs = _tensor_ids(output)
+        if isinstance(output, torch.Tensor):
+            call.shapes[id(output)] = tuple(output.shape)
+
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
+        handles.append(module.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(calls)
