@@ -130,3 +130,26 @@ def test_validate_70b_at_1024_ranks(root):
     data = json.loads(out.stdout)
     assert data["mesh"] == {"dp_replicate": 1, "dp_shard": 512, "tp": 2}
     assert len([m for m in data["modules"] if m["path"].endswith("attention.wq")]) == 80
+
+
+def test_activation_checkpointing_every_n_blocks(root):
+    """selective every 2: blocks 0 and 2 recompute in backward, 1 and 3 keep activations."""
+    from tpplan.apply import apply_ac
+
+    plan = tpplan.load(root / "plans/llama.yaml",
+                       ["activation_checkpointing={mode: selective, every: 2}"])
+    assert (plan.activation_checkpointing.mode, plan.activation_checkpointing.every) == ("selective", 2)
+    model = build_model(plan.model, "cpu")
+    res = plan.resolve(model, world_size=2)
+    apply_ac(model, res.ac_blocks, plan.activation_checkpointing.every)
+    wrapped = ["forward" in vars(block) for block in model.layers]
+    assert wrapped == [True, False, True, False]
+    x = torch.randint(0, 256, (1, 8))
+    model(x).sum().backward()  # runs through the checkpointed blocks
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_compile_section(root):
+    plan = tpplan.load(root / "plans/llama.yaml", ["compile={blocks: 'layers.*', fullgraph: true}"])
+    assert (plan.compile.mode, plan.compile.blocks, plan.compile.fullgraph) == ("full", "layers.*", True)
+    assert tpplan.load(root / "plans/llama.yaml", ["compile=false"]).compile.mode == "none"

@@ -11,23 +11,26 @@ import tpplan
 from tpplan.verify import compare, make_batch, parallel_step, reference_step
 
 CASES = [
-    # plan, world size, mesh it must resolve to (dp_replicate, dp_shard, tp)
-    ("plans/llama.yaml", 4, (1, 2, 2)),  # TP + SP + loss parallel + FSDP2 on 2x2
-    ("plans/llama-tp.yaml", 4, (1, 1, 4)),  # TP without SP on 1x4
-    ("plans/llama-hsdp-tp.yaml", 8, (2, 2, 2)),  # HSDP x TP, 3-D
-    ("plans/llama-fsdp.yaml", 2, (1, 2, 1)),  # FSDP2 only
-    ("tests/plans/minigpt.yaml", 4, (1, 2, 2)),  # a user's own model through a factory
+    # plan, overrides, world size, mesh it must resolve to (dp_replicate, dp_shard, tp)
+    ("plans/llama.yaml", [], 4, (1, 2, 2)),  # TP + SP + loss parallel + FSDP2 on 2x2
+    ("plans/llama-tp.yaml", [], 4, (1, 1, 4)),  # TP without SP on 1x4
+    ("plans/llama-hsdp-tp.yaml", [], 8, (2, 2, 2)),  # HSDP x TP, 3-D
+    ("plans/llama-fsdp.yaml", [], 2, (1, 2, 1)),  # FSDP2 only
+    ("tests/plans/minigpt.yaml", [], 4, (1, 2, 2)),  # a user's own model through a factory
+    # recomputation in backward under TP + SP + FSDP2 changes nothing
+    ("plans/llama.yaml", ["activation_checkpointing={mode: selective, every: 2}"], 4, (1, 2, 2)),
 ]
 
 
-@pytest.mark.parametrize("plan_path,world,shape", CASES, ids=[c[0] for c in CASES])
-def test_parallel_matches_single_device(root, monkeypatch, plan_path, world, shape):
+@pytest.mark.parametrize("plan_path,overrides,world,shape", CASES,
+                         ids=[" ".join([c[0], *c[1]]) for c in CASES])
+def test_parallel_matches_single_device(root, monkeypatch, plan_path, overrides, world, shape):
     monkeypatch.chdir(root)
-    plan = tpplan.load(plan_path)
+    plan = tpplan.load(plan_path, overrides)
     assert plan.parallel_dims(world).shape == shape
     tokens = make_batch(vocab_size=256, batch=8, seq_len=32, seed=0)
     ref = reference_step(plan, tokens, seed=0)
-    par = parallel_step(plan_path, [], world, tokens, seed=0)
+    par = parallel_step(plan_path, overrides, world, tokens, seed=0)
     result = compare(ref, par, tolerance=1e-4)
     assert len(result.rows) == 2 + len(ref.grads)  # logits, loss, and every gradient
     assert result.ok, "\n".join(f"{what}: {err:.2e}" for what, err in result.failures)

@@ -16,7 +16,7 @@ from .errors import PlanErrors
 
 __all__ = ["main", "print_errors"]
 
-COMMANDS = ("validate", "suggest", "import-hf")
+COMMANDS = ("validate", "suggest", "import-hf", "export")
 
 
 def print_errors(errors: PlanErrors, stream=None) -> None:

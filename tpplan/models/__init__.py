@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -34,11 +35,37 @@ def _factory(spec) -> Callable[..., nn.Module]:
     return fn
 
 
-def build_model(spec, device: str | torch.device = "meta") -> nn.Module:
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter created inside goes to the meta device; buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register(self, name, param):
+        original(self, name, param)
+        if param is not None and param.device.type != "meta":
+            self._parameters[name] = nn.Parameter(param.to("meta"),
+                                                  requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_model(spec, device: str | torch.device = "meta", real_buffers: bool = False) -> nn.Module:
     """Construct the plan's model on ``device`` (``meta``: shapes only, no memory).
+
+    ``real_buffers`` (with ``device="meta"``): parameters on meta, buffers computed for
+    real on the CPU. Buffers such as rotary tables are small and derived from the config;
+    a trainer that materializes the parameters with ``to_empty`` keeps them, and so needs
+    no model-specific code to recompute them.
 
     Mistakes in the ``model`` section raise :class:`PlanErrors` located in the plan.
     """
+    if real_buffers and str(device) == "meta":
+        with _parameters_on_meta():
+            return build_model(spec, "cpu")
     if spec is None:
         raise PlanErrors([PlanError("the plan has no 'model' section", None)])
     if spec.hf or spec.hf_config:
