@@ -29,6 +29,20 @@ def require_transformers(loc=None):
     return transformers
 
 
+def _init_std_for(model: nn.Module, std: float):
+    """The ``init_std(name)`` protocol of tpplan's initializer for a HF model: weights
+    normal(0, initializer_range), norm weights ones (None), biases zeros (std 0)."""
+    norms = {f"{path}.weight" for path, m in model.named_modules()
+             if "norm" in type(m).__name__.lower()}
+
+    def init_std(name: str) -> float | None:
+        if name.endswith("bias"):
+            return 0.0
+        return None if name in norms else std
+
+    return init_std
+
+
 def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
 
@@ -76,4 +90,5 @@ def build_hf(spec, base_dir: Path | None = None) -> nn.Module:
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.register_forward_hook(_logits_only)
+    model.init_std = _init_std_for(model, getattr(config, "initializer_range", 0.02))
     return model
