@@ -102,6 +102,7 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     """
     from ..runtime import default_device_type
 
+    _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
     mesh = prep.plan.build_mesh(device_type)
@@ -110,6 +111,17 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _quiet_known_warnings() -> None:
+    import logging
+    import warnings
+
+    # The embedding returns a view; the Llama never modifies it in place, so FSDP2's warning
+    # about in-place ops on it does not apply. And DTensor warns per grad-norm reduction on
+    # a 2-D mesh that two all-reduces run; it is one scalar per step.
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
