@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = str(ROOT / "plans" / "llama.yaml")
-STEPS = 10
+STEPS = 12
 # Tiny but real: 2 layers, all four plan features (TP, SP, loss parallel, FSDP2) active.
 TINY = ["model.kwargs.n_layers=2", "model.kwargs.dim=64", f"train.steps={STEPS}",
         "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
@@ -28,8 +28,9 @@ TIMEOUT = 240
 
 
 def tpplan_train(run_dir: Path, *extra: str, nproc: int | None = None, sets=(),
-                 env: dict | None = None, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tpplan", "train", "--plan", PLAN]
+                 env: dict | None = None, timeout: int = TIMEOUT,
+                 plan: str = PLAN) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tpplan", "train", "--plan", plan]
     for s in [*TINY, f"metrics.run_dir={run_dir}", *sets]:
         cmd += ["--set", s]
     if nproc:
@@ -37,7 +38,7 @@ def tpplan_train(run_dir: Path, *extra: str, nproc: int | None = None, sets=(),
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
                 "TPPLAN_DEVICE": "cpu", **(env or {})}
     full_env.pop("RANK", None)
-    return subprocess.run([*cmd, *extra], cwd=ROOT, env=full_env, capture_output=True,
+    return subprocess.run([*cmd, *extra], check=False, cwd=ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -106,46 +107,54 @@ def _load_dcp(path: Path) -> dict[str, torch.Tensor]:
 
 def test_2x2_weights_equal_single_process(reference, run_2x2):
     """Same init and same updates, parameter for parameter, read back from the checkpoints."""
-    ref = _load_dcp(reference / "checkpoints" / "step-000010")
-    got = _load_dcp(run_2x2 / "checkpoints" / "step-000010")
+    ref = _load_dcp(reference / "checkpoints" / f"step-{STEPS:06d}")
+    got = _load_dcp(run_2x2 / "checkpoints" / f"step-{STEPS:06d}")
     assert ref.keys() == got.keys()
     for name, w in ref.items():
         torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_resume_on_another_mesh_continues_the_curve(reference, run_2x2, runs):
-    d = runs / "2x2-to-1x4"
-    ok(tpplan_train(d, "--resume", str(run_2x2 / "checkpoints" / "step-000005"), nproc=4,
-                    sets=["mesh.tp=4"]))
-    got = metrics(d)
-    assert min(got) == 6
-    assert_same_curve(got, metrics(reference), range(6, STEPS + 1))
-
-
-def test_killed_during_save_resumes_from_previous_checkpoint(reference, runs):
-    """1×4 run dies inside the step-6 save: step-3 stays the latest, resume reproduces the
-    uninterrupted single-process curve from there (so 1×4 matches it over all 10 steps)."""
+@pytest.fixture(scope="module")
+def killed_1x4(runs) -> tuple[Path, dict[int, dict]]:
+    """A 1×4 run killed inside its final (step-12) save; its curve as logged before dying."""
     d = runs / "1x4"
-    sets = ["mesh.tp=4", "checkpoint.interval=3"]
-    killed = tpplan_train(d, nproc=4, sets=sets, env={"TPPLAN_TEST_DIE_DURING_SAVE": "6"})
+    killed = tpplan_train(d, nproc=4, sets=["mesh.tp=4", "checkpoint.interval=3"],
+                          env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
     assert killed.returncode != 0
+    return d, metrics(d)
+
+
+def test_1x4_losses_match_single_process(reference, killed_1x4):
+    _, logged = killed_1x4
+    assert_same_curve(logged, metrics(reference), range(1, STEPS + 1))
+
+
+def test_killed_during_save_resumes_from_previous_checkpoint_on_4x1(reference, killed_1x4):
+    """The half-written step-12 save is ignored; resume takes step 9, and on a 4×1 mesh
+    (saved on 1×4: every parameter resharded) continues the single-process curve."""
+    d, _ = killed_1x4
     ckpts = d / "checkpoints"
-    assert (ckpts / "step-000006.tmp").is_dir() and not (ckpts / "step-000006").exists()
-    ok(tpplan_train(d, "--resume", nproc=4, sets=sets))
+    assert (ckpts / f"step-{STEPS:06d}.tmp").is_dir()
+    assert not (ckpts / f"step-{STEPS:06d}").exists()
+    resumed = tpplan_train(d, "--resume", nproc=4, sets=["mesh.tp=1", "checkpoint.interval=3"])
+    ok(resumed)
+    assert "resumed from" in resumed.stdout and "step-000009" in resumed.stdout
     got = metrics(d)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert_same_curve(got, metrics(reference), range(1, STEPS + 1))
-    assert not (ckpts / "step-000006.tmp").exists()
+    assert sorted(got) == list(range(1, STEPS + 1))  # rows past step 9 replaced, not doubled
+    assert_same_curve(got, metrics(reference), range(10, STEPS + 1))
+    assert (ckpts / f"step-{STEPS:06d}").is_dir()
+    assert not (ckpts / f"step-{STEPS:06d}.tmp").exists()
 
 
 def test_stop_and_resume_same_mesh(reference, runs):
-    """Stopped at step 9 (killed in the step-10 save), resumed from step 5: same losses."""
+    """Stopped (killed in the final save), resumed from step 10: the same losses."""
     d = runs / "single-resumed"
-    stopped = tpplan_train(d, sets=["mesh.tp=1"], env={"TPPLAN_TEST_DIE_DURING_SAVE": "10"})
+    stopped = tpplan_train(d, sets=["mesh.tp=1"],
+                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
     assert stopped.returncode != 0
     resumed = tpplan_train(d, "--resume", sets=["mesh.tp=1"])
     ok(resumed)
-    assert "resumed from" in resumed.stdout and "step-000005" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-000010" in resumed.stdout
     assert_same_curve(metrics(d), metrics(reference), range(1, STEPS + 1), rel=1e-6)
 
 
@@ -165,12 +174,16 @@ AS_RANK0_OF_4 = {"WORLD_SIZE": "4", "LOCAL_RANK": "0"}
 
 def test_missing_data_path(runs):
     _fails(tpplan_train(runs / "bad", sets=["data.path=/no/such/corpus"]),
-           "llama.yaml", "data.path '/no/such/corpus' does not exist")
+           "--set data.path=/no/such/corpus:1:11: error: data.path '/no/such/corpus' does not exist")
 
 
-def test_unknown_key_is_located_with_suggestion(runs):
-    _fails(tpplan_train(runs / "bad", sets=["train.learning_rate=0.1"]),
-           "unknown key 'learning_rate' in 'train'", "did you mean 'lr'")
+def test_unknown_keys_are_located_with_suggestion(runs, tmp_path):
+    plan = tmp_path / "typo.yaml"
+    plan.write_text(f"extends: {PLAN}\ntrain:\n  stepz: 3\ncheckpoint: {{intervl: 2}}\n")
+    _fails(tpplan_train(runs / "bad", plan=str(plan), sets=["metrics.log_every=1"]),
+           f"{plan}:3:3: error: unknown key 'stepz' in 'train' (did you mean 'steps'?)",
+           f"{plan}:4:14: error: unknown key 'intervl' in 'checkpoint' (did you mean 'interval'?)",
+           "error: unknown key 'log_every' in 'metrics'")
 
 
 def test_seq_len_not_divisible_by_tp_under_sp(runs):

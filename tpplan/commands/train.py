@@ -32,6 +32,7 @@ def register(sub) -> None:
 
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc`` local workers."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
     argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "tpplan", "train",
@@ -47,8 +48,8 @@ def _relaunch(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         torchrun(argv)
-    except Exception as e:  # ChildFailedError: the failing rank already printed why
-        print(f"error: training failed ({type(e).__name__})", file=sys.stderr)
+    except ChildFailedError:  # the failing rank already printed why
+        print(f"error: training failed on {args.nproc} processes", file=sys.stderr)
         return 1
     return 0
 

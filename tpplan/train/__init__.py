@@ -7,4 +7,4 @@ Built only on the public API (:func:`tpplan.load`, ``plan.build_mesh``, ``plan.a
 from .loop import clip_grad_norm, lr_lambda, train
 from .setup import TrainError
 
-__all__ = ["train", "clip_grad_norm", "lr_lambda", "TrainError"]
+__all__ = ["TrainError", "clip_grad_norm", "lr_lambda", "train"]

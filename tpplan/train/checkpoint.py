@@ -22,11 +22,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["save", "load", "latest", "is_complete", "read_trainer_state", "model_shapes",
-           "DIE_DURING_SAVE_ENV"]
+__all__ = [
+    "DIE_DURING_SAVE_ENV",
+    "is_complete",
+    "latest",
+    "load",
+    "model_shapes",
+    "read_trainer_state",
+    "save",
+]
 
 TRAINER_FILE = "trainer.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")

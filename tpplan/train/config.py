@@ -15,8 +15,14 @@ from ..errors import ErrorList, Loc
 from ..schema import _Reader
 from ..yamlio import LSeq
 
-__all__ = ["TrainConfig", "DataConfig", "CheckpointConfig", "MetricsConfig", "RunConfig",
-           "parse_run_config"]
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "MetricsConfig",
+    "RunConfig",
+    "TrainConfig",
+    "parse_run_config",
+]
 
 NUMBER = (int, float)
 

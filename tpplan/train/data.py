@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Corpus", "load_corpus", "stdlib_dir", "global_batch", "local_batch"]
+__all__ = ["Corpus", "global_batch", "load_corpus", "local_batch", "stdlib_dir"]
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 

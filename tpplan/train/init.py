@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["init_weights", "param_seed"]

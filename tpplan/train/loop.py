@@ -14,13 +14,13 @@ import os
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint as ckpt
@@ -29,7 +29,7 @@ from .init import init_weights
 from .progress import GPU_ONLY, Reporter, peak_flops
 from .setup import Prepared, prepare
 
-__all__ = ["train", "clip_grad_norm", "lr_lambda"]
+__all__ = ["clip_grad_norm", "lr_lambda", "train"]
 
 RECORD_BATCHES_ENV = "TPPLAN_RECORD_BATCHES"  # test hook: each rank logs a digest per batch
 
@@ -268,11 +268,11 @@ def _batch_recorder(prep: Prepared, rank: int, dp_rank: int, tp_rank: int):
         return lambda step, batch: None
     folder = prep.run_dir / "batches"
     folder.mkdir(parents=True, exist_ok=True)
-    out = open(folder / f"rank{rank}.jsonl", "a")
+    path = folder / f"rank{rank}.jsonl"
 
     def record(step: int, batch: torch.Tensor) -> None:
         digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
-        out.write(json.dumps({"step": step, "dp_rank": dp_rank, "tp_rank": tp_rank,
-                              "digest": digest}) + "\n")
-        out.flush()
+        with open(path, "a") as out:
+            out.write(json.dumps({"step": step, "dp_rank": dp_rank, "tp_rank": tp_rank,
+                                  "digest": digest}) + "\n")
     return record

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["Reporter", "peak_flops", "GPU_ONLY"]
+__all__ = ["GPU_ONLY", "Reporter", "peak_flops"]
 
 GPU_ONLY = "n/a on CPU (GPU only)"
 
@@ -47,7 +47,8 @@ class Reporter:
         if not active:
             return
         self.console = console or Console(stderr=False)
-        self.metrics = open(run_dir / "metrics.jsonl", "a")
+        # Kept open for the run and flushed per row: a killed run keeps what it logged.
+        self.metrics = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.console.print(header)
         self.progress = None
         if self.console.is_terminal:

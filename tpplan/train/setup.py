@@ -7,11 +7,11 @@ folder; each finds the same mistake and exits non-zero before any collective cou
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-import torch.nn as nn
+from torch import nn
 
 from ..errors import ErrorList
 from ..parallel_dims import ParallelDims
@@ -20,7 +20,7 @@ from . import checkpoint as ckpt
 from .config import RunConfig, parse_run_config
 from .data import Corpus, load_corpus
 
-__all__ = ["TrainError", "Prepared", "prepare"]
+__all__ = ["Prepared", "TrainError", "prepare"]
 
 
 class TrainError(Exception):
