@@ -98,18 +98,19 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
 
     Raises :class:`~tpplan.errors.PlanErrors` / :class:`~tpplan.train.setup.TrainError`
     before any collective for a mistake in the plan, the data or the checkpoint. Returns
-    the summary shown at the end.
+    the summary shown at the end, plus ``losses`` and ``step_times`` per step.
     """
     from ..runtime import default_device_type
 
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
+    owned = not dist.is_initialized()  # a caller's own process group is left running
     mesh = prep.plan.build_mesh(device_type)
     try:
         return _run(prep, mesh, device_type, overwrite)
     finally:
-        if dist.is_initialized():
+        if owned and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -234,7 +235,7 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
         "checkpoint": str(last_saved) if last_saved else "none",
     }
     reporter.close(summary)
-    summary["losses"] = losses
+    summary["losses"], summary["step_times"] = losses, times
     return summary
 
 

@@ -47,6 +47,8 @@ class Reporter:
         if not active:
             return
         self.console = console or Console(stderr=False)
+        if not self.console.is_terminal:
+            self.console.width = 160  # CI logs: one line per step, never wrapped at 80
         # Kept open for the run and flushed per row: a killed run keeps what it logged.
         self.metrics = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.console.print(header)
