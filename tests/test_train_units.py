@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ def test_text_folder_and_bin_sources(tmp_path):
 def test_warmup_then_cosine_to_min_lr():
     f = [lr_lambda(s, warmup=4, total=20, lr=1.0, min_lr=0.1) for s in range(21)]
     assert f[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert all(a >= b for a, b in itertools.pairwise(f[4:]))
     assert f[20] == pytest.approx(0.1)
 
 
