@@ -2,8 +2,8 @@
 
 One run, 4 CPU processes (gloo), a 2×2 mesh: the debug Llama of ``plans/llama.yaml``
 (TP + SP + loss parallel + FSDP2). Rounds alternate a hand-written loop and
-``tpplan.train.train`` inside the same processes and process group, so both see the same
-machine load; the median step time of each (first steps of each round dropped) and their
+``tpplan.train.train`` inside the same processes and process group (which goes first
+alternates too), so both see the same machine load; the median step time of each (first steps of each round dropped) and their
 ratio are printed.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--steps 12] [--rounds 3]
@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 PLAN = str(ROOT / "plans" / "llama.yaml")
 
 
-def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
+def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor,
+                 naive_clip: bool = False) -> list:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -116,6 +117,11 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     import tpplan.train
     from tpplan.train.data import load_corpus
 
@@ -127,10 +133,15 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
             f"metrics.run_dir={out}/run"]
     hand, tp = [], []
     skip = 3  # first steps warm allocators and caches
-    for _ in range(args.rounds):
-        hand += hand_written(args.steps, args.seq_len, args.batch, args.lr, tokens)[skip:]
-        summary = tpplan.train.train(PLAN, sets, overwrite=True, device_type="cpu")
-        tp += summary["step_times"][skip:]
+    for r in range(args.rounds):
+        # Alternate which side goes first, so neither always runs on a warmer process.
+        for side in ("hand", "tpplan") if r % 2 == 0 else ("tpplan", "hand"):
+            if side == "hand":
+                hand += hand_written(args.steps, args.seq_len, args.batch, args.lr, tokens,
+                                     args.naive_clip)[skip:]
+            else:
+                summary = tpplan.train.train(PLAN, sets, overwrite=True, device_type="cpu")
+                tp += summary["step_times"][skip:]
     if rank == 0:
         h, t = statistics.median(hand), statistics.median(tp)
         print(f"\nhand-written: median step {h * 1e3:.1f} ms over {len(hand)} steps")
@@ -142,7 +153,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--naive-clip", action="store_true",
+                   help="hand-written side clips with one get_total_norm over all grads")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
