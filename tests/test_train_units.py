@@ -89,3 +89,18 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
     ref = torch.linalg.vector_norm(torch.cat([ref_a.flatten(), ref_b]))
     assert clip_grad_norm([a, b], 0.5) == pytest.approx(ref.item(), rel=1e-6)
     torch.testing.assert_close(a.grad, ref_a * 0.5 / (ref.item() + 1e-6))
+
+
+def test_factory_model_fallback_init_is_seeded_per_module_path():
+    from tpplan.train.init import init_weights
+
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    a, b, c = build(), build(), build()
+    assert init_weights(a, 1, "cpu") == "reset_parameters"
+    init_weights(b, 1, "cpu")
+    init_weights(c, 2, "cpu")
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        assert not torch.equal(pa, pc), name
