@@ -13,7 +13,9 @@ position in a checkpoint is just the number of steps consumed.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,16 +42,17 @@ class Corpus:
         return self.tokens.numel()
 
 
-def _text_files(folder: Path) -> list[Path]:
-    # Sorted walk: the same corpus, byte for byte, on every rank and every run.
-    files = []
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and not SKIP_DIRS.intersection(p.relative_to(folder).parts[:-1]):
-            files.append(p)
-    return files
+def _text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
+    """Files under ``folder`` in sorted order (the same corpus on every rank and run),
+    lazily, pruning skipped folders, so a capped read stops walking early."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(files):
+            if suffix is None or name.endswith(suffix):
+                yield Path(root) / name
 
 
-def _read_bytes(files: list[Path], max_bytes: int) -> bytes:
+def _read_bytes(files: Iterable[Path], max_bytes: int) -> bytes:
     chunks, total = [], 0
     for f in files:
         try:
@@ -69,19 +72,20 @@ def load_corpus(path: str | None, max_bytes: int) -> Corpus:
     """Read ``path`` (text file, folder of text files, ``.bin`` of uint16) or the stdlib."""
     if path is None:
         folder = stdlib_dir()
-        files = [f for f in _text_files(folder) if f.suffix == ".py"]
-        raw, source = _read_bytes(files, max_bytes), f"python stdlib ({folder})"
-    else:
-        p = Path(path)
-        if p.suffix == ".bin":
-            arr = np.fromfile(p, dtype=np.uint16, count=max_bytes // 2)
-            tokens = torch.from_numpy(arr.astype(np.int64))
-            vocab = int(tokens.max()) + 1 if tokens.numel() else 0
-            return Corpus(tokens, vocab, f"{p} (uint16 tokens)")
-        files = _text_files(p) if p.is_dir() else [p]
-        raw, source = _read_bytes(files, max_bytes), str(p)
-    tokens = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
-    return Corpus(tokens, 256, source)
+        raw = _read_bytes(_text_files(folder, ".py"), max_bytes)
+        return Corpus(_bytes_to_tokens(raw), 256, f"python stdlib ({folder})")
+    p = Path(path)
+    if p.suffix == ".bin":
+        arr = np.fromfile(p, dtype=np.uint16, count=max_bytes // 2)
+        tokens = torch.from_numpy(arr.astype(np.int64))
+        vocab = int(tokens.max()) + 1 if tokens.numel() else 0
+        return Corpus(tokens, vocab, f"{p} (uint16 tokens)")
+    raw = _read_bytes(_text_files(p) if p.is_dir() else [p], max_bytes)
+    return Corpus(_bytes_to_tokens(raw), 256, str(p))
+
+
+def _bytes_to_tokens(raw: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
 
 
 def global_batch(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int) -> torch.Tensor:
