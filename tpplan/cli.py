@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -16,7 +17,7 @@ from .errors import PlanErrors
 
 __all__ = ["main", "print_errors"]
 
-COMMANDS = ("validate", "suggest", "import-hf", "export")
+COMMANDS = ("validate", "train", "suggest", "import-hf", "export")
 
 
 def print_errors(errors: PlanErrors, stream=None) -> None:
@@ -51,7 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except PlanErrors as e:
-        print_errors(e)
+        # Under torchrun every rank finds the same mistake; one copy of it is enough.
+        if os.environ.get("RANK", "0") == "0":
+            print_errors(e)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

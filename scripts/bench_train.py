@@ -1,0 +1,170 @@
+"""Step time of ``tpplan train`` against the same torch calls written out by hand.
+
+One run, 4 CPU processes (gloo), a 2×2 mesh: the debug Llama of ``plans/llama.yaml``
+(TP + SP + loss parallel + FSDP2). Rounds alternate a hand-written loop and
+``tpplan.train.train`` inside the same processes and process group (which goes first
+alternates too), so both see the same machine load; the median step time of each (first steps of each round dropped) and their
+ratio are printed.
+
+    OMP_NUM_THREADS=1 python scripts/bench_train.py [--steps 12] [--rounds 3]
+
+The hand-written side is what a user would write without tpplan: ``init_device_mesh``,
+``parallelize_module`` with the styles spelled out, ``fully_shard`` per block and root,
+AdamW + warmup/cosine, ``loss_parallel``, the global grad norm, one loss all-reduce per
+step for logging (the tpplan loop logs loss and grad norm each step too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PLAN = str(ROOT / "plans" / "llama.yaml")
+
+
+def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor,
+                 naive_clip: bool = False) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    from tpplan.models.llama import build
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = build("debug")
+    parallelize_module(model, mesh["tp"], {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+    })
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+        block.attention.n_heads //= 2
+        block.attention.n_kv_heads //= 2
+    fully_shard(model.tok_embeddings, mesh=mesh["dp"])
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard([model.norm, model.output], mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = model.init_std(name)
+            p.fill_(1.0) if std is None else p.normal_(0.0, std)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
+        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][dp_rank * per:(dp_rank + 1) * per]
+        with loss_parallel():
+            loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
+            loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        norm = torch.nn.utils.get_total_norm(grads)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.full_tensor().detach()
+        dist.all_reduce(loss)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(rank: int, world: int, port: int, args, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    import tpplan.train
+    from tpplan.train.data import load_corpus
+
+    dist.init_process_group("gloo")
+    tokens = load_corpus(None, 4_000_000).tokens
+    sets = [f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
+            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch // 2}",
+            f"train.lr={args.lr}", "checkpoint.enabled=false", "metrics.log_interval=1000",
+            f"metrics.run_dir={out}/run"]
+    hand, tp = [], []
+    skip = 3  # first steps warm allocators and caches
+    for r in range(args.rounds):
+        # Alternate which side goes first, so neither always runs on a warmer process.
+        for side in ("hand", "tpplan") if r % 2 == 0 else ("tpplan", "hand"):
+            if side == "hand":
+                hand += hand_written(args.steps, args.seq_len, args.batch, args.lr, tokens,
+                                     args.naive_clip)[skip:]
+            else:
+                summary = tpplan.train.train(PLAN, sets, overwrite=True, device_type="cpu")
+                tp += summary["step_times"][skip:]
+    if rank == 0:
+        h, t = statistics.median(hand), statistics.median(tp)
+        print(f"\nhand-written: median step {h * 1e3:.1f} ms over {len(hand)} steps")
+        print(f"tpplan train: median step {t * 1e3:.1f} ms over {len(tp)} steps")
+        print(f"ratio tpplan / hand-written: {t / h:.3f}x")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--naive-clip", action="store_true",
+                   help="hand-written side clips with one get_total_norm over all grads")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    args = p.parse_args()
+    from tpplan.verify import spawn
+
+    with tempfile.TemporaryDirectory(prefix="tpplan-bench-") as out:
+        spawn(worker, 4, args, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""What the user sees on rank 0, and the metrics every run keeps.
+
+On a terminal: a rich progress bar with step, loss, grad norm, lr and tokens/s (and on
+GPU MFU and peak memory). Not on a terminal (CI logs, pipes): one plain line per log step.
+Always: ``metrics.jsonl`` in the run folder and a summary table at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+__all__ = ["GPU_ONLY", "Reporter", "peak_flops"]
+
+GPU_ONLY = "n/a on CPU (GPU only)"
+
+# Dense bf16 peak (no sparsity) per device, for MFU; unknown devices report no MFU.
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops(device_type: str) -> float | None:
+    if device_type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    return str(v)
+
+
+class Reporter:
+    """Rank 0's display and metrics file; every method is a no-op on other ranks."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, active: bool,
+                 header: str, console: Console | None = None):
+        self.active = active
+        self.rows: list[dict[str, Any]] = []
+        if not active:
+            return
+        self.console = console or Console(stderr=False)
+        if not self.console.is_terminal:
+            self.console.width = 160  # CI logs: one line per step, never wrapped at 80
+        # Kept open for the run and flushed per row: a killed run keeps what it logged.
+        self.metrics = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        self.console.print(header)
+        self.progress = None
+        if self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step,
+                                               info="")
+            self.progress.start()
+
+    def log(self, row: dict[str, Any], show: bool) -> None:
+        if not self.active:
+            return
+        self.rows.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        info = (f"loss {row['loss']:.4f}  gnorm {row['grad_norm']:.3g}  lr {row['lr']:.3g}  "
+                f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_device']:,.0f}/dev)")
+        if row.get("mfu") is not None:
+            info += f"  mfu {row['mfu']:.1%}  mem {row['peak_mem_gib']:.1f} GiB"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=row["step"], info=info)
+        elif show:
+            self.console.print(f"step {row['step']:>6}  {info}", highlight=False)
+
+    def note(self, text: str) -> None:
+        if self.active:
+            (self.progress.console if self.progress else self.console).print(text)
+
+    def close(self, summary: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        self.metrics.close()
+        table = Table(title="tpplan train: summary", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        for k, v in summary.items():
+            table.add_row(k, _fmt(v))
+        self.console.print(table)
