@@ -3,8 +3,8 @@
 One run, 4 CPU processes (gloo), a 2×2 mesh: the debug Llama of ``plans/llama.yaml``
 (TP + SP + loss parallel + FSDP2). Rounds alternate a hand-written loop and
 ``tpplan.train.train`` inside the same processes and process group (which goes first
-alternates too), so both see the same machine load; the median step time of each (first steps of each round dropped) and their
-ratio are printed.
+alternates too), so both see the same machine load; the median step time of each (first
+steps of each round dropped) and their ratio are printed.
 
     OMP_NUM_THREADS=1 python scripts/bench_train.py [--steps 12] [--rounds 3]
 

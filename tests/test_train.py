@@ -91,7 +91,7 @@ def test_tp_peers_get_identical_batches(run_2x2):
             r = json.loads(line)
             seen.setdefault((r["step"], r["dp_rank"]), set()).add(r["digest"])
     assert len(seen) == STEPS * 2
-    for (step, dp_rank), digests in seen.items():
+    for (_step, dp_rank), digests in seen.items():
         assert len(digests) == 1, f"tp peers of dp rank {dp_rank} saw different batches"
     for step in range(1, STEPS + 1):  # while the two data-parallel ranks see different data
         assert seen[(step, 0)] != seen[(step, 1)]

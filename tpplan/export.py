@@ -13,6 +13,7 @@ built-in or factory model (so :func:`load_exported` rebuilds it).
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,9 @@ def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     if not state:
         raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
     wrapped = {"model": state}
-    dcp.load(wrapped, storage_reader=reader)  # no process group: this one process reads all
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is the point
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(wrapped, storage_reader=reader)
     return wrapped["model"]
 
 

@@ -119,8 +119,15 @@ class Plan:
         return contextlib.nullcontext()
 
     def to_dict(self) -> dict[str, Any]:
-        """The resolved plan (extends and overrides applied) as plain data, for a run folder."""
-        return _plain(self.document) if self.document is not None else {}
+        """The resolved plan (extends and overrides applied) as plain data, for a run folder.
+
+        A relative ``model.hf_config`` is made absolute: the copy lives in another folder."""
+        out = _plain(self.document) if self.document is not None else {}
+        model = out.get("model")
+        if isinstance(model, dict) and isinstance(model.get("hf_config"), str):
+            base = Path(self.model.base_dir or ".")
+            model["hf_config"] = str((base / model["hf_config"]).resolve())
+        return out
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -15,7 +15,21 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["init_weights", "param_seed"]
+__all__ = ["init_weights", "materialize", "param_seed"]
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Allocate the meta parameters on ``device``, keeping the buffers computed at build.
+
+    The model was built with real buffers (``build_model(..., real_buffers=True)``): rotary
+    tables and the like are derived from the config, and any model's own constructor is the
+    one code that knows how. ``to_empty`` would leave them uninitialized, so they are put back.
+    """
+    buffers = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
+    model.to_empty(device=device)
+    for name, b in buffers.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = b.to(device)
 
 
 def param_seed(seed: int, name: str) -> int:

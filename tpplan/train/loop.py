@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from . import checkpoint as ckpt
 from .data import local_batch
-from .init import init_weights
+from .init import init_weights, materialize
 from .progress import GPU_ONLY, Reporter, peak_flops
 from .setup import Prepared, prepare
 
@@ -139,7 +139,7 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
     dist.barrier()
 
     model = plan.apply(prep.model, mesh)
-    model.to_empty(device=device)
+    materialize(model, device)
     init_method = init_weights(model, t.seed, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
                                   weight_decay=t.weight_decay)

@@ -109,7 +109,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         errs.add(f"data-parallel size {dims.dp} needs an 'fsdp' section (it is what averages "
                  "gradients over the data-parallel ranks)", plan.mesh.loc)
     errs.raise_if_any()
-    model = build_model(plan.model, device="meta")
+    model = build_model(plan.model, device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility, seq_len under SP: located errors
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
