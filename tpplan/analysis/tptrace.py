@@ -1,0 +1,120 @@
+"""Tensor-parallel collectives, counted by running the plan's TP forward+backward on meta.
+
+A second meta model gets only the TP part of the plan (``tpplan.apply.apply_tp`` with the
+dry run's resolution), is cast to the compute dtype FSDP's mixed precision would use, and
+runs one micro-batch forward, loss (under ``plan.loss_context()``) and backward inside a
+:class:`CollectiveRecorder`. Nothing is allocated: meta tensors carry shapes only.
+
+Deep models are traced at depth 1, 2 and 3 of their repeated block container. For identical
+blocks (same module types, parameter shapes and plan rules) every block receives its input
+in the layout the previous one produced, so the count is affine in depth:
+``c(L) = c(1) + (L-1)·(c(2)-c(1))``. The third trace checks that (``c(3)-c(2) = c(2)-c(1)``);
+if it does not hold, or the blocks differ, the whole model is traced instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel_dims import MESH_DIMS
+from ..patterns import generalize
+from .counting import CollectiveRecorder
+
+__all__ = ["TPTrace", "trace_tp", "Key"]
+
+# (kind, mesh dimension, backward?, bytes of the buffer, module pattern)
+Key = tuple[str, str, bool, int, str]
+
+
+class TPTrace:
+    """Collectives of one micro-batch: ``counts[key]`` over :data:`Key`; ``depths`` traced."""
+
+    def __init__(self, counts: Counter, depths: list[int], blocks: str | None):
+        self.counts, self.depths, self.blocks = counts, depths, blocks
+
+
+def _repeated_container(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
+    """The one ModuleList/ModuleDict of ≥3 identical blocks, as (parent, attribute, path)."""
+    found = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) < 3:
+            continue
+        sigs = []
+        for name, child in mod.named_children():
+            prefix = f"{path}.{name}" if path else name
+            sigs.append(tuple(
+                (rel, type(m).__name__, id(rule_of.get(f"{prefix}.{rel}" if rel else prefix)),
+                 tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False)))
+                for rel, m in child.named_modules()))
+        if all(s == sigs[0] for s in sigs):
+            found.append(path)
+    if len(found) != 1:
+        return None
+    parent_path, _, attr = found[0].rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    return parent, attr, found[0]
+
+
+def _truncated(container: nn.Module, depth: int) -> nn.Module:
+    if isinstance(container, nn.ModuleDict):
+        return nn.ModuleDict(dict(list(container.items())[:depth]))
+    return nn.ModuleList(list(container)[:depth])
+
+
+def _run(model: nn.Module, plan, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
+    with CollectiveRecorder() as rec:
+        with plan.loss_context():
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            loss.backward()  # loss parallelism's backward also needs the context
+    counts: Counter = Counter()
+    root = type(model).__name__ + "."
+    for c in rec.collectives:
+        module = c.module.removeprefix(root) if c.module != "Global" else "<loss>"
+        if c.module == type(model).__name__:
+            module = "<root>"
+        counts[(c.kind, groups.get(c.group, c.group), c.backward, c.bytes,
+                generalize(module))] += 1
+    return counts
+
+
+def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micro_batch: int,
+             dtype: torch.dtype) -> TPTrace:
+    """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up)."""
+    import warnings
+
+    from ..apply import apply_tp
+
+    groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
+    model = build()
+    if dtype != torch.float32:
+        model.to(dtype)
+    apply_tp(model, mesh["tp"], res)
+    tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    found = _repeated_container(model, res.rule_of)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
+        if found is None:
+            return TPTrace(_run(model, plan, tokens, groups), [], None)
+        parent, attr, path = found
+        full = getattr(parent, attr)
+        depth = len(full)
+        traced = []
+        try:
+            for k in (1, 2, 3):
+                setattr(parent, attr, _truncated(full, k))
+                traced.append(_run(model, plan, tokens, groups))
+        finally:
+            setattr(parent, attr, full)
+        c1, c2, c3 = traced
+        keys = set(c1) | set(c2) | set(c3)
+        delta = {k: c2[k] - c1[k] for k in keys}
+        if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
+            return TPTrace(_run(model, plan, tokens, groups), [], None)
+        total = Counter({k: c1[k] + (depth - 1) * delta[k] for k in keys})
+        return TPTrace(+total, [1, 2, 3], path)
