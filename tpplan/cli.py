@@ -16,7 +16,7 @@ from .errors import PlanErrors
 
 __all__ = ["main", "print_errors"]
 
-COMMANDS = ("validate",)
+COMMANDS = ("validate", "verify")
 
 
 def print_errors(errors: PlanErrors, stream=None) -> None:

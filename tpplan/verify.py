@@ -62,6 +62,11 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     from .models import build_model
     from .plan import load
 
