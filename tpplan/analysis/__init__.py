@@ -81,6 +81,7 @@ def analyze_comm(result) -> None:
                       for (m, p, k), v in sorted(by_module.items())],
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
     result.extra["comm_minimum"] = _minimum(result, trace, shape)
+    result.extra["_tp_trace"] = trace  # private: the raw per-micro-batch counts, for tests
     _renderers(result).append(lambda console: _render_comm(console, result.extra))
 
 

@@ -97,7 +97,8 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
     forward (SP: reduce-scatter, then all-gather of its gradient). A colwise head reduces its
     input gradient (SP: all-gather in forward, reduce-scatter in backward), and loss
     parallelism adds three all-reduces of one fp32 per token (max, sum-exp, target logit;
-    torch/distributed/tensor/parallel/loss.py).
+    torch/distributed/tensor/parallel/loss.py). With SP, every weight of a
+    sequence-parallel module (the norms) has its gradient all-reduced over tp once.
     """
     counts: Counter = Counter()
     nbytes: Counter = Counter()
@@ -111,6 +112,11 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
         counts[(kind, bw)] += 1
         nbytes[(kind, bw)] += tokens * width * e
 
+    if sp:  # a sequence-parallel module's weights get partial gradients: one all-reduce each
+        for _, m in _linears(model, res, "sequence_parallel"):
+            for p in m.parameters(recurse=False):
+                counts[("all_reduce", True)] += 1
+                nbytes[("all_reduce", True)] += p.numel() * e
     rowwise = _linears(model, res, "rowwise")
     parents_with_rowwise = {p.rpartition(".")[0] for p, m in rowwise if isinstance(m, nn.Linear)}
     for path, m in rowwise:

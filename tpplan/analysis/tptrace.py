@@ -72,15 +72,35 @@ def _run(model: nn.Module, plan, tokens: torch.Tensor, groups: dict[str, str]) -
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
             loss.backward()  # loss parallelism's backward also needs the context
+        in_backward = len(rec.collectives)
+        _reduce_partial_grads(model)
     counts: Counter = Counter()
     root = type(model).__name__ + "."
-    for c in rec.collectives:
+    for i, c in enumerate(rec.collectives):
         module = c.module.removeprefix(root) if c.module != "Global" else "<loss>"
         if c.module == type(model).__name__:
             module = "<root>"
-        counts[(c.kind, groups.get(c.group, c.group), c.backward, c.bytes,
+        backward = c.backward or i >= in_backward
+        if i >= in_backward:
+            module = "<gradients>"
+        counts[(c.kind, groups.get(c.group, c.group), backward, c.bytes,
                 generalize(module))] += 1
     return counts
+
+
+def _reduce_partial_grads(model: nn.Module) -> None:
+    """Bring each gradient to its parameter's placement, as FSDP2 (or the optimizer) does.
+
+    A weight replicated over tp but used on sequence shards (a sequence-parallel norm) gets
+    a partial gradient; turning it into the replicated one is an all-reduce per step that
+    only appears when the gradient is used, after backward.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micro_batch: int,
