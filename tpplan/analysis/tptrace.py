@@ -14,6 +14,7 @@ if it does not hold, or the blocks differ, the whole model is traced instead.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Callable
 
@@ -26,6 +27,8 @@ from ..patterns import generalize
 from .counting import CollectiveRecorder
 
 __all__ = ["TPTrace", "trace_tp", "Key"]
+
+log = logging.getLogger("tpplan")
 
 # (kind, mesh dimension, backward?, bytes of the buffer, module pattern)
 Key = tuple[str, str, bool, int, str]
@@ -67,6 +70,7 @@ def _truncated(container: nn.Module, depth: int) -> nn.Module:
 
 
 def _run(model: nn.Module, plan, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
+    model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
     with CollectiveRecorder() as rec:
         with plan.loss_context():
             logits = model(tokens)
@@ -135,6 +139,7 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}
         if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
+            log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
             return TPTrace(_run(model, plan, tokens, groups), [], None)
         total = Counter({k: c1[k] + (depth - 1) * delta[k] for k in keys})
         return TPTrace(+total, [1, 2, 3], path)
