@@ -41,7 +41,7 @@ def measure(config: str, layers: int | None, world: int, tp: int) -> dict:
 
 
 def row(r: dict) -> str:
-    return (f"| {r['config']} | {r['layers'] or 126} | {r['world']:,} | {r['tp']} | "
+    return (f"| {r['config']} | {r['layers'] or 'all'} | {r['world']:,} | {r['tp']} | "
             f"{r['seconds']:.1f} | {r['peak_mib']:.0f} | {'yes' if r['ok'] else 'NO'} |")
 
 

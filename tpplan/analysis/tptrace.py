@@ -14,6 +14,7 @@ if it does not hold, or the blocks differ, the whole model is traced instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Callable
@@ -115,31 +116,39 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
     from ..apply import apply_tp
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
-    model = build()
-    if dtype != torch.float32:
-        model.to(dtype)
-    apply_tp(model, mesh["tp"], res)
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
-    found = _repeated_container(model, res.rule_of)
+
+    def prepared(model: nn.Module) -> nn.Module:
+        if dtype != torch.float32:
+            model.to(dtype)
+        # Only the modules still in the model: the container may have been cut to 3 blocks.
+        paths = {p for p, _ in model.named_modules()}
+        apply_tp(model, mesh["tp"], dataclasses.replace(
+            res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
+            attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
+        return model
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
+        model = build()
+        found = _repeated_container(model, res.rule_of)
         if found is None:
-            return TPTrace(_run(model, plan, tokens, groups), [], None)
+            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
         parent, attr, path = found
-        full = getattr(parent, attr)
-        depth = len(full)
+        depth = len(getattr(parent, attr))
+        # Cut before applying TP: the blocks past the third are never run.
+        three = _truncated(getattr(parent, attr), 3)
+        setattr(parent, attr, three)
+        prepared(model)
         traced = []
-        try:
-            for k in (1, 2, 3):
-                setattr(parent, attr, _truncated(full, k))
-                traced.append(_run(model, plan, tokens, groups))
-        finally:
-            setattr(parent, attr, full)
+        for k in (1, 2, 3):
+            setattr(parent, attr, _truncated(three, k))
+            traced.append(_run(model, plan, tokens, groups))
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}
         if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
             log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
-            return TPTrace(_run(model, plan, tokens, groups), [], None)
+            return TPTrace(_run(prepared(build()), plan, tokens, groups), [], None)
         total = Counter({k: c1[k] + (depth - 1) * delta[k] for k in keys})
         return TPTrace(+total, [1, 2, 3], path)
