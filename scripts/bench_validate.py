@@ -45,7 +45,8 @@ def measure(config: str, layers: int | None, world: int, tp: int) -> dict:
 
 def row(r: dict) -> str:
     return (f"| {r['config']} | {r['layers'] or 'all'} | {r['world']:,} | {r['tp']} | "
-            f"{r['seconds']:.1f} | {r['cpu']:.1f} | {r['peak_mib']:.0f} | {'yes' if r['ok'] else 'NO'} |")
+            f"{r['seconds']:.1f} | {r['cpu']:.1f} | {r['peak_mib']:.0f} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
 
 
 def main() -> int:

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tpplan.analysis import ANALYSES
 from tpplan.cli import main
 from tpplan.dryrun import dry_run
-from tpplan.analysis import ANALYSES
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"

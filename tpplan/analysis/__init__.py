@@ -71,7 +71,7 @@ def analyze_comm(result) -> None:
     fsdp = fsdp_collectives(result.model, res, plan, shape)
     per_step = rows(trace, fsdp, shape, dims)
     by_module: dict[tuple, list[int]] = {}
-    for (kind, dim, bw, nbytes, module), n in trace.counts.items():
+    for (kind, _dim, bw, nbytes, module), n in trace.counts.items():
         a = by_module.setdefault((module, "backward" if bw else "forward", kind), [0, 0])
         a[0] += n * shape.grad_accum
         a[1] += n * nbytes * shape.grad_accum

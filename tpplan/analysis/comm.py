@@ -119,7 +119,7 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
                 nbytes[("all_reduce", True)] += p.numel() * e
     rowwise = _linears(model, res, "rowwise")
     parents_with_rowwise = {p.rpartition(".")[0] for p, m in rowwise if isinstance(m, nn.Linear)}
-    for path, m in rowwise:
+    for _, m in rowwise:
         if isinstance(m, nn.Embedding):
             add("reduce_scatter" if sp else "all_reduce", False, m.embedding_dim)
             if sp:
