@@ -156,3 +156,22 @@ def test_validate_prints_memory_and_communication_and_json_has_no_private_keys(c
     assert mem["total"] == sum(mem[k] for k in ("parameters", "gradients", "optimizer",
                                                 "fsdp_unsharded", "activations"))
     assert {r["source"] for r in data["comm_per_step"]["collectives"]} == {"tp", "fsdp"}
+
+
+def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
+    path = str(ROOT / "tests" / "plans" / "colwise-chain.yaml")
+    result = dry_run(path, 4, ["train.global_batch_size=8"], ANALYSES)  # 1 micro-batch
+    minimum = result.extra["comm_minimum"]
+    assert not minimum["at_minimum"]
+    layers = len(result.model.layers)
+    # Per block, w2 (colwise, input shard(-1), output replicate) replaces the rowwise
+    # layer's one all-reduce per pass by: an all-gather of its hidden-sharded input and one
+    # of its feature-sharded output in forward, a reduce-scatter of its input gradient back
+    # to hidden shards in backward. Kinds do not cancel, so the extras per kind are those.
+    extra = {(e["kind"], e["pass_"]): e["count"] for e in minimum["extra"]}
+    assert extra == {("all_gather", "forward"): 2 * layers,
+                     ("reduce_scatter", "backward"): layers}
+    [reason] = minimum["reasons"]
+    assert reason["where"] == "layers.*.feed_forward.w2"
+    assert reason["extra_count"] == {"all_gather (forward)": 2 * layers,
+                                     "reduce_scatter (backward)": layers}

@@ -9,6 +9,7 @@ sequence parallelism is free in bandwidth. Formulas and sources: docs/dry-run.md
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -87,6 +88,25 @@ def _linears(model: nn.Module, res, style: str) -> list[tuple[str, nn.Module]]:
     return [(p, modules[p]) for p, r in res.rule_of.items() if r.style.name == style]
 
 
+def _colwise_chained(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+    """Colwise Linears whose declared input is sharded over features (fed by a colwise)."""
+    out = []
+    for path, m in _linears(model, res, "colwise"):
+        layout = res.rule_of[path].style.options.get("input_layouts")
+        if isinstance(m, nn.Linear) and getattr(layout, "kind", None) == "shard" and \
+                layout.dim not in (0, 1):  # batch or sequence shards are not features
+            out.append((path, m))
+    return out
+
+
+def _heads(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+    """Colwise Linears outside the repeated blocks that close no colwise group: the head."""
+    chained = {p for p, _ in _colwise_chained(model, res)}
+    in_blocks = re.compile(r"(^|\.)\d+(\.|$)")
+    return [(p, m) for p, m in _linears(model, res, "colwise")
+            if isinstance(m, nn.Linear) and p not in chained and not in_blocks.search(p)]
+
+
 def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Counter, Counter]:
     """What a Megatron-style plan needs for one micro-batch, as Counter[(kind, backward)] of
     (count) and ``bytes`` Counter alongside: see docs/dry-run.md for the derivation.
@@ -118,27 +138,29 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
                 counts[("all_reduce", True)] += 1
                 nbytes[("all_reduce", True)] += p.numel() * e
     rowwise = _linears(model, res, "rowwise")
-    parents_with_rowwise = {p.rpartition(".")[0] for p, m in rowwise if isinstance(m, nn.Linear)}
     for _, m in rowwise:
         if isinstance(m, nn.Embedding):
             add("reduce_scatter" if sp else "all_reduce", False, m.embedding_dim)
             if sp:
                 add("all_gather", True, m.embedding_dim)
-        elif isinstance(m, nn.Linear):
-            for bw in (False, True):
-                if sp:
-                    add("all_gather", bw, m.out_features)
-                    add("reduce_scatter", bw, m.out_features)
-                else:
-                    add("all_reduce", bw, m.out_features)
-    for path, m in _linears(model, res, "colwise"):
-        if isinstance(m, nn.Linear) and path.rpartition(".")[0] not in parents_with_rowwise:
+    closers = [m.out_features for _, m in rowwise if isinstance(m, nn.Linear)]
+    # A colwise layer fed a feature-sharded input closes a sub-layer too (wastefully):
+    # the minimum counts what a rowwise layer would need in its place.
+    closers += [m.out_features for _, m in _colwise_chained(model, res)]
+    for width in closers:
+        for bw in (False, True):
             if sp:
-                add("all_gather", False, m.in_features)
-            add("reduce_scatter" if sp else "all_reduce", True, m.in_features)
-            for _ in range(3):
-                counts[("all_reduce", False)] += 1
-                nbytes[("all_reduce", False)] += tokens * 4
+                add("all_gather", bw, width)
+                add("reduce_scatter", bw, width)
+            else:
+                add("all_reduce", bw, width)
+    for _, m in _heads(model, res):
+        if sp:
+            add("all_gather", False, m.in_features)
+        add("reduce_scatter" if sp else "all_reduce", True, m.in_features)
+        for _ in range(3):
+            counts[("all_reduce", False)] += 1
+            nbytes[("all_reduce", False)] += tokens * 4
     return counts, nbytes
 
 
@@ -167,22 +189,25 @@ def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
                    f"{extra} extra per micro-batch ({len(instances)} × "
                    f"{len(instances[0]) - 1}); add a prepare_input rule on '{parent}' so they "
                    "share one"))
-    for path in colwise:
-        opts = res.rule_of[path].style.options
-        layout = opts.get("input_layouts")
-        if layout is not None and getattr(layout, "kind", None) == "shard" and \
-                layout.dim not in (1,):
-            reasons.append(dict(
-                where=generalize(path), extra_count={"all_gather (forward)": 1},
-                reason=f"colwise '{generalize(path)}' takes a feature-sharded input "
-                       f"(input_layouts={layout}): a colwise layer feeds it, so the "
-                       "activation is all-gathered in between; make the layer before it "
-                       "colwise and this one rowwise"))
+    chained: dict[str, list[str]] = defaultdict(list)
+    for path, _ in _colwise_chained(model, res):
+        chained[generalize(path)].append(path)
+    for where, paths in chained.items():
+        opts = res.rule_of[paths[0]].style.options
+        out = opts.get("output_layouts")
+        gathers = len(paths) * (2 if getattr(out, "kind", None) == "replicate" else 1)
+        reasons.append(dict(
+            where=where,
+            extra_count={"all_gather (forward)": gathers, "reduce_scatter (backward)": len(paths)},
+            reason=f"colwise '{where}' takes a feature-sharded input "
+                   f"(input_layouts={opts.get('input_layouts')}) from a colwise layer: its input "
+                   f"{'and its output are' if gathers > len(paths) else 'is'} all-gathered in "
+                   "forward and its input gradient reduce-scattered in backward, where a "
+                   "rowwise layer needs one all-reduce per pass; make this layer rowwise"))
     if not plan.loss_parallel and res.dims.tp > 1:
-        heads = [p for p in colwise if p.rpartition(".")[0] not in
-                 {q.rpartition(".")[0] for q, _ in _linears(model, res, "rowwise")}]
+        heads = _heads(model, res)
         if heads:
-            reasons.append(dict(where=heads[0], extra_count={},
+            reasons.append(dict(where=heads[0][0], extra_count={},
                                 reason="the logits are gathered over the vocabulary; "
                                        "set 'loss_parallel: true' to compute the loss on shards"))
     return reasons
