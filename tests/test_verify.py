@@ -12,8 +12,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("plan, nproc", [("llama.yaml", 4), ("llama-tp.yaml", 4),
-                                         ("llama-fsdp.yaml", 2), ("llama-hsdp-tp.yaml", 8)])
+                                         ("llama-fsdp.yaml", 2), ("llama-hsdp-tp.yaml", 8),
+                                         ("../tests/plans/wasteful-siblings.yaml", 4)])
 def test_every_shipped_plan_matches_one_device(plan, nproc, capsys):
+    # The wasteful plan is there too: above the communication minimum, yet correct.
     code = main(["verify", "--plan", str(ROOT / "plans" / plan), "--nproc", str(nproc)])
     out = capsys.readouterr().out
     assert code == 0, out

@@ -139,4 +139,23 @@ def _render_comm(console, extra: dict[str, Any]) -> None:
         console.print(Text(f"  why: {r['reason']}"))
 
 
-ANALYSES = [analyze_memory, analyze_comm]
+def _guarded(analysis, key: str):
+    """Run ``analysis``; if the model cannot be analysed (a factory model whose forward does
+    not take a batch of token ids, say), report why under ``key`` instead of a traceback:
+    the plan itself was valid."""
+
+    def run(result) -> None:
+        try:
+            analysis(result)
+        except Exception as e:  # noqa: BLE001 - any failure here is reported, not raised
+            message = f"{type(e).__name__}: {e}".splitlines()[0]
+            result.extra[key] = {"error": message}
+            _renderers(result).append(lambda console: console.print(
+                f"[yellow]{key} not available[/yellow]: {message}", markup=True,
+                highlight=False))
+
+    run.__name__ = analysis.__name__
+    return run
+
+
+ANALYSES = [_guarded(analyze_memory, "memory_per_rank"), _guarded(analyze_comm, "comm_per_step")]

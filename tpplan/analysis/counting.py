@@ -54,12 +54,9 @@ def _buffer_bytes(op: str, kind: str, size: int, args) -> int:
     if op in ("_allgather_base_", "_reduce_scatter_base_"):  # c10d: (output, input, group)
         return _nbytes(args[0] if kind == "all_gather" else args[1])
     data = _nbytes(args[0]) if args else 0
-    # Functional all-gather receives this rank's shard; report the gathered output.
-    return data * size if kind == "all_gather" and namespace_is_functional(op) else data
-
-
-def namespace_is_functional(op: str) -> bool:
-    return op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced")
+    # A functional all-gather receives this rank's shard; report the gathered output.
+    gathers_shard = op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced")
+    return data * size if gathers_shard else data
 
 
 def _group_name(args, kwargs) -> str:
@@ -73,13 +70,13 @@ def _group_name(args, kwargs) -> str:
     return getattr(pg, "group_name", "?") if pg is not None else "?"
 
 
-def _group_size(kind: str, name: str, args) -> int:
+def _group_size(name: str, args) -> int:
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
         return dist.get_world_size(_resolve_process_group(name))
-    except Exception:  # a name we cannot resolve: read it from the op's arguments
+    except (ValueError, RuntimeError, KeyError):  # unknown name: read it from the arguments
         ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
         return ints[0] if ints else 1
 
@@ -110,7 +107,7 @@ class CollectiveRecorder(CommDebugMode):
             return out
         kwargs = kwargs or {}
         name = _group_name(args, kwargs)
-        size = _group_size(kind, name, args)
+        size = _group_size(name, args)
         data = _buffer_bytes(packet.__name__, kind, size, args)
         tracker = self.advanced_module_tracker
         self.collectives.append(Collective(kind, name, size, data, bool(tracker.is_bw),
