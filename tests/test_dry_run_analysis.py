@@ -136,8 +136,8 @@ def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_co
            for b in blocks]
     per_micro_batch = sum(s - 1 for s in siblings) + sum(f - 1 for f in ffn)
     expected = per_micro_batch * result.extra["comm_per_step"]["grad_accum"]
-    assert minimum["extra"] == [dict(kind="all_reduce", pass_="backward", count=expected,
-                                     bytes=minimum["extra"][0]["bytes"])]
+    assert minimum["extra"] == [{"kind": "all_reduce", "pass": "backward", "count": expected,
+                                 "bytes": minimum["extra"][0]["bytes"]}]
     explained = sum(r["extra_count"]["all_reduce (backward)"] for r in minimum["reasons"])
     assert explained == per_micro_batch
     assert {r["where"] for r in minimum["reasons"]} == {"layers.*.attention",
@@ -168,7 +168,7 @@ def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
     # layer's one all-reduce per pass by: an all-gather of its hidden-sharded input and one
     # of its feature-sharded output in forward, a reduce-scatter of its input gradient back
     # to hidden shards in backward. Kinds do not cancel, so the extras per kind are those.
-    extra = {(e["kind"], e["pass_"]): e["count"] for e in minimum["extra"]}
+    extra = {(e["kind"], e["pass"]): e["count"] for e in minimum["extra"]}
     assert extra == {("all_gather", "forward"): 2 * layers,
                      ("reduce_scatter", "backward"): layers}
     [reason] = minimum["reasons"]

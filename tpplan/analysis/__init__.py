@@ -77,7 +77,7 @@ def analyze_comm(result) -> None:
         a[1] += n * nbytes * shape.grad_accum
     result.extra["comm_per_step"] = dict(
         grad_accum=shape.grad_accum, collectives=per_step,
-        tp_by_module=[dict(module=m, pass_=p, kind=k, count=v[0], bytes=v[1])
+        tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
                       for (m, p, k), v in sorted(by_module.items())],
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
     result.extra["comm_minimum"] = _minimum(result, trace, shape)
@@ -98,12 +98,12 @@ def _minimum(result, trace, shape) -> dict[str, Any]:
     minimum, extra = [], []
     for kind, bw in keys:
         p = "backward" if bw else "forward"
-        minimum.append(dict(kind=kind, pass_=p, count=counts[(kind, bw)] * k,
-                            bytes=nbytes[(kind, bw)] * k))
+        minimum.append({"kind": kind, "pass": p, "count": counts[(kind, bw)] * k,
+                        "bytes": nbytes[(kind, bw)] * k})
         dn = measured_n[(kind, bw)] - counts[(kind, bw)]
         db = measured_b[(kind, bw)] - nbytes[(kind, bw)]
         if dn > 0 or db > 0:
-            extra.append(dict(kind=kind, pass_=p, count=dn * k, bytes=db * k))
+            extra.append({"kind": kind, "pass": p, "count": dn * k, "bytes": db * k})
     wire = sum(wire_bytes(kd, b, dims.tp) for (kd, _), b in nbytes.items()) * k
     wire_measured = sum(wire_bytes(kd, b, dims.tp) for (kd, _), b in measured_b.items()) * k
     return dict(mesh_dim="tp", style="sequence parallel" if plan.uses_sequence_parallel
@@ -133,7 +133,7 @@ def _render_comm(console, extra: dict[str, Any]) -> None:
                   f" per rank per step over tp, a Megatron-style {mini['style']} plan needs "
                   f"{_size(mini['wire_bytes'])}")
     for e in mini["extra"]:
-        console.print(Text(f"  +{e['count']} {e['kind']} in {e['pass_']} "
+        console.print(Text(f"  +{e['count']} {e['kind']} in {e['pass']} "
                            f"(+{_size(e['bytes'])})"))
     for r in mini["reasons"]:
         console.print(Text(f"  why: {r['reason']}"))
