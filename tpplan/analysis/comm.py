@@ -204,6 +204,15 @@ def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
                    f"{'and its output are' if gathers > len(paths) else 'is'} all-gathered in "
                    "forward and its input gradient reduce-scattered in backward, where a "
                    "rowwise layer needs one all-reduce per pass; make this layer rowwise"))
+    ac = plan.activation_checkpointing
+    if ac.mode != "none" and res.ac_blocks:
+        every = ac.every if ac.mode == "selective" else 1
+        n = len(res.ac_blocks[::every])
+        reasons.append(dict(
+            where=ac.blocks, extra_count={},
+            reason=f"activation checkpointing recomputes {n} blocks' forward in backward, "
+                   "re-issuing the collectives the recomputed part needs (memory for "
+                   "bandwidth: a choice, not a mistake)"))
     if not plan.loss_parallel and res.dims.tp > 1:
         heads = _heads(model, res)
         if heads:

@@ -113,7 +113,7 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
     """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up)."""
     import warnings
 
-    from ..apply import apply_tp
+    from ..apply import apply_ac, apply_tp
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
@@ -126,6 +126,11 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
         apply_tp(model, mesh["tp"], dataclasses.replace(
             res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
             attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
+        ac = plan.activation_checkpointing
+        if ac.mode != "none":
+            # Recomputed blocks re-issue their forward collectives in backward: count them.
+            apply_ac(model, [p for p in res.ac_blocks if p in paths],
+                     ac.every if ac.mode == "selective" else 1)
         return model
 
     with warnings.catch_warnings():
