@@ -76,14 +76,18 @@ def _traced(result) -> Counter:
     return out
 
 
-@pytest.mark.parametrize("plan", ["llama.yaml", "llama-tp.yaml"])
-def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, tmp_path):
+@pytest.mark.parametrize("plan, extra", [
+    ("llama.yaml", []), ("llama-tp.yaml", []),
+    # Recomputation re-issues collectives in backward; the trace must see the same ones.
+    ("llama.yaml", ["activation_checkpointing={mode: full}"]),
+])
+def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_path):
     from tpplan.verify import spawn
 
     world, micro, seq = 4, 2, 16
     dp = dry_run(str(PLANS / plan), world, SMALL, ()).report.dims.dp
     # One micro-batch per optimizer step, so per-step figures are per-micro-batch ones.
-    overrides = SMALL + [f"train.global_batch_size={micro * dp}"]
+    overrides = SMALL + extra + [f"train.global_batch_size={micro * dp}"]
     result = dry_run(str(PLANS / plan), world, overrides, ANALYSES)
     assert result.ok, result.errors
     spawn(_real_worker, world, str(PLANS / plan), overrides, micro, seq, str(tmp_path))
