@@ -179,3 +179,20 @@ def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
     assert reason["where"] == "layers.*.feed_forward.w2"
     assert reason["extra_count"] == {"all_gather (forward)": 2 * layers,
                                      "reduce_scatter (backward)": layers}
+
+
+@pytest.mark.parametrize("plan, ac", [
+    ("llama.yaml", "{mode: none}"), ("llama-tp.yaml", "{mode: full}"),
+    ("llama.yaml", "{mode: selective, every: 2}"),
+])
+def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac,
+                                                                           monkeypatch):
+    import tpplan.analysis.tptrace as tptrace
+
+    overrides = ["model.kwargs.n_layers=12", f"activation_checkpointing={ac}"]
+    cut = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
+    assert cut.depths  # the fast path was taken
+    monkeypatch.setattr(tptrace, "_repeated_container", lambda *a: None)
+    whole = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
+    assert whole.depths == []  # every block traced
+    assert cut.counts == whole.counts

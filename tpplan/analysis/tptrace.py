@@ -9,7 +9,8 @@ Deep models are traced at depth 1, 2 and 3 of their repeated block container. Fo
 blocks (same module types, parameter shapes and plan rules) every block receives its input
 in the layout the previous one produced, so the count is affine in depth:
 ``c(L) = c(1) + (L-1)·(c(2)-c(1))``. The third trace checks that (``c(3)-c(2) = c(2)-c(1)``);
-if it does not hold, or the blocks differ, the whole model is traced instead.
+if it does not hold, or the blocks differ, the whole model is traced instead. Selective
+checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same way.
 """
 
 from __future__ import annotations
@@ -141,13 +142,19 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
             return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
         parent, attr, path = found
         depth = len(getattr(parent, attr))
-        # Cut before applying TP: the blocks past the third are never run.
-        three = _truncated(getattr(parent, attr), 3)
-        setattr(parent, attr, three)
+        # Selective checkpointing of every k-th block repeats with period k, not 1.
+        ac = plan.activation_checkpointing
+        period = ac.every if ac.mode == "selective" else 1
+        if depth % period or depth < 3 * period:
+            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
+        depths = [period, 2 * period, 3 * period]
+        # Cut before applying TP: the blocks past the traced ones are never run.
+        kept = _truncated(getattr(parent, attr), depths[-1])
+        setattr(parent, attr, kept)
         prepared(model)
         traced = []
-        for k in (1, 2, 3):
-            setattr(parent, attr, _truncated(three, k))
+        for k in depths:
+            setattr(parent, attr, _truncated(kept, k))
             traced.append(_run(model, plan, tokens, groups))
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
@@ -155,5 +162,5 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
         if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
             log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
             return TPTrace(_run(prepared(build()), plan, tokens, groups), [], None)
-        total = Counter({k: c1[k] + (depth - 1) * delta[k] for k in keys})
-        return TPTrace(+total, [1, 2, 3], path)
+        total = Counter({k: c1[k] + (depth // period - 1) * delta[k] for k in keys})
+        return TPTrace(+total, depths, path)
