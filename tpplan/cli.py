@@ -17,7 +17,7 @@ from .errors import PlanErrors
 
 __all__ = ["main", "print_errors"]
 
-COMMANDS = ("validate", "train", "suggest", "import-hf", "export")
+COMMANDS = ("validate", "verify", "train", "suggest", "import-hf", "export")
 
 
 def print_errors(errors: PlanErrors, stream=None) -> None:

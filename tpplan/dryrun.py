@@ -46,7 +46,7 @@ class DryRun:
             "mesh": dims.as_dict() if dims else None,
             "modules": [m.to_json() for m in self.report.modules] if self.report else [],
         }
-        out.update({k: v for k, v in self.extra.items()})
+        out.update({k: v for k, v in self.extra.items() if not k.startswith("_")})
         return out
 
 

@@ -64,6 +64,11 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     from .models import build_model
     from .plan import load
 
@@ -99,8 +104,15 @@ def spawn(fn, world_size: int, *args) -> None:
     from .runtime import free_port
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size,
-                       start_method="spawn")
+    for attempt in range(3):
+        try:
+            mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size,
+                               start_method="spawn")
+            return
+        except mp.ProcessRaisedException as e:
+            # The free port can be taken between our probe and rank 0's bind; try another.
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
 
 
 def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,

@@ -1,0 +1,81 @@
+"""Time and peak memory of ``tpplan validate`` (the whole command, in a fresh process).
+
+Each run is a child process; wall time is measured around it, CPU time and peak memory
+are the child's own (``os.wait4`` rusage: user + system seconds, maximum resident set
+size), so nothing of this script counts. The command is single-threaded, so on an idle
+machine wall ≈ CPU; on a shared one CPU time is the figure that does not depend on load.
+
+    python scripts/bench_validate.py                 # the table in docs/benchmarks.md
+    python scripts/bench_validate.py --only-target   # 405b at 4,096 ranks only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "plans" / "llama.yaml"
+TARGET = ("405b", 126, 4096, 8)
+
+
+def measure(config: str, layers: int | None, world: int, tp: int) -> dict:
+    """One ``tpplan validate --json`` run: seconds, peak RSS (MiB) and the verdict."""
+    cmd = [sys.executable, "-m", "tpplan", "validate", "--plan", str(PLAN), "--world-size",
+           str(world), "--json", "--set", f"model.config={config}", "--set", f"mesh.tp={tp}"]
+    if layers is not None:
+        cmd += ["--set", f"model.kwargs.n_layers={layers}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    data = json.loads(out) if out else {}
+    return dict(config=config, layers=layers, world=world, tp=tp, seconds=wall,
+                cpu=usage.ru_utime + usage.ru_stime,
+                peak_mib=usage.ru_maxrss / 1024, ok=data.get("ok", False) and status == 0,
+                total_gib=(data.get("memory_per_rank", {}).get("total") or 0) / 2**30)
+
+
+def row(r: dict) -> str:
+    return (f"| {r['config']} | {r['layers'] or 'all'} | {r['world']:,} | {r['tp']} | "
+            f"{r['seconds']:.1f} | {r['cpu']:.1f} | {r['peak_mib']:.0f} | "
+            f"{'yes' if r['ok'] else 'NO'} |")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--only-target", action="store_true")
+    args = p.parse_args()
+    print(f"machine: {os.cpu_count()} CPUs visible, load average {os.getloadavg()[0]:.1f} at "
+          f"start; python {sys.version.split()[0]}")
+    print("| config | layers | world size | tp | wall (s) | CPU (s) | peak RSS (MiB) | valid |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    runs = [TARGET[:1] + (None,) + TARGET[2:]]
+    if not args.only_target:
+        runs += [("405b", n, 4096, 8) for n in (8, 32, 63)]
+        runs += [("405b", None, w, 8) for w in (64, 512)]
+        runs += [("70b", None, 1024, 8), ("8b", None, 64, 8)]
+    worst = 0.0
+    for config, layers, world, tp in runs:
+        r = measure(config, layers, world, tp)
+        print(row(r), flush=True)
+        if (config, world) == ("405b", 4096) and layers is None:
+            worst = r["seconds"]
+            target = r
+    ok = target["ok"] and target["seconds"] <= 10 and target["peak_mib"] <= 2048
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"target (405b, 4,096 ranks, tp 8): {worst:.1f} s wall, {target['cpu']:.1f} s CPU, "
+          f"{target['peak_mib']:.0f} MiB "
+          f"-> {'met' if ok else 'NOT met'} (≤ 10 s, ≤ 2 GiB)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

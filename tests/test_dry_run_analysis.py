@@ -1,0 +1,198 @@
+"""Promises of ``tpplan validate``'s analyses: the communication it reports is what the
+plan really does on a gloo mesh, parameter bytes are the real local shards, and a plan's
+distance from the Megatron minimum is measured and explained."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tpplan.analysis import ANALYSES
+from tpplan.cli import main
+from tpplan.dryrun import dry_run
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANS = ROOT / "plans"
+SMALL = ["train.seq_len=16", "train.micro_batch_size=2"]
+
+
+def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: list[str],
+                 micro: int, seq_len: int, out: str) -> None:
+    """Apply the whole plan (TP + FSDP) on real CPU tensors and count one micro-batch."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.models import build_model
+    from tpplan.plan import load
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    plan = load(plan_path, overrides)
+    torch.manual_seed(0)
+    model = build_model(plan.model, device="cpu")
+    mesh = plan.build_mesh("cpu")
+    try:
+        model = plan.apply(model, mesh)
+        tokens = torch.randint(0, 256, (micro, seq_len + 1))
+        with CollectiveRecorder() as rec:
+            with plan.loss_context():
+                logits = model(tokens[:, :-1])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                loss.backward()
+        tp_group = mesh["tp"].get_group().group_name
+        # DTensor (TP) issues functional collectives; FSDP2 issues c10d ones on dp groups.
+        functional = {str(op): n for op, n in rec.get_comm_counts().items()
+                      if "c10d_functional" in str(op)}
+        sizes = Counter()
+        for c in rec.collectives:
+            if c.group == tp_group:
+                sizes[(c.kind, c.backward, c.bytes)] += 1
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                    for p in model.parameters())
+        if rank == 0:
+            torch.save({"functional": functional, "sizes": dict(sizes), "param_bytes": local},
+                       Path(out) / "real.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _traced(result) -> Counter:
+    out = Counter()
+    for row in result.extra["comm_per_step"]["collectives"]:
+        if row["source"] == "tp":
+            out[row["kind"]] += row["count"]
+    return out
+
+
+@pytest.mark.parametrize("plan, extra", [
+    ("llama.yaml", []), ("llama-tp.yaml", []),
+    # Recomputation re-issues collectives in backward; the trace must see the same ones.
+    ("llama.yaml", ["activation_checkpointing={mode: full}"]),
+])
+def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_path):
+    from tpplan.verify import spawn
+
+    world, micro, seq = 4, 2, 16
+    dp = dry_run(str(PLANS / plan), world, SMALL, ()).report.dims.dp
+    # One micro-batch per optimizer step, so per-step figures are per-micro-batch ones.
+    overrides = SMALL + extra + [f"train.global_batch_size={micro * dp}"]
+    result = dry_run(str(PLANS / plan), world, overrides, ANALYSES)
+    assert result.ok, result.errors
+    spawn(_real_worker, world, str(PLANS / plan), overrides, micro, seq, str(tmp_path))
+    real = torch.load(tmp_path / "real.pt")
+
+    # Counts: CommDebugMode's own count of the real run, by functional collective op.
+    kind_of = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+               "reduce_scatter_tensor": "reduce_scatter"}
+    real_counts = Counter()
+    for op, n in real["functional"].items():
+        real_counts[kind_of[op.rsplit(".", 1)[-1]]] += n
+    assert _traced(result) == real_counts
+
+    # Sizes: every (kind, pass, bytes) of the real run, against the meta trace.
+    traced = Counter()
+    for (kind, dim, bw, nbytes, _module), n in result.extra["_tp_trace"].counts.items():
+        assert dim == "tp"
+        traced[(kind, bw, nbytes)] += n
+    assert traced == Counter(real["sizes"])
+
+    assert result.extra["memory_per_rank"]["parameters"] == real["param_bytes"]
+
+
+@pytest.mark.parametrize("plan", ["llama.yaml", "llama-tp.yaml"])
+def test_reference_plans_sit_exactly_at_the_minimum(plan):
+    result = dry_run(str(PLANS / plan), 8, (), ANALYSES)
+    minimum = result.extra["comm_minimum"]
+    assert minimum["at_minimum"], minimum["extra"]
+    assert minimum["measured_wire_bytes"] == minimum["wire_bytes"]
+
+
+def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_count(root=ROOT):
+    from tpplan.models import build_model
+    from tpplan.plan import load
+
+    path = str(ROOT / "tests" / "plans" / "wasteful-siblings.yaml")
+    result = dry_run(path, 4, (), ANALYSES)
+    minimum = result.extra["comm_minimum"]
+    assert not minimum["at_minimum"]
+
+    # Each colwise sibling under a parent without prepare_input makes its own input a
+    # DTensor, so each all-reduces its own input gradient in backward; with one shared
+    # prepare_input the gradients add up first and are reduced once. The extra per block
+    # is (siblings - 1) per parent: (3 - 1) for wq/wk/wv plus (2 - 1) for w1/w3.
+    model = build_model(load(path).model, device="meta")
+    blocks = list(model.layers)
+    siblings = [sum(isinstance(m, nn.Linear) for m in (b.attention.wq, b.attention.wk,
+                                                        b.attention.wv)) for b in blocks]
+    ffn = [sum(isinstance(m, nn.Linear) for m in (b.feed_forward.w1, b.feed_forward.w3))
+           for b in blocks]
+    per_micro_batch = sum(s - 1 for s in siblings) + sum(f - 1 for f in ffn)
+    expected = per_micro_batch * result.extra["comm_per_step"]["grad_accum"]
+    assert minimum["extra"] == [{"kind": "all_reduce", "pass": "backward", "count": expected,
+                                 "bytes": minimum["extra"][0]["bytes"]}]
+    explained = sum(r["extra_count"]["all_reduce (backward)"] for r in minimum["reasons"])
+    assert explained == per_micro_batch
+    assert {r["where"] for r in minimum["reasons"]} == {"layers.*.attention",
+                                                        "layers.*.feed_forward"}
+
+
+def test_validate_prints_memory_and_communication_and_json_has_no_private_keys(capsys):
+    assert main(["validate", "--plan", str(PLANS / "llama.yaml"), "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "communication per rank" in out
+    assert main(["validate", "--plan", str(PLANS / "llama.yaml"), "--world-size", "8",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert not [k for k in data if k.startswith("_")]
+    mem = data["memory_per_rank"]
+    assert mem["total"] == sum(mem[k] for k in ("parameters", "gradients", "optimizer",
+                                                "fsdp_unsharded", "activations"))
+    assert {r["source"] for r in data["comm_per_step"]["collectives"]} == {"tp", "fsdp"}
+
+
+def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
+    path = str(ROOT / "tests" / "plans" / "colwise-chain.yaml")
+    result = dry_run(path, 4, ["train.global_batch_size=8"], ANALYSES)  # 1 micro-batch
+    minimum = result.extra["comm_minimum"]
+    assert not minimum["at_minimum"]
+    layers = len(result.model.layers)
+    # Per block, w2 (colwise, input shard(-1), output replicate) replaces the rowwise
+    # layer's one all-reduce per pass by: an all-gather of its hidden-sharded input and one
+    # of its feature-sharded output in forward, a reduce-scatter of its input gradient back
+    # to hidden shards in backward. Kinds do not cancel, so the extras per kind are those.
+    extra = {(e["kind"], e["pass"]): e["count"] for e in minimum["extra"]}
+    assert extra == {("all_gather", "forward"): 2 * layers,
+                     ("reduce_scatter", "backward"): layers}
+    [reason] = minimum["reasons"]
+    assert reason["where"] == "layers.*.feed_forward.w2"
+    assert reason["extra_count"] == {"all_gather (forward)": 2 * layers,
+                                     "reduce_scatter (backward)": layers}
+
+
+@pytest.mark.parametrize("plan, ac", [
+    ("llama.yaml", "{mode: none}"), ("llama-tp.yaml", "{mode: full}"),
+    ("llama.yaml", "{mode: selective, every: 2}"),
+])
+def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac,
+                                                                           monkeypatch):
+    import tpplan.analysis.tptrace as tptrace
+
+    overrides = ["model.kwargs.n_layers=12", f"activation_checkpointing={ac}"]
+    cut = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
+    assert cut.depths  # the fast path was taken
+    monkeypatch.setattr(tptrace, "_repeated_container", lambda *a: None)
+    whole = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
+    assert whole.depths == []  # every block traced
+    assert cut.counts == whole.counts

@@ -1,0 +1,241 @@
+"""Communication per optimizer step: TP (traced), FSDP (from its units), and the minimum.
+
+Bytes are those of each collective's full buffer (an all-gather's output, a reduce-scatter's
+input, an all-reduce's tensor); ``wire_bytes`` is what one rank sends with the ring
+algorithm: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others. By that
+measure one all-reduce costs exactly one reduce-scatter plus one all-gather, which is why
+sequence parallelism is free in bandwidth. Formulas and sources: docs/dry-run.md.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from typing import Any
+
+import torch.nn as nn
+
+from ..patterns import generalize
+from .settings import StepShape
+from .tptrace import TPTrace
+
+__all__ = ["fsdp_collectives", "megatron_minimum", "diagnose", "wire_bytes", "rows"]
+
+PREPARE = ("prepare_input", "prepare_input_output")
+
+
+def wire_bytes(kind: str, nbytes: int, n: int) -> int:
+    """Bytes one rank sends for a collective over ``n`` ranks (ring algorithm)."""
+    if n <= 1:
+        return 0
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * nbytes * (n - 1) // n
+
+
+def fsdp_units(model: nn.Module, res) -> list[tuple[str, int]]:
+    """(unit, elements its all-gather outputs) for each FSDP2 parameter group; root last.
+
+    Read from the groups ``fully_shard`` really built on the applied meta model, so a unit
+    pattern that matches many modules is one group (one all-gather), exactly as applied.
+    The size is FSDP's padded shard times the shard-group size: the all-gather's output.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: dict[int, list] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        entry = groups.setdefault(id(group), [[], group])
+        entry[0].append(name or "<root>")
+    out = []
+    for names, group in groups.values():
+        shard = group.mesh_info.shard_mesh_size
+        elems = sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params) * shard
+        label = names[0] if len(names) == 1 else f"{generalize(names[0])} ({len(names)} modules)"
+        out.append((label, elems))
+    out.sort(key=lambda u: u[0] == "<root>")
+    return out
+
+
+def fsdp_collectives(model: nn.Module, res, plan, shape: StepShape) -> list[dict[str, Any]]:
+    """FSDP2 per micro-batch: all-gather each unit in forward (and again in backward when
+    ``reshard_after_forward``; never the root, FSDP2 keeps it unsharded), reduce-scatter its
+    gradients, and with HSDP all-reduce the gradient shard over ``dp_replicate``."""
+    dims = res.dims
+    p_size = shape.param_dtype.itemsize
+    r_size = shape.reduce_dtype.itemsize
+    out: list[dict[str, Any]] = []
+    if plan.fsdp is None:
+        return out
+    for name, elems in fsdp_units(model, res):
+        gathers = 1 + (plan.fsdp.reshard_after_forward and name != "<root>")
+        if dims.dp_shard > 1:
+            out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=gathers,
+                            bytes=gathers * elems * p_size, unit=name))
+            out.append(dict(kind="reduce_scatter", mesh_dim="dp_shard", count=1,
+                            bytes=elems * r_size, unit=name))
+        if dims.dp_replicate > 1:
+            out.append(dict(kind="all_reduce", mesh_dim="dp_replicate", count=1,
+                            bytes=elems * r_size // dims.dp_shard, unit=name))
+    return out
+
+
+def _linears(model: nn.Module, res, style: str) -> list[tuple[str, nn.Module]]:
+    modules = dict(model.named_modules())
+    return [(p, modules[p]) for p, r in res.rule_of.items() if r.style.name == style]
+
+
+def _colwise_chained(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+    """Colwise Linears whose declared input is sharded over features (fed by a colwise)."""
+    out = []
+    for path, m in _linears(model, res, "colwise"):
+        layout = res.rule_of[path].style.options.get("input_layouts")
+        if isinstance(m, nn.Linear) and getattr(layout, "kind", None) == "shard" and \
+                layout.dim not in (0, 1):  # batch or sequence shards are not features
+            out.append((path, m))
+    return out
+
+
+def _heads(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+    """Colwise Linears outside the repeated blocks that close no colwise group: the head."""
+    chained = {p for p, _ in _colwise_chained(model, res)}
+    in_blocks = re.compile(r"(^|\.)\d+(\.|$)")
+    return [(p, m) for p, m in _linears(model, res, "colwise")
+            if isinstance(m, nn.Linear) and p not in chained and not in_blocks.search(p)]
+
+
+def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Counter, Counter]:
+    """What a Megatron-style plan needs for one micro-batch, as Counter[(kind, backward)] of
+    (count) and ``bytes`` Counter alongside: see docs/dry-run.md for the derivation.
+
+    Per sub-layer (a rowwise Linear closing a colwise group): without SP one all-reduce of
+    the residual activation in forward and one in backward; with SP an all-gather and a
+    reduce-scatter in each. A rowwise (vocab-parallel) embedding reduces its output in
+    forward (SP: reduce-scatter, then all-gather of its gradient). A colwise head reduces its
+    input gradient (SP: all-gather in forward, reduce-scatter in backward), and loss
+    parallelism adds three all-reduces of one fp32 per token (max, sum-exp, target logit;
+    torch/distributed/tensor/parallel/loss.py). With SP, every weight of a
+    sequence-parallel module (the norms) has its gradient all-reduced over tp once.
+    """
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    if res.dims.tp == 1:
+        return counts, nbytes
+    sp = plan.uses_sequence_parallel
+    tokens = shape.micro_batch * shape.seq_len
+    e = shape.param_dtype.itemsize
+
+    def add(kind: str, bw: bool, width: int) -> None:
+        counts[(kind, bw)] += 1
+        nbytes[(kind, bw)] += tokens * width * e
+
+    if sp:  # a sequence-parallel module's weights get partial gradients: one all-reduce each
+        for _, m in _linears(model, res, "sequence_parallel"):
+            for p in m.parameters(recurse=False):
+                counts[("all_reduce", True)] += 1
+                nbytes[("all_reduce", True)] += p.numel() * e
+    rowwise = _linears(model, res, "rowwise")
+    for _, m in rowwise:
+        if isinstance(m, nn.Embedding):
+            add("reduce_scatter" if sp else "all_reduce", False, m.embedding_dim)
+            if sp:
+                add("all_gather", True, m.embedding_dim)
+    closers = [m.out_features for _, m in rowwise if isinstance(m, nn.Linear)]
+    # A colwise layer fed a feature-sharded input closes a sub-layer too (wastefully):
+    # the minimum counts what a rowwise layer would need in its place.
+    closers += [m.out_features for _, m in _colwise_chained(model, res)]
+    for width in closers:
+        for bw in (False, True):
+            if sp:
+                add("all_gather", bw, width)
+                add("reduce_scatter", bw, width)
+            else:
+                add("all_reduce", bw, width)
+    for _, m in _heads(model, res):
+        if sp:
+            add("all_gather", False, m.in_features)
+        add("reduce_scatter" if sp else "all_reduce", True, m.in_features)
+        for _ in range(3):
+            counts[("all_reduce", False)] += 1
+            nbytes[("all_reduce", False)] += tokens * 4
+    return counts, nbytes
+
+
+def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
+    """Structural reasons a plan communicates more than the minimum, with expected extras."""
+    sp = plan.uses_sequence_parallel
+    reasons = []
+    colwise = [p for p, m in _linears(model, res, "colwise") if isinstance(m, nn.Linear)]
+    by_parent: dict[str, list[str]] = defaultdict(list)
+    for path in colwise:
+        by_parent[path.rpartition(".")[0]].append(path)
+    groups: dict[str, list] = defaultdict(list)
+    for parent, kids in by_parent.items():
+        rule = res.rule_of.get(parent)
+        if len(kids) > 1 and (rule is None or rule.style.name not in PREPARE):
+            groups[generalize(parent)].append(kids)
+    for parent, instances in groups.items():
+        extra = sum(len(k) - 1 for k in instances)
+        names = ", ".join(k.rpartition(".")[2] for k in instances[0])
+        kinds = ["all_gather (forward)", "reduce_scatter (backward)"] if sp else \
+            ["all_reduce (backward)"]
+        reasons.append(dict(
+            where=parent, extra_count={k: extra for k in kinds},
+            reason=f"colwise siblings {names} under '{parent}' share one input but each "
+                   f"{'gathers it and ' if sp else ''}reduces its own input gradient: "
+                   f"{extra} extra per micro-batch ({len(instances)} × "
+                   f"{len(instances[0]) - 1}); add a prepare_input rule on '{parent}' so they "
+                   "share one"))
+    chained: dict[str, list[str]] = defaultdict(list)
+    for path, _ in _colwise_chained(model, res):
+        chained[generalize(path)].append(path)
+    for where, paths in chained.items():
+        opts = res.rule_of[paths[0]].style.options
+        out = opts.get("output_layouts")
+        gathers = len(paths) * (2 if getattr(out, "kind", None) == "replicate" else 1)
+        reasons.append(dict(
+            where=where,
+            extra_count={"all_gather (forward)": gathers, "reduce_scatter (backward)": len(paths)},
+            reason=f"colwise '{where}' takes a feature-sharded input "
+                   f"(input_layouts={opts.get('input_layouts')}) from a colwise layer: its input "
+                   f"{'and its output are' if gathers > len(paths) else 'is'} all-gathered in "
+                   "forward and its input gradient reduce-scattered in backward, where a "
+                   "rowwise layer needs one all-reduce per pass; make this layer rowwise"))
+    ac = plan.activation_checkpointing
+    if ac.mode != "none" and res.ac_blocks:
+        every = ac.every if ac.mode == "selective" else 1
+        n = len(res.ac_blocks[::every])
+        reasons.append(dict(
+            where=ac.blocks, extra_count={},
+            reason=f"activation checkpointing recomputes {n} blocks' forward in backward, "
+                   "re-issuing the collectives the recomputed part needs (memory for "
+                   "bandwidth: a choice, not a mistake)"))
+    if not plan.loss_parallel and res.dims.tp > 1:
+        heads = _heads(model, res)
+        if heads:
+            reasons.append(dict(where=heads[0][0], extra_count={},
+                                reason="the logits are gathered over the vocabulary; "
+                                       "set 'loss_parallel: true' to compute the loss on shards"))
+    return reasons
+
+
+def rows(trace: TPTrace, fsdp: list[dict], shape: StepShape, dims) -> list[dict[str, Any]]:
+    """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
+    acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
+    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}
+    for (kind, dim, _bw, nbytes, _mod), n in trace.counts.items():
+        a = acc[("tp", kind, dim)]
+        a[0] += n
+        a[1] += n * nbytes
+        a[2] += n * wire_bytes(kind, nbytes, sizes.get(dim, 1))
+    for c in fsdp:
+        a = acc[("fsdp", c["kind"], c["mesh_dim"])]
+        a[0] += c["count"]
+        a[1] += c["bytes"]
+        a[2] += wire_bytes(c["kind"], c["bytes"], sizes[c["mesh_dim"]])
+    k = shape.grad_accum
+    return [dict(source=s, kind=kind, mesh_dim=dim, count=v[0] * k, bytes=v[1] * k,
+                 wire_bytes=v[2] * k) for (s, kind, dim), v in sorted(acc.items())]

@@ -1,0 +1,166 @@
+"""Tensor-parallel collectives, counted by running the plan's TP forward+backward on meta.
+
+A second meta model gets only the TP part of the plan (``tpplan.apply.apply_tp`` with the
+dry run's resolution), is cast to the compute dtype FSDP's mixed precision would use, and
+runs one micro-batch forward, loss (under ``plan.loss_context()``) and backward inside a
+:class:`CollectiveRecorder`. Nothing is allocated: meta tensors carry shapes only.
+
+Deep models are traced at depth 1, 2 and 3 of their repeated block container. For identical
+blocks (same module types, parameter shapes and plan rules) every block receives its input
+in the layout the previous one produced, so the count is affine in depth:
+``c(L) = c(1) + (L-1)·(c(2)-c(1))``. The third trace checks that (``c(3)-c(2) = c(2)-c(1)``);
+if it does not hold, or the blocks differ, the whole model is traced instead. Selective
+checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..parallel_dims import MESH_DIMS
+from ..patterns import generalize
+from .counting import CollectiveRecorder
+
+__all__ = ["TPTrace", "trace_tp", "Key"]
+
+log = logging.getLogger("tpplan")
+
+# (kind, mesh dimension, backward?, bytes of the buffer, module pattern)
+Key = tuple[str, str, bool, int, str]
+
+
+class TPTrace:
+    """Collectives of one micro-batch: ``counts[key]`` over :data:`Key`; ``depths`` traced."""
+
+    def __init__(self, counts: Counter, depths: list[int], blocks: str | None):
+        self.counts, self.depths, self.blocks = counts, depths, blocks
+
+
+def _repeated_container(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
+    """The one ModuleList/ModuleDict of ≥3 identical blocks, as (parent, attribute, path)."""
+    found = []
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) < 3:
+            continue
+        sigs = []
+        for name, child in mod.named_children():
+            prefix = f"{path}.{name}" if path else name
+            sigs.append(tuple(
+                (rel, type(m).__name__, id(rule_of.get(f"{prefix}.{rel}" if rel else prefix)),
+                 tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False)))
+                for rel, m in child.named_modules()))
+        if all(s == sigs[0] for s in sigs):
+            found.append(path)
+    if len(found) != 1:
+        return None
+    parent_path, _, attr = found[0].rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    return parent, attr, found[0]
+
+
+def _truncated(container: nn.Module, depth: int) -> nn.Module:
+    if isinstance(container, nn.ModuleDict):
+        return nn.ModuleDict(dict(list(container.items())[:depth]))
+    return nn.ModuleList(list(container)[:depth])
+
+
+def _run(model: nn.Module, plan, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
+    model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
+    with CollectiveRecorder() as rec:
+        with plan.loss_context():
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+            loss.backward()  # loss parallelism's backward also needs the context
+        in_backward = len(rec.collectives)
+        _reduce_partial_grads(model)
+    counts: Counter = Counter()
+    root = type(model).__name__ + "."
+    for i, c in enumerate(rec.collectives):
+        module = c.module.removeprefix(root) if c.module != "Global" else "<loss>"
+        if c.module == type(model).__name__:
+            module = "<root>"
+        backward = c.backward or i >= in_backward
+        if i >= in_backward:
+            module = "<gradients>"
+        counts[(c.kind, groups.get(c.group, c.group), backward, c.bytes,
+                generalize(module))] += 1
+    return counts
+
+
+def _reduce_partial_grads(model: nn.Module) -> None:
+    """Bring each gradient to its parameter's placement, as FSDP2 (or the optimizer) does.
+
+    A weight replicated over tp but used on sequence shards (a sequence-parallel norm) gets
+    a partial gradient; turning it into the replicated one is an all-reduce per step that
+    only appears when the gradient is used, after backward.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micro_batch: int,
+             dtype: torch.dtype) -> TPTrace:
+    """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up)."""
+    import warnings
+
+    from ..apply import apply_ac, apply_tp
+
+    groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
+    tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+
+    def prepared(model: nn.Module) -> nn.Module:
+        if dtype != torch.float32:
+            model.to(dtype)
+        # Only the modules still in the model: the container may have been cut to 3 blocks.
+        paths = {p for p, _ in model.named_modules()}
+        apply_tp(model, mesh["tp"], dataclasses.replace(
+            res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
+            attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
+        ac = plan.activation_checkpointing
+        if ac.mode != "none":
+            # Recomputed blocks re-issue their forward collectives in backward: count them.
+            apply_ac(model, [p for p in res.ac_blocks if p in paths],
+                     ac.every if ac.mode == "selective" else 1)
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
+        model = build()
+        found = _repeated_container(model, res.rule_of)
+        if found is None:
+            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
+        parent, attr, path = found
+        depth = len(getattr(parent, attr))
+        # Selective checkpointing of every k-th block repeats with period k, not 1.
+        ac = plan.activation_checkpointing
+        period = ac.every if ac.mode == "selective" else 1
+        if depth % period or depth < 3 * period:
+            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
+        depths = [period, 2 * period, 3 * period]
+        # Cut before applying TP: the blocks past the traced ones are never run.
+        kept = _truncated(getattr(parent, attr), depths[-1])
+        setattr(parent, attr, kept)
+        prepared(model)
+        traced = []
+        for k in depths:
+            setattr(parent, attr, _truncated(kept, k))
+            traced.append(_run(model, plan, tokens, groups))
+        c1, c2, c3 = traced
+        keys = set(c1) | set(c2) | set(c3)
+        delta = {k: c2[k] - c1[k] for k in keys}
+        if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
+            log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
+            return TPTrace(_run(prepared(build()), plan, tokens, groups), [], None)
+        total = Counter({k: c1[k] + (depth // period - 1) * delta[k] for k in keys})
+        return TPTrace(+total, depths, path)
