@@ -52,27 +52,32 @@ def row(r: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--only-target", action="store_true")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs of the target row; its median is the verdict (run-to-run spread "
+                        "on a shared 2-core machine is a few seconds)")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} CPUs visible, load average {os.getloadavg()[0]:.1f} at "
           f"start; python {sys.version.split()[0]}")
     print("| config | layers | world size | tp | wall (s) | CPU (s) | peak RSS (MiB) | valid |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
-    runs = [TARGET[:1] + (None,) + TARGET[2:]]
+    runs = [TARGET[:1] + (None,) + TARGET[2:]] * args.repeat
     if not args.only_target:
         runs += [("405b", n, 4096, 8) for n in (8, 32, 63)]
         runs += [("405b", None, w, 8) for w in (64, 512)]
         runs += [("70b", None, 1024, 8), ("8b", None, 64, 8)]
-    worst = 0.0
+    targets = []
     for config, layers, world, tp in runs:
         r = measure(config, layers, world, tp)
         print(row(r), flush=True)
         if (config, world) == ("405b", 4096) and layers is None:
-            worst = r["seconds"]
-            target = r
-    ok = target["ok"] and target["seconds"] <= 10 and target["peak_mib"] <= 2048
+            targets.append(r)
+    target = sorted(targets, key=lambda r: r["seconds"])[len(targets) // 2]  # the median run
+    ok = all(r["ok"] for r in targets) and target["seconds"] <= 10 and \
+        max(r["peak_mib"] for r in targets) <= 2048
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(f"target (405b, 4,096 ranks, tp 8): {worst:.1f} s wall, {target['cpu']:.1f} s CPU, "
-          f"{target['peak_mib']:.0f} MiB "
+    print(f"target (405b, 4,096 ranks, tp 8), median of {len(targets)}: "
+          f"{target['seconds']:.1f} s wall, {target['cpu']:.1f} s CPU, "
+          f"{max(r['peak_mib'] for r in targets):.0f} MiB peak "
           f"-> {'met' if ok else 'NOT met'} (≤ 10 s, ≤ 2 GiB)")
     return 0 if ok else 1
 

@@ -73,7 +73,9 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan, res: Resolution) -> None:
-    """``fully_shard`` each unit (deepest first, so nested units shard inside out), root last."""
+    """``fully_shard`` each unit (deepest first, so nested units shard inside out), root last.
+
+    A pattern entry is one call per matched module, a list entry one call for all of them."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     spec = plan.fsdp
@@ -84,7 +86,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan, res: Resolution) -> Non
     if spec.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     modules = dict(model.named_modules())
-    units = [paths for _, paths in res.units if paths]
+    units = []
+    for unit, paths in res.units:
+        units += [paths] if unit.grouped else [[p] for p in paths]
+    units = [paths for paths in units if paths]
     units.sort(key=lambda paths: -min(p.count(".") for p in paths))
     for paths in units:
         targets = [modules[p] for p in paths]

@@ -75,10 +75,13 @@ class AttrRule:
 
 @dataclass
 class Unit:
-    """One ``fully_shard`` call: every module its patterns match, sharded together."""
+    """One entry of ``fsdp.units``. A pattern gives one ``fully_shard`` call per module it
+    matches (``layers.*``: one unit per block); a list gives one call for every module its
+    patterns match together (``[norm, output]``: one all-gather for both)."""
 
     patterns: list[str]
     loc: Loc
+    grouped: bool = False
 
 
 @dataclass
@@ -385,7 +388,7 @@ def parse_fsdp(doc: LMap, errs: ErrorList) -> FSDPSpec | None:
                 errs.add(f"bad FSDP unit pattern '{p}': {e}", loc)
                 good = False
         if good:
-            spec.units.append(Unit([str(p) for p in patterns], loc))
+            spec.units.append(Unit([str(p) for p in patterns], loc, isinstance(entry, LSeq)))
     return spec
 
 
