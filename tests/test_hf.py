@@ -109,3 +109,12 @@ def test_import_hf_unknown_architecture():
     proc = tpplan_cli("import-hf", "LlamaForCausalLMM")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "did you mean 'LlamaForCausalLM'" in proc.stderr
+
+
+def test_shipped_hf_llama_plan_passes_verify(root):
+    """plans/hf-llama.yaml (made by import-hf) through `tpplan verify`: the HF config is
+    shrunk to a tiny one of the same architecture and run on 4 gloo ranks."""
+    proc = tpplan_cli("verify", "--plan", "plans/hf-llama.yaml", "--nproc", "4", cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "grad model.layers.*.self_attn.q_proj.weight" in proc.stdout
+    assert "numerics match" in proc.stdout

@@ -177,7 +177,7 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
     spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
                      hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
                      locs={k: r.loc(k) for k in r.m}, base_dir=str(Path(doc.loc.file).parent))
-    if hf:
+    if hf or spec.hf_config:  # config: the HF config's fields (over hf_config's file)
         spec.hf_kwargs = dict(r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields"))
     else:
         spec.config = r.get("config", str, None, "a config name such as debug or 70b")

@@ -12,6 +12,7 @@ import argparse
 import re
 import sys
 import time
+from pathlib import Path
 
 from ..cli import add_plan_args
 
@@ -39,6 +40,8 @@ def shrink_overrides(plan, tp: int, layers: int, seq_len: int) -> list[str]:
     """``--set`` lines that shrink a built-in Llama while keeping every split divisible:
     ``tp`` kv heads, twice as many query heads of width 8, widths in multiples of 32·tp."""
     spec = plan.model
+    if spec is not None and (spec.hf or spec.hf_config):
+        return _shrink_hf(spec, tp, layers, seq_len)
     if spec is None or spec.factory or spec.name != "llama3":
         return [f"train.seq_len={seq_len}"]
     kv = max(tp, 2)
@@ -48,6 +51,21 @@ def shrink_overrides(plan, tp: int, layers: int, seq_len: int) -> list[str]:
             f"model.kwargs.multiple_of={32 * tp}", "model.kwargs.ffn_dim_multiplier=null",
             f"model.kwargs.vocab_size={64 * tp}", f"model.kwargs.max_seq_len={seq_len}",
             f"train.seq_len={seq_len}"]
+
+
+def _shrink_hf(spec, tp: int, layers: int, seq_len: int) -> list[str]:
+    """The same for a HuggingFace config: only the fields this architecture has."""
+    from ..models.hf import hf_config
+
+    config = hf_config(spec, Path(spec.base_dir) if spec.base_dir else None)
+    kv = max(tp, 2)
+    heads = 2 * kv
+    small = {"num_hidden_layers": layers, "num_attention_heads": heads,
+             "num_key_value_heads": kv, "hidden_size": heads * 8, "head_dim": 8,
+             "intermediate_size": 64 * tp, "ffn_dim": 64 * tp, "word_embed_proj_dim": heads * 8,
+             "vocab_size": 64 * tp}
+    out = [f"model.config.{k}={v}" for k, v in small.items() if hasattr(config, k)]
+    return out + [f"train.seq_len={seq_len}"]
 
 
 def group_rows(rows: list[tuple[str, float]]) -> list[tuple[str, int, float]]:

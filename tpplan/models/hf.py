@@ -62,6 +62,7 @@ def hf_config(spec, base_dir: Path | None = None):
         except (OSError, ValueError) as e:
             raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e}", loc)]) from None
         model_type = data.pop("model_type", None)
+        data.update(spec.hf_kwargs)  # the plan's model.config overrides the file
         try:
             return transformers.AutoConfig.for_model(model_type, **data)
         except ValueError as e:
