@@ -93,6 +93,7 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
                        Path(out_dir) / f"rank{rank}.pt")
         if rank == 0:
             torch.save(grads, Path(out_dir) / "grads.pt")
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
