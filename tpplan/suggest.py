@@ -88,6 +88,14 @@ def _input_layouts(call: Call, hidden: int, src: str, dst: str) -> dict[str, Any
             "desired_input_layouts": [dst if x else None for x in layouts]}
 
 
+def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
+    """Integer attributes that look like head counts: they must become per-rank under TP."""
+    return [name for name, value in vars(module).items()
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1
+            and "head" in name and not any(w in name for w in ("dim", "size", "group"))
+            and all(c.module.out_features % value == 0 for c in colwise)]
+
+
 def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call]]]:
     """(the norm that opens it, its linear calls) for each sub-layer of one block."""
     out: list[tuple[Call | None, list[Call]]] = [(None, [])]
@@ -187,11 +195,9 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         if rowwise is not None:
             opts = {"style": "rowwise", "output_layouts": "shard(1)"} if inner else "rowwise"
             s.rules.append((generalize(rowwise.path), opts, "writes back to the residual stream"))
-            for name, value in vars(call.module if call else {}).items() if call else []:
-                if isinstance(value, int) and not isinstance(value, bool) and "head" in name \
-                        and not any(w in name for w in ("dim", "size", "group")) and value > 1 \
-                        and all(c.module.out_features % value == 0 for c in colwise):
-                    s.divide_by_tp.append(f"{generalize(container)}.{name}")
+            if call is not None:
+                s.divide_by_tp += [f"{generalize(container)}.{name}"
+                                   for name in _head_counts(call.module, colwise)]
 
     final_norms = [c for c in outside if _is_norm(c.module) and head and
                    trace.calls.index(c) < trace.calls.index(head) and
