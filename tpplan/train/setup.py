@@ -105,9 +105,6 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = plan.parallel_dims(world)
     accum, micro = _batch_checks(cfg, dims, errs)
-    if dims.dp > 1 and plan.fsdp is None:
-        errs.add(f"data-parallel size {dims.dp} needs an 'fsdp' section (it is what averages "
-                 "gradients over the data-parallel ranks)", plan.mesh.loc)
     errs.raise_if_any()
     model = build_model(plan.model, device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility, seq_len under SP: located errors
