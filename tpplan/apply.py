@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .resolve import Resolution
 
-__all__ = ["apply_plan", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "dp_mesh"]
+__all__ = ["apply_plan", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "dp_mesh",
+           "dp_rank"]
 
 log = logging.getLogger("tpplan")
 
@@ -70,6 +71,13 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
+
+
+def dp_rank(mesh: DeviceMesh) -> int:
+    """This rank's data-parallel index (which slice of the global batch it takes); tp peers
+    share it, so they see the same batch."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + \
+        mesh["dp_shard"].get_local_rank()
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, plan, res: Resolution) -> None:

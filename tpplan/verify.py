@@ -69,6 +69,7 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
 
     warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    from .apply import dp_rank as data_parallel_rank
     from .models import build_model
     from .plan import load
 
@@ -79,8 +80,7 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
     try:
         model = plan.apply(model, mesh)
         dims = plan.parallel_dims(world)
-        dp_rank = mesh["dp_replicate"].get_local_rank() * dims.dp_shard + \
-            mesh["dp_shard"].get_local_rank()
+        dp_rank = data_parallel_rank(mesh)
         local = tokens.chunk(dims.dp)[dp_rank]
         with plan.loss_context():
             logits = model(local[:, :-1])

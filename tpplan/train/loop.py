@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..apply import dp_rank as data_parallel_rank
 from . import checkpoint as ckpt
 from .data import local_batch
 from .init import init_weights, materialize
@@ -78,11 +79,6 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
 
 def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _dp_rank(mesh, dims) -> int:
-    return mesh["dp_replicate"].get_local_rank() * dims.dp_shard + \
-        mesh["dp_shard"].get_local_rank()
 
 
 def _flops_per_token(model: nn.Module, n_params: int, seq_len: int) -> float:
@@ -152,7 +148,7 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
         torch.set_rng_state(state["rng"])
         start = state["step"]
 
-    dp_rank, tp_rank = _dp_rank(mesh, dims), mesh["tp"].get_local_rank()
+    dp_rank, tp_rank = data_parallel_rank(mesh), mesh["tp"].get_local_rank()
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = t.global_batch_size * t.seq_len
     peak = peak_flops(device_type)
