@@ -7,12 +7,21 @@ everything ``plan.apply`` does: resolving the patterns and every check. Runs alt
 both see the same machine state; the median of each is reported.
 
     python scripts/bench_apply.py [--config 70b] [--world-size 1024] [--tp 8] [--repeat 5]
+    python scripts/bench_apply.py --baseline /path/to/other/checkout [--rounds 4]
+
+``--baseline`` compares two versions of tpplan side by side: each round runs this tree's
+copy of the script and the other checkout's (alternating which goes first), each against
+its own hand-written twin, and reports both ratios and this tree's time over the other's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +39,8 @@ from torch.distributed.tensor.parallel import (
 import tpplan
 from tpplan.models import build_model
 
-PLAN = Path(__file__).resolve().parent.parent / "plans" / "llama.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "plans" / "llama.yaml"
 
 
 def by_hand(model, mesh) -> None:
@@ -67,13 +77,40 @@ def by_hand(model, mesh) -> None:
     fully_shard(model, mesh=dp_mesh)
 
 
+def compare(baseline: Path, rounds: int, argv: list[str]) -> None:
+    """This tree against ``baseline``: medians over ``rounds`` alternating runs."""
+    runs: dict[str, list[tuple[float, float]]] = {"this tree": [], "baseline": []}
+    trees = [("this tree", ROOT), ("baseline", baseline)]
+    for r in range(rounds):
+        for name, root in trees if r % 2 == 0 else trees[::-1]:
+            out = subprocess.run([sys.executable, str(root / "scripts" / "bench_apply.py"), *argv],
+                                 env={**os.environ, "PYTHONPATH": str(root)}, check=True,
+                                 capture_output=True, text=True).stdout
+            ms = [float(re.search(rf"{k}\s+([\d.]+) ms", out).group(1)) for k in ("tpplan", "by hand")]
+            runs[name].append((ms[0], ms[1]))
+    med = {name: (statistics.median(t for t, _ in v), statistics.median(h for _, h in v),
+                  statistics.median(t / h for t, h in v)) for name, v in runs.items()}
+    print(f"baseline: {baseline}; {rounds} alternating rounds, medians")
+    for name, (t, h, ratio) in med.items():
+        print(f"  {name:10s} tpplan {t:7.1f} ms   by hand {h:7.1f} ms   ratio {ratio:.3f}x")
+    print(f"  this tree / baseline (plan.apply): {med['this tree'][0] / med['baseline'][0]:.3f}x; "
+          f"(ratio to by hand): {med['this tree'][2] / med['baseline'][2]:.3f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="70b")
     ap.add_argument("--world-size", type=int, default=1024)
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--baseline", type=Path, help="another checkout of tpplan to compare with")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds with --baseline")
     args = ap.parse_args()
+    if args.baseline:
+        compare(args.baseline, args.rounds, [f"--config={args.config}", f"--tp={args.tp}",
+                                             f"--world-size={args.world_size}",
+                                             f"--repeat={args.repeat}"])
+        return
 
     plan = tpplan.load(PLAN, [f"model.config={args.config}", f"mesh.tp={args.tp}"])
     dist.init_process_group("fake", rank=0, world_size=args.world_size)

@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args()
-    from tpplan.verify import spawn
+    from tpplan.parallel.runtime import spawn
 
     with tempfile.TemporaryDirectory(prefix="tpplan-bench-") as out:
         spawn(worker, 4, args, out)

@@ -7,6 +7,11 @@ machine wall ≈ CPU; on a shared one CPU time is the figure that does not depen
 
     python scripts/bench_validate.py                 # the table in docs/benchmarks.md
     python scripts/bench_validate.py --only-target   # 405b at 4,096 ranks only
+    python scripts/bench_validate.py --only-target --baseline /path/to/other/checkout
+
+Each row sizes the step at 8 sequences per data-parallel rank (the global batch is set to
+8 × dp, as a run at that size would). ``--baseline`` runs every row a second time with the
+other checkout's tpplan and plan, alternating which goes first, and adds the ratio.
 """
 
 from __future__ import annotations
@@ -24,13 +29,15 @@ PLAN = ROOT / "plans" / "llama.yaml"
 TARGET = ("405b", 126, 4096, 8)
 
 
-def measure(config: str, layers: int | None, world: int, tp: int) -> dict:
-    """One ``tpplan validate --json`` run: seconds, peak RSS (MiB) and the verdict."""
-    cmd = [sys.executable, "-m", "tpplan", "validate", "--plan", str(PLAN), "--world-size",
-           str(world), "--json", "--set", f"model.config={config}", "--set", f"mesh.tp={tp}"]
+def measure(config: str, layers: int | None, world: int, tp: int, root: Path = ROOT) -> dict:
+    """One ``tpplan validate --json`` run of the tpplan at ``root``: seconds, peak RSS (MiB)
+    and the verdict."""
+    cmd = [sys.executable, "-m", "tpplan", "validate", "--plan", str(root / PLAN.relative_to(ROOT)),
+           "--world-size", str(world), "--json", "--set", f"model.config={config}",
+           "--set", f"mesh.tp={tp}", "--set", f"train.global_batch_size={8 * world // tp}"]
     if layers is not None:
         cmd += ["--set", f"model.kwargs.n_layers={layers}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     out = proc.stdout.read()
@@ -55,6 +62,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3,
                    help="runs of the target row; its median is the verdict (run-to-run spread "
                         "on a shared 2-core machine is a few seconds)")
+    p.add_argument("--baseline", type=Path, help="another checkout of tpplan to compare with")
     args = p.parse_args()
     print(f"machine: {os.cpu_count()} CPUs visible, load average {os.getloadavg()[0]:.1f} at "
           f"start; python {sys.version.split()[0]}")
@@ -65,16 +73,27 @@ def main() -> int:
         runs += [("405b", n, 4096, 8) for n in (8, 32, 63)]
         runs += [("405b", None, w, 8) for w in (64, 512)]
         runs += [("70b", None, 1024, 8), ("8b", None, 64, 8)]
-    targets = []
-    for config, layers, world, tp in runs:
+    targets, ratios = [], []
+    for i, (config, layers, world, tp) in enumerate(runs):
+        if args.baseline and i % 2:  # alternate which tree goes first
+            base = measure(config, layers, world, tp, args.baseline)
         r = measure(config, layers, world, tp)
+        if args.baseline and not i % 2:
+            base = measure(config, layers, world, tp, args.baseline)
         print(row(r), flush=True)
+        if args.baseline:
+            ratios.append(r["seconds"] / base["seconds"])
+            print(f"|   baseline | | | | {base['seconds']:.1f} | {base['cpu']:.1f} | "
+                  f"{base['peak_mib']:.0f} | ratio {ratios[-1]:.3f}x |", flush=True)
         if (config, world) == ("405b", 4096) and layers is None:
             targets.append(r)
     target = sorted(targets, key=lambda r: r["seconds"])[len(targets) // 2]  # the median run
     ok = all(r["ok"] for r in targets) and target["seconds"] <= 10 and \
         max(r["peak_mib"] for r in targets) <= 2048
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    if ratios:
+        print(f"this tree / baseline, wall time: median {sorted(ratios)[len(ratios) // 2]:.3f}x "
+              f"over {len(ratios)} rows")
     print(f"target (405b, 4,096 ranks, tp 8), median of {len(targets)}: "
           f"{target['seconds']:.1f} s wall, {target['cpu']:.1f} s CPU, "
           f"{max(r['peak_mib'] for r in targets):.0f} MiB peak "

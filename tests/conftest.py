@@ -7,10 +7,11 @@ import pytest
 # Multi-process tests share two cores: one thread per rank keeps them from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))  # toy_models for factory plans, also in spawned ranks
+
+from helpers import ROOT  # noqa: E402
 
 
 @pytest.fixture

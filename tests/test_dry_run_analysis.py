@@ -1,6 +1,7 @@
 """Promises of ``tpplan validate``'s analyses: the communication it reports is what the
-plan really does on a gloo mesh, parameter bytes are the real local shards, and a plan's
-distance from the Megatron minimum is measured and explained."""
+plan really does on a gloo mesh, parameter bytes are the real local shards, FSDP units are
+the sizes ``fully_shard`` really gathers, and a plan's distance from the Megatron minimum
+is measured and explained."""
 
 from __future__ import annotations
 
@@ -12,13 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from helpers import PLANS, TEST_PLANS
 
 from tpplan.analysis import ANALYSES
+from tpplan.analysis.dryrun import dry_run
+from tpplan.analysis.tptrace import trace_tp
 from tpplan.cli import main
-from tpplan.dryrun import dry_run
+from tpplan.models import build_model
+from tpplan.parallel.fsdp_units import unit_sizes
+from tpplan.parallel.runtime import spawn
+from tpplan.plan.specs import torch_dtype
 
-ROOT = Path(__file__).resolve().parent.parent
-PLANS = ROOT / "plans"
 SMALL = ["train.seq_len=16", "train.micro_batch_size=2"]
 
 
@@ -33,13 +38,12 @@ def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: li
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
+    import tpplan
     from tpplan.analysis.counting import CollectiveRecorder
-    from tpplan.models import build_model
-    from tpplan.plan import load
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    plan = load(plan_path, overrides)
+    plan = tpplan.load(plan_path, overrides)
     torch.manual_seed(0)
     model = build_model(plan.model, device="cpu")
     mesh = plan.build_mesh("cpu")
@@ -52,18 +56,21 @@ def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: li
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
                 loss.backward()
         tp_group = mesh["tp"].get_group().group_name
+        dp_group = mesh["dp_shard"].get_group().group_name
         # DTensor (TP) issues functional collectives; FSDP2 issues c10d ones on dp groups.
         functional = {str(op): n for op, n in rec.get_comm_counts().items()
                       if "c10d_functional" in str(op)}
-        sizes = Counter()
+        sizes, fsdp_gathers = Counter(), Counter()
         for c in rec.collectives:
             if c.group == tp_group:
                 sizes[(c.kind, c.backward, c.bytes)] += 1
+            elif c.group == dp_group and c.kind == "all_gather" and not c.backward:
+                fsdp_gathers[c.bytes] += 1  # each unit once in forward: what fully_shard built
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
                     for p in model.parameters())
         if rank == 0:
-            torch.save({"functional": functional, "sizes": dict(sizes), "param_bytes": local},
-                       Path(out) / "real.pt")
+            torch.save({"functional": functional, "sizes": dict(sizes), "param_bytes": local,
+                        "fsdp_gathers": dict(fsdp_gathers)}, Path(out) / "real.pt")
     finally:
         dist.destroy_process_group()
 
@@ -82,8 +89,6 @@ def _traced(result) -> Counter:
     ("llama.yaml", ["activation_checkpointing={mode: full}"]),
 ])
 def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_path):
-    from tpplan.verify import spawn
-
     world, micro, seq = 4, 2, 16
     dp = dry_run(str(PLANS / plan), world, SMALL, ()).report.dims.dp
     # One micro-batch per optimizer step, so per-step figures are per-micro-batch ones.
@@ -103,7 +108,7 @@ def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_p
 
     # Sizes: every (kind, pass, bytes) of the real run, against the meta trace.
     traced = Counter()
-    for (kind, dim, bw, nbytes, _module), n in result.extra["_tp_trace"].counts.items():
+    for (kind, dim, bw, nbytes, _module), n in result.tp_trace.counts.items():
         assert dim == "tp"
         traced[(kind, bw, nbytes)] += n
     assert traced == Counter(real["sizes"])
@@ -119,11 +124,8 @@ def test_reference_plans_sit_exactly_at_the_minimum(plan):
     assert minimum["measured_wire_bytes"] == minimum["wire_bytes"]
 
 
-def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_count(root=ROOT):
-    from tpplan.models import build_model
-    from tpplan.plan import load
-
-    path = str(ROOT / "tests" / "plans" / "wasteful-siblings.yaml")
+def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_count():
+    path = str(TEST_PLANS / "wasteful-siblings.yaml")
     result = dry_run(path, 4, (), ANALYSES)
     minimum = result.extra["comm_minimum"]
     assert not minimum["at_minimum"]
@@ -132,7 +134,7 @@ def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_co
     # DTensor, so each all-reduces its own input gradient in backward; with one shared
     # prepare_input the gradients add up first and are reduced once. The extra per block
     # is (siblings - 1) per parent: (3 - 1) for wq/wk/wv plus (2 - 1) for w1/w3.
-    model = build_model(load(path).model, device="meta")
+    model = build_model(result.plan.model, device="meta")
     blocks = list(model.layers)
     siblings = [sum(isinstance(m, nn.Linear) for m in (b.attention.wq, b.attention.wk,
                                                         b.attention.wv)) for b in blocks]
@@ -163,7 +165,7 @@ def test_validate_prints_memory_and_communication_and_json_has_no_private_keys(c
 
 
 def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
-    path = str(ROOT / "tests" / "plans" / "colwise-chain.yaml")
+    path = str(TEST_PLANS / "colwise-chain.yaml")
     result = dry_run(path, 4, ["train.global_batch_size=8"], ANALYSES)  # 1 micro-batch
     minimum = result.extra["comm_minimum"]
     assert not minimum["at_minimum"]
@@ -185,14 +187,50 @@ def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
     ("llama.yaml", "{mode: none}"), ("llama-tp.yaml", "{mode: full}"),
     ("llama.yaml", "{mode: selective, every: 2}"),
 ])
-def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac,
-                                                                           monkeypatch):
-    import tpplan.analysis.tptrace as tptrace
+def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac):
+    def whole(result) -> None:  # the same trace, every block run
+        spec, res, step = result.plan.spec, result.report.resolution, result.step
+        result.extra["whole"] = trace_tp(spec, res, result.mesh,
+                                         lambda: build_model(spec.model, "meta"), step.seq_len,
+                                         step.micro_batch, torch_dtype(step.param_dtype),
+                                         extrapolate=False)
 
     overrides = ["model.kwargs.n_layers=12", f"activation_checkpointing={ac}"]
-    cut = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
-    assert cut.depths  # the fast path was taken
-    monkeypatch.setattr(tptrace, "_repeated_container", lambda *a: None)
-    whole = dry_run(str(PLANS / plan), 8, overrides, ANALYSES).extra["_tp_trace"]
-    assert whole.depths == []  # every block traced
-    assert cut.counts == whole.counts
+    result = dry_run(str(PLANS / plan), 8, overrides, ANALYSES + [("whole", whole)])
+    assert result.ok, (result.errors, result.analysis_errors)
+    cut, every = result.tp_trace, result.extra["whole"]
+    assert cut.depths and every.depths == []  # the fast path was taken, then every block
+    assert cut.counts == every.counts
+
+
+@pytest.mark.parametrize("plan, world, extra", [
+    ("llama.yaml", 4, []),  # TP-sharded shards, split again over dp_shard=2
+    ("llama-fsdp.yaml", 3, ["train.global_batch_size=6"]),  # 3 does not divide 256 rows: padding
+])
+def test_fsdp_unit_sizes_are_what_fully_shard_gathers(plan, world, extra, tmp_path):
+    """Unit sizes computed from shapes and the mesh, against the bytes each real
+    ``fully_shard`` unit all-gathers in forward on a gloo mesh."""
+    overrides = SMALL + extra
+    result = dry_run(str(PLANS / plan), world, overrides, ())
+    assert result.ok, result.errors
+    res = result.report.resolution
+    predicted = Counter(u.elements * 4 for u in unit_sizes(result.model, res, res.dims))  # fp32
+    spawn(_real_worker, world, str(PLANS / plan), overrides, 1, 16, str(tmp_path))
+    assert Counter(torch.load(tmp_path / "real.pt")["fsdp_gathers"]) == predicted
+
+
+def test_a_failing_analysis_is_an_error_with_its_reason(write_plan, capsys):
+    """A model whose forward does not take a batch of token ids cannot be traced: validate
+    says so, as an error, after the module table, and exits 1."""
+    path = write_plan("mesh: {tp: 2}\nmodel: {factory: 'toy_models:float_mlp'}\n"
+                      "tensor_parallel: {'0': colwise, '1': rowwise}\n")
+    assert main(["validate", "--plan", path, "--world-size", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "communication per step could not be computed for this model" in captured.err
+    assert "the plan is valid, but 1 of its analyses failed" in captured.out
+    assert main(["validate", "--plan", path, "--world-size", "2", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert not data["ok"] and data["errors"] == []
+    [failure] = data["analysis_errors"]
+    assert failure["analysis"] == "comm_per_step" and failure["message"]
+    assert data["comm_per_step"] == {"error": failure["message"]}

@@ -9,26 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import PLANS, ROOT, TEST_PLANS, tpplan_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
          "train.micro_batch_size=1", "data.max_bytes=100000", "checkpoint.interval=3"]
-
-
-def run(*args, timeout=300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "tpplan", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1",
-                               "TPPLAN_DEVICE": "cpu"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc
 
 
 def train_2x2(plan: Path, run_dir: Path, *sets: str) -> None:
     args = ["train", "--plan", plan, "--nproc", "4", "--set", f"metrics.run_dir={run_dir}"]
     for s in [*SHORT, *sets]:
         args += ["--set", s]
-    run(*args)
+    tpplan_cli(*args, check=True)
 
 
 def trained_logits(plan: Path, run_dir: Path, tokens: torch.Tensor, tmp: Path) -> torch.Tensor:
@@ -36,9 +27,8 @@ def trained_logits(plan: Path, run_dir: Path, tokens: torch.Tensor, tmp: Path) -
     world of one process: independent of the export path under test."""
     script = textwrap.dedent(f"""
         import torch, tpplan
-        from tpplan.models import build_model
-        from tpplan.train import checkpoint as ckpt
-        from tpplan.train.init import materialize
+        from tpplan import checkpoint as ckpt
+        from tpplan.models import build_model, materialize
         plan = tpplan.load({str(plan)!r}, ["mesh.tp=1"])
         mesh = plan.build_mesh("cpu")
         model = plan.apply(build_model(plan.model, "meta", real_buffers=True), mesh)
@@ -57,11 +47,11 @@ def trained_logits(plan: Path, run_dir: Path, tokens: torch.Tensor, tmp: Path) -
 
 
 def test_reference_llama_export_loads_into_tpplan(tmp_path):
-    from tpplan.export import load_exported
+    from tpplan.byom.export import load_exported
 
     run_dir = tmp_path / "run"
-    train_2x2(ROOT / "plans/llama.yaml", run_dir, "model.kwargs.n_layers=2")
-    proc = run("export", "--checkpoint", run_dir, "-o", tmp_path / "out")
+    train_2x2(PLANS / "llama.yaml", run_dir, "model.kwargs.n_layers=2")
+    proc = tpplan_cli("export", "--checkpoint", run_dir, "-o", tmp_path / "out", check=True)
     assert "model.safetensors" in proc.stdout
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
@@ -73,10 +63,11 @@ def test_reference_llama_export_loads_into_tpplan(tmp_path):
 def test_hf_export_loads_into_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     plan = tmp_path / "plan.yaml"
-    run("import-hf", ROOT / "tests/plans/hf/llama-config.json", "-o", plan)
+    tpplan_cli("import-hf", TEST_PLANS / "hf/llama-config.json", "-o", plan, check=True)
     run_dir = tmp_path / "run"
     train_2x2(plan, run_dir)
-    run("export", "--checkpoint", run_dir / "checkpoints", "-o", tmp_path / "out")
+    tpplan_cli("export", "--checkpoint", run_dir / "checkpoints", "-o", tmp_path / "out",
+               check=True)
     assert (tmp_path / "out" / "config.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.randint(0, 256, (2, 16))
@@ -87,8 +78,6 @@ def test_hf_export_loads_into_transformers(tmp_path):
 
 
 def test_export_without_checkpoint_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tpplan", "export", "--checkpoint", tmp_path,
-                           "-o", tmp_path / "out"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = tpplan_cli("export", "--checkpoint", tmp_path, "-o", tmp_path / "out", timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "no complete checkpoint" in proc.stderr

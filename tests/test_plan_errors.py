@@ -3,13 +3,11 @@
 One test per error class the plan language promises; each checks the message and the line.
 """
 
-import subprocess
-import sys
-
 import pytest
+from helpers import tpplan_cli
 
 import tpplan
-from tpplan.models import build_model
+from tpplan.analysis.dryrun import dry_run
 
 BASE = """\
 mesh: {tp: 2, dp_shard: -1}
@@ -19,12 +17,8 @@ fsdp: {units: ["layers.*"]}
 
 
 def errors_of(path: str, world: int = 4, overrides=()) -> list:
-    """Load, then resolve against the meta model: what `tpplan validate` reports."""
-    try:
-        plan = tpplan.load(path, overrides)
-        return list(plan.resolve(build_model(plan.model, "meta"), world).errors)
-    except tpplan.PlanErrors as e:
-        return e.errors
+    """The plan's mistakes at ``world`` ranks, as `tpplan validate` reports them."""
+    return dry_run(path, world, overrides).errors
 
 
 def one_error(path: str, **kw):
@@ -152,7 +146,8 @@ def test_divide_by_tp_not_divisible(write_plan):
 
 
 def test_mesh_that_does_not_fit_names_every_factor(write_plan):
-    assert errors_of(write_plan(BASE, name="fits.yaml"), world=6) == []  # dp_shard -1 -> 3
+    assert errors_of(write_plan(BASE, name="fits.yaml"), world=6,  # dp_shard -1 -> 3
+                     overrides=["train.global_batch_size=6"]) == []
     e = one_error(write_plan("mesh: {tp: 4, dp_shard: 2, dp_replicate: 1}\nmodel: {name: llama3}\n"
                              "fsdp: {}\n"), world=6)
     assert "dp_replicate=1 × dp_shard=2 × tp=4 = 8 ranks does not fit world size 6" in e.message
@@ -215,8 +210,7 @@ def test_override_with_bad_value_points_at_the_override(root):
 @pytest.mark.parametrize("args", [["validate", "--world-size", "4"]])
 def test_cli_prints_located_errors_without_traceback(write_plan, args):
     path = write_plan(BASE + "tensor_parallel:\n  layers.*.attention.w_q: colwise\n")
-    proc = subprocess.run([sys.executable, "-m", "tpplan", *args, "--plan", path],
-                          capture_output=True, text=True, timeout=120)
+    proc = tpplan_cli(*args, "--plan", path)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr + proc.stdout
     assert f"{path}:5:3: error: pattern 'layers.*.attention.w_q' matches no module" in proc.stderr
@@ -246,3 +240,32 @@ def test_prepare_input_lists_must_line_up(write_plan):
 def test_override_with_null_removes_a_rule(root):
     plan = tpplan.load(root / "plans/llama.yaml", overrides=["tensor_parallel.norm=null"])
     assert "norm" not in {r.pattern for r in plan.rules}
+
+
+def test_every_train_key_train_rejects_is_a_validate_error_at_its_line(write_plan):
+    """validate reads the trainer's sections with the trainer's own reader."""
+    errors = errors_of(write_plan(BASE + "train:\n  gradient_accumulation_steps: 4\n  lr: true\n"
+                                         "  grad_clip: .nan\n  steps: 1.5\n"))
+    assert [(e.loc.line, e.loc.column) for e in errors] == [(5, 3), (6, 7), (7, 14), (8, 10)]
+    assert "unknown key 'gradient_accumulation_steps' in 'train'" in errors[0].message
+    assert errors[1].message == "'train.lr' must be a number, got a boolean True"
+    assert errors[2].message == "'train.grad_clip' must be a finite number, got nan"
+    assert "'train.steps' must be an integer, got a number 1.5" in errors[3].message
+
+
+def test_a_batch_that_does_not_split_over_the_mesh_is_an_error(write_plan):
+    e = one_error(write_plan(BASE + "train: {global_batch_size: 6}\n"), world=8)  # dp 4
+    assert e.message.startswith("train.global_batch_size=6 is not divisible by the "
+                                "data-parallel size 4") and "(e.g. 4 or 8)" in e.message
+    assert (e.loc.line, e.loc.column) == (4, 28)  # the value 6
+    # Left out, the default is named as such, and where to set it.
+    e = one_error(write_plan(BASE, name="default.yaml"), world=32)  # dp 16 > the default 8
+    assert "train.global_batch_size=8 (the default; set train.global_batch_size)" in e.message
+
+
+def test_activation_checkpointing_every_only_with_selective(write_plan):
+    e = one_error(write_plan(BASE + "activation_checkpointing: {mode: full, every: 2}\n"))
+    assert "'activation_checkpointing.every' applies to mode selective only" in e.message
+    assert (e.loc.line, e.loc.column) == (4, 47)
+    e = one_error(write_plan(BASE + "activation_checkpointing: ful\n", name="typo.yaml"))
+    assert "mode must be one of none, full, selective, got 'ful' (did you mean 'full'?)" in e.message

@@ -8,16 +8,14 @@ so launching, checks before the process group and exit codes are tested as users
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import PLANS, tpplan_cli
 
-ROOT = Path(__file__).resolve().parents[1]
-PLAN = str(ROOT / "plans" / "llama.yaml")
+PLAN = str(PLANS / "llama.yaml")
 STEPS = 12
 # Tiny but real: 2 layers, all four plan features (TP, SP, loss parallel, FSDP2) active.
 TINY = ["model.kwargs.n_layers=2", "model.kwargs.dim=64", f"train.steps={STEPS}",
@@ -30,16 +28,12 @@ TIMEOUT = 240
 def tpplan_train(run_dir: Path, *extra: str, nproc: int | None = None, sets=(),
                  env: dict | None = None, timeout: int = TIMEOUT,
                  plan: str = PLAN) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tpplan", "train", "--plan", plan]
+    args = ["train", "--plan", plan]
     for s in [*TINY, f"metrics.run_dir={run_dir}", *sets]:
-        cmd += ["--set", s]
+        args += ["--set", s]
     if nproc:
-        cmd += ["--nproc", str(nproc)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-                "TPPLAN_DEVICE": "cpu", **(env or {})}
-    full_env.pop("RANK", None)
-    return subprocess.run([*cmd, *extra], check=False, cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
+        args += ["--nproc", str(nproc)]
+    return tpplan_cli(*args, *extra, env=env, timeout=timeout)
 
 
 def ok(proc: subprocess.CompletedProcess) -> None:

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import PLANS
 
 import tpplan
-from tpplan.errors import ErrorList, PlanErrors
+from tpplan.checkpoint import latest
+from tpplan.models import init_weights
+from tpplan.plan.errors import PlanErrors
 from tpplan.train import clip_grad_norm, lr_lambda
-from tpplan.train.checkpoint import latest
-from tpplan.train.config import parse_run_config
 from tpplan.train.data import global_batch, load_corpus, local_batch
 
-ROOT = Path(__file__).resolve().parents[1]
-PLAN = ROOT / "plans" / "llama.yaml"
+PLAN = PLANS / "llama.yaml"
 
 
 def test_default_corpus_is_stdlib_bytes_and_deterministic():
@@ -54,16 +53,15 @@ def test_warmup_then_cosine_to_min_lr():
 
 
 def test_trainer_sections_defaults_and_located_type_errors():
-    plan = tpplan.load(PLAN, ["train.lr=fast", "checkpoint.keep=-1", "train.betas=[0.9]"])
-    errs = ErrorList()
-    parse_run_config(plan, errs)
-    msgs = [f"{e.loc.file}:{e.message}" for e in errs]
+    with pytest.raises(PlanErrors) as caught:  # parsed with the plan, when it is loaded
+        tpplan.load(PLAN, ["train.lr=fast", "checkpoint.keep=-1", "train.betas=[0.9]"])
+    msgs = [f"{e.loc.file}:{e.message}" for e in caught.value.errors]
     assert any("'train.lr' must be a number" in m and m.startswith("--set train.lr")
                for m in msgs), msgs
     assert any("'checkpoint.keep' must be at least 0" in m for m in msgs)
     assert any("'train.betas' must be a list of two numbers" in m for m in msgs)
-    cfg = parse_run_config(tpplan.load(PLAN), ErrorList())
-    assert cfg.train.steps == 200 and cfg.data.path is None and cfg.checkpoint.interval == 50
+    plan = tpplan.load(PLAN)
+    assert plan.train.steps == 200 and plan.data.path is None and plan.checkpoint.interval == 50
 
 
 def test_unknown_trainer_section_is_an_error():
@@ -92,8 +90,6 @@ def test_clip_grad_norm_matches_torch_on_plain_tensors():
 
 
 def test_factory_model_fallback_init_is_seeded_per_module_path():
-    from tpplan.train.init import init_weights
-
     def build():
         return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 
@@ -104,3 +100,27 @@ def test_factory_model_fallback_init_is_seeded_per_module_path():
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(pa, pb), name
         assert not torch.equal(pa, pc), name
+
+
+@pytest.mark.parametrize("train, world", [
+    ("", 4),  # no train section: the defaults, the same for both
+    ("train: {seq_len: 64, global_batch_size: 16, micro_batch_size: 2}\n", 8),  # accumulation
+])
+def test_validate_sizes_the_step_train_would_run(tmp_path, monkeypatch, train, world):
+    """`tpplan validate --json` reports the seq_len, micro-batch and accumulation that
+    `tpplan train` takes at the same world size, read by the same code."""
+    import json
+
+    from helpers import tpplan_cli
+
+    from tpplan.train.setup import prepare
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"extends: {PLAN}\n{train or 'train: null'}\n")
+    out = tpplan_cli("validate", "--plan", plan, "--world-size", world, "--json", check=True)
+    step = json.loads(out.stdout)["step"]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    prep = prepare(str(plan), ["data.max_bytes=10000", f"metrics.run_dir={tmp_path}"], None, False)
+    assert (step["seq_len"], step["micro_batch_size"], step["grad_accum"]) == (
+        prep.step.seq_len, prep.step.micro_batch, prep.step.grad_accum)
+    assert step["grad_accum"] == (2 if train else 1)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from helpers import PLANS, TEST_PLANS
 
+import tpplan
 from tpplan.cli import main
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("plan, nproc", [("llama.yaml", 4), ("llama-tp.yaml", 4),
@@ -16,14 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
                                          ("../tests/plans/wasteful-siblings.yaml", 4)])
 def test_every_shipped_plan_matches_one_device(plan, nproc, capsys):
     # The wasteful plan is there too: above the communication minimum, yet correct.
-    code = main(["verify", "--plan", str(ROOT / "plans" / plan), "--nproc", str(nproc)])
+    code = main(["verify", "--plan", str(PLANS / plan), "--nproc", str(nproc)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "numerics match" in out
 
 
 def test_a_plan_that_runs_but_computes_the_wrong_thing_fails_with_a_table(capsys):
-    code = main(["verify", "--plan", str(ROOT / "tests" / "plans" / "wrong-layout.yaml"),
+    code = main(["verify", "--plan", str(TEST_PLANS / "wrong-layout.yaml"),
                  "--nproc", "4"])
     out = capsys.readouterr().out
     assert code == 1
@@ -32,14 +30,13 @@ def test_a_plan_that_runs_but_computes_the_wrong_thing_fails_with_a_table(capsys
 
 
 def test_shrunk_config_keeps_every_split_divisible():
-    from tpplan.commands.verify import shrink_overrides
     from tpplan.models import build_model
-    from tpplan.plan import load
+    from tpplan.models.introspect import shrink_overrides
 
     for tp in (1, 2, 4, 8):
-        plan = load(ROOT / "plans" / "llama.yaml", [f"mesh.tp={tp}", "model.config=405b"])
-        plan = load(ROOT / "plans" / "llama.yaml",
-                    [f"mesh.tp={tp}", "model.config=405b"] + shrink_overrides(plan, tp, 2, 16))
+        plan = tpplan.load(PLANS / "llama.yaml", [f"mesh.tp={tp}", "model.config=405b"])
+        plan = tpplan.load(PLANS / "llama.yaml", [f"mesh.tp={tp}", "model.config=405b"] +
+                           shrink_overrides(plan.model, tp, 2, 16))
         model = build_model(plan.model, device="meta")
         res = plan.resolve(model, tp * 2)
         assert res.ok, res.errors

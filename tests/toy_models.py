@@ -72,3 +72,9 @@ class MiniGPT(nn.Module):
 
 def mini_gpt(**kwargs) -> MiniGPT:
     return MiniGPT(**kwargs)
+
+
+def float_mlp(width: int = 8) -> nn.Sequential:
+    """A model that takes features, not token ids: valid to parallelize, not to trace with a
+    batch of tokens."""
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))

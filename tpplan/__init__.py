@@ -6,8 +6,8 @@
     >>> model = plan.apply(model, mesh)
 """
 
-from .errors import Loc, PlanError, PlanErrors
-from .plan import Plan, load
+from .api import Plan, load
+from .plan.errors import Loc, PlanError, PlanErrors
 
 __all__ = ["Loc", "Plan", "PlanError", "PlanErrors", "load", "__version__"]
 __version__ = "0.1.0"

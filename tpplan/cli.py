@@ -13,27 +13,12 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import PlanErrors
+from .commands._common import print_errors
+from .plan.errors import PlanErrors
 
-__all__ = ["main", "print_errors"]
+__all__ = ["main"]
 
 COMMANDS = ("validate", "verify", "train", "suggest", "import-hf", "export")
-
-
-def print_errors(errors: PlanErrors, stream=None) -> None:
-    stream = stream or sys.stderr
-    for e in errors.errors:
-        where = f"{e.loc}: " if e.loc.line else ""  # errors about no line of a plan
-        print(f"{where}error: {e.message}", file=stream)
-    n = len(errors.errors)
-    print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
-
-
-def add_plan_args(p: argparse.ArgumentParser) -> None:
-    """``--plan`` and ``--set``, the same on every subcommand."""
-    p.add_argument("--plan", required=True, help="the plan YAML file")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a plan key, e.g. --set model.config=70b (repeatable)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -9,14 +9,17 @@ sequence parallelism is free in bandwidth. Formulas and sources: docs/dry-run.md
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from typing import Any
 
 import torch.nn as nn
 
-from ..patterns import generalize
-from .settings import StepShape
+from ..parallel.fsdp_units import ROOT, UnitSize
+from ..parallel.mesh import ParallelDims
+from ..parallel.resolve import Resolution
+from ..plan.patterns import generalize, is_in_blocks
+from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
+from ..plan.step import StepShape
 from .tptrace import TPTrace
 
 __all__ = ["fsdp_collectives", "megatron_minimum", "diagnose", "wire_bytes", "rows"]
@@ -32,46 +35,19 @@ def wire_bytes(kind: str, nbytes: int, n: int) -> int:
     return factor * nbytes * (n - 1) // n
 
 
-def fsdp_units(model: nn.Module, res) -> list[tuple[str, int]]:
-    """(unit, elements its all-gather outputs) for each FSDP2 parameter group; root last.
-
-    Read from the groups ``fully_shard`` really built on the applied meta model, so a unit
-    pattern that matches many modules is one group (one all-gather), exactly as applied.
-    The size is FSDP's padded shard times the shard-group size: the all-gather's output.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    groups: dict[int, list] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            continue
-        entry = groups.setdefault(id(group), [[], group])
-        entry[0].append(name or "<root>")
-    out = []
-    for names, group in groups.values():
-        shard = group.mesh_info.shard_mesh_size
-        elems = sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params) * shard
-        label = names[0] if len(names) == 1 else f"{generalize(names[0])} ({len(names)} modules)"
-        out.append((label, elems))
-    out.sort(key=lambda u: u[0] == "<root>")
-    return out
-
-
-def fsdp_collectives(model: nn.Module, res, plan, shape: StepShape) -> list[dict[str, Any]]:
+def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepShape,
+                     dims: ParallelDims) -> list[dict[str, Any]]:
     """FSDP2 per micro-batch: all-gather each unit in forward (and again in backward when
     ``reshard_after_forward``; never the root, FSDP2 keeps it unsharded), reduce-scatter its
     gradients, and with HSDP all-reduce the gradient shard over ``dp_replicate``."""
-    dims = res.dims
-    p_size = shape.param_dtype.itemsize
-    r_size = shape.reduce_dtype.itemsize
+    p_size = torch_dtype(shape.param_dtype).itemsize
+    r_size = torch_dtype(shape.reduce_dtype).itemsize
     out: list[dict[str, Any]] = []
-    if plan.fsdp is None:
+    if fsdp is None:
         return out
-    for name, elems in fsdp_units(model, res):
-        gathers = 1 + (plan.fsdp.reshard_after_forward and name != "<root>")
+    for unit in units:
+        name, elems = unit.unit, unit.elements
+        gathers = 1 + (fsdp.reshard_after_forward and name != ROOT)
         if dims.dp_shard > 1:
             out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=gathers,
                             bytes=gathers * elems * p_size, unit=name))
@@ -83,12 +59,12 @@ def fsdp_collectives(model: nn.Module, res, plan, shape: StepShape) -> list[dict
     return out
 
 
-def _linears(model: nn.Module, res, style: str) -> list[tuple[str, nn.Module]]:
+def _linears(model: nn.Module, res: Resolution, style: str) -> list[tuple[str, nn.Module]]:
     modules = dict(model.named_modules())
     return [(p, modules[p]) for p, r in res.rule_of.items() if r.style.name == style]
 
 
-def _colwise_chained(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+def _colwise_chained(model: nn.Module, res: Resolution) -> list[tuple[str, nn.Module]]:
     """Colwise Linears whose declared input is sharded over features (fed by a colwise)."""
     out = []
     for path, m in _linears(model, res, "colwise"):
@@ -99,15 +75,14 @@ def _colwise_chained(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _heads(model: nn.Module, res) -> list[tuple[str, nn.Module]]:
+def _heads(model: nn.Module, res: Resolution) -> list[tuple[str, nn.Module]]:
     """Colwise Linears outside the repeated blocks that close no colwise group: the head."""
     chained = {p for p, _ in _colwise_chained(model, res)}
-    in_blocks = re.compile(r"(^|\.)\d+(\.|$)")
     return [(p, m) for p, m in _linears(model, res, "colwise")
-            if isinstance(m, nn.Linear) and p not in chained and not in_blocks.search(p)]
+            if isinstance(m, nn.Linear) and p not in chained and not is_in_blocks(p)]
 
 
-def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Counter, Counter]:
+def megatron_minimum(model: nn.Module, res: Resolution, plan: PlanSpec, shape: StepShape) -> tuple[Counter, Counter]:
     """What a Megatron-style plan needs for one micro-batch, as Counter[(kind, backward)] of
     (count) and ``bytes`` Counter alongside: see docs/dry-run.md for the derivation.
 
@@ -126,7 +101,7 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
         return counts, nbytes
     sp = plan.uses_sequence_parallel
     tokens = shape.micro_batch * shape.seq_len
-    e = shape.param_dtype.itemsize
+    e = torch_dtype(shape.param_dtype).itemsize
 
     def add(kind: str, bw: bool, width: int) -> None:
         counts[(kind, bw)] += 1
@@ -164,7 +139,7 @@ def megatron_minimum(model: nn.Module, res, plan, shape: StepShape) -> tuple[Cou
     return counts, nbytes
 
 
-def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
+def diagnose(model: nn.Module, res: Resolution, plan: PlanSpec) -> list[dict[str, Any]]:
     """Structural reasons a plan communicates more than the minimum, with expected extras."""
     sp = plan.uses_sequence_parallel
     reasons = []
@@ -205,9 +180,8 @@ def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
                    "forward and its input gradient reduce-scattered in backward, where a "
                    "rowwise layer needs one all-reduce per pass; make this layer rowwise"))
     ac = plan.activation_checkpointing
-    if ac.mode != "none" and res.ac_blocks:
-        every = ac.every if ac.mode == "selective" else 1
-        n = len(res.ac_blocks[::every])
+    if ac.enabled and res.ac_blocks:
+        n = len(res.ac_blocks[::ac.every])
         reasons.append(dict(
             where=ac.blocks, extra_count={},
             reason=f"activation checkpointing recomputes {n} blocks' forward in backward, "
@@ -222,7 +196,7 @@ def diagnose(model: nn.Module, res, plan) -> list[dict[str, Any]]:
     return reasons
 
 
-def rows(trace: TPTrace, fsdp: list[dict], shape: StepShape, dims) -> list[dict[str, Any]]:
+def rows(trace: TPTrace, fsdp: list[dict], shape: StepShape, dims: ParallelDims) -> list[dict[str, Any]]:
     """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
     sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}

@@ -66,8 +66,13 @@ def _group_name(args, kwargs) -> str:
     last = args[-1] if args else None
     if isinstance(last, str):
         return last
+    # c10d ops (FSDP2's) take the process group itself, boxed for the dispatcher.
     pg = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
-    return getattr(pg, "group_name", "?") if pg is not None else "?"
+    if pg is None:
+        return "?"
+    import torch.distributed as dist
+
+    return dist.ProcessGroup.unbox(pg).group_name
 
 
 def _group_size(name: str, args) -> int:

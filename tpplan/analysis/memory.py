@@ -12,8 +12,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from .comm import fsdp_units
-from .settings import StepShape
+from ..parallel.fsdp_units import UnitSize
+from ..parallel.resolve import Resolution
+from ..plan.specs import PlanSpec, torch_dtype
+from ..plan.step import StepShape
 
 __all__ = ["memory_per_rank", "activation_bytes"]
 
@@ -27,7 +29,8 @@ def _local(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def activation_bytes(model: nn.Module, plan, res, shape: StepShape) -> int | None:
+def activation_bytes(model: nn.Module, plan: PlanSpec, res: Resolution,
+                     shape: StepShape) -> int | None:
     """Activations saved for backward in one micro-batch, for a Llama-shaped model.
 
     Korthikanti et al. 2022's per-layer count, redone for a Llama block (RMSNorm, GQA,
@@ -44,18 +47,14 @@ def activation_bytes(model: nn.Module, plan, res, shape: StepShape) -> int | Non
     sp = t if plan.uses_sequence_parallel else 1
     hk = kv * (h // heads)
     sb = shape.seq_len * shape.micro_batch
-    e = shape.param_dtype.itemsize
+    e = torch_dtype(shape.param_dtype).itemsize
     # Two norm inputs (sharded by SP), the two gathered inputs of the colwise groups
     # (autograd saves the gathered tensor, so not divided), q/k/v and roped q/k, attention
     # output, and the four SwiGLU intermediates (w1 out, w3 out, silu, product) on tp shards.
     layer = sb * (2 * h / sp + 2 * h + (3 * h + 3 * hk + 4 * f) / t) * e
     block_input = sb * h / sp * e
     ac = plan.activation_checkpointing
-    if ac.mode == "none":
-        checkpointed = 0
-    else:
-        every = ac.every if ac.mode == "selective" else 1
-        checkpointed = math.ceil(len(res.ac_blocks) / every)
+    checkpointed = math.ceil(len(res.ac_blocks) / ac.every) if ac.enabled else 0
     stored = checkpointed * block_input + (layers - checkpointed) * layer
     recompute = layer if checkpointed else 0  # one block re-runs its forward at a time
     vocab_shard = t if plan.loss_parallel else 1
@@ -64,8 +63,9 @@ def activation_bytes(model: nn.Module, plan, res, shape: StepShape) -> int | Non
     return int(stored + recompute + head + logits)
 
 
-def memory_per_rank(model: nn.Module, plan, res, shape: StepShape) -> dict[str, Any]:
-    """Bytes per rank, by part, and their ``total``."""
+def memory_per_rank(model: nn.Module, plan: PlanSpec, res: Resolution, shape: StepShape,
+                    units: list[UnitSize]) -> dict[str, Any]:
+    """Bytes per rank, by part, and their ``total``; ``units`` are the plan's FSDP units."""
     local_elems = 0
     params = 0
     for p in model.parameters():
@@ -76,14 +76,13 @@ def memory_per_rank(model: nn.Module, plan, res, shape: StepShape) -> dict[str, 
     optimizer = ADAM_MOMENTS * FP32 * local_elems
     working = 0
     if plan.fsdp is not None:
-        units = fsdp_units(model, res)
-        largest = max((n for _, n in units), default=0)
+        largest = max((u.elements for u in units), default=0)
         prefetch = 2 if len(units) > 1 else 1  # FSDP2 gathers the next unit in backward early
-        working = prefetch * largest * shape.param_dtype.itemsize
+        working = prefetch * largest * torch_dtype(shape.param_dtype).itemsize
     acts = activation_bytes(model, plan, res, shape)
     out = dict(parameters=params, gradients=grads, optimizer=optimizer,
                fsdp_unsharded=working, activations=acts)
     out["total"] = sum(v for v in out.values() if v is not None)
     out["batch"] = dict(seq_len=shape.seq_len, micro_batch_size=shape.micro_batch,
-                        grad_accum=shape.grad_accum, compute_dtype=str(shape.param_dtype)[6:])
+                        grad_accum=shape.grad_accum, compute_dtype=shape.param_dtype)
     return out

@@ -1,8 +1,8 @@
 """Tensor-parallel collectives, counted by running the plan's TP forward+backward on meta.
 
-A second meta model gets only the TP part of the plan (``tpplan.apply.apply_tp`` with the
+A second meta model gets only the TP part of the plan (``tpplan.parallel.apply.apply_tp`` with the
 dry run's resolution), is cast to the compute dtype FSDP's mixed precision would use, and
-runs one micro-batch forward, loss (under ``plan.loss_context()``) and backward inside a
+runs one micro-batch forward, loss (under the plan's ``loss_context``) and backward inside a
 :class:`CollectiveRecorder`. Nothing is allocated: meta tensors carry shapes only.
 
 Deep models are traced at depth 1, 2 and 3 of their repeated block container. For identical
@@ -24,8 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..parallel_dims import MESH_DIMS
-from ..patterns import generalize
+from ..models.introspect import find_blocks
+from ..parallel.apply import apply_ac, apply_tp, loss_context
+from ..parallel.mesh import MESH_DIMS
+from ..parallel.resolve import Resolution
+from ..plan.patterns import generalize
+from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
 
 __all__ = ["TPTrace", "trace_tp", "Key"]
@@ -43,26 +47,27 @@ class TPTrace:
         self.counts, self.depths, self.blocks = counts, depths, blocks
 
 
-def _repeated_container(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
-    """The one ModuleList/ModuleDict of ≥3 identical blocks, as (parent, attribute, path)."""
-    found = []
-    for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.ModuleDict)) or len(mod) < 3:
-            continue
-        sigs = []
-        for name, child in mod.named_children():
-            prefix = f"{path}.{name}" if path else name
-            sigs.append(tuple(
-                (rel, type(m).__name__, id(rule_of.get(f"{prefix}.{rel}" if rel else prefix)),
-                 tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False)))
-                for rel, m in child.named_modules()))
-        if all(s == sigs[0] for s in sigs):
-            found.append(path)
-    if len(found) != 1:
+def _identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
+    """The repeated blocks (:func:`find_blocks`) as (parent, attribute, path), if there are
+    ≥3 of them and they are identical: same module types, parameter shapes and plan rules."""
+    path = find_blocks(model)
+    if path is None:
         return None
-    parent_path, _, attr = found[0].rpartition(".")
+    container = model.get_submodule(path)
+    if len(container) < 3:
+        return None
+    sigs = set()
+    for name, child in container.named_children():
+        prefix = f"{path}.{name}" if path else name
+        sigs.add(tuple(
+            (rel, type(m).__name__, id(rule_of.get(f"{prefix}.{rel}" if rel else prefix)),
+             tuple((n, tuple(p.shape)) for n, p in m.named_parameters(recurse=False)))
+            for rel, m in child.named_modules()))
+    if len(sigs) != 1:
+        return None
+    parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    return parent, attr, found[0]
+    return parent, attr, path
 
 
 def _truncated(container: nn.Module, depth: int) -> nn.Module:
@@ -71,10 +76,10 @@ def _truncated(container: nn.Module, depth: int) -> nn.Module:
     return nn.ModuleList(list(container)[:depth])
 
 
-def _run(model: nn.Module, plan, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
+def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
     model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
     with CollectiveRecorder() as rec:
-        with plan.loss_context():
+        with loss_context(plan):
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
             loss.backward()  # loss parallelism's backward also needs the context
@@ -109,12 +114,12 @@ def _reduce_partial_grads(model: nn.Module) -> None:
             p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
-def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micro_batch: int,
-             dtype: torch.dtype) -> TPTrace:
-    """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up)."""
-    import warnings
+def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Module], seq_len: int,
+             micro_batch: int, dtype: torch.dtype, extrapolate: bool = True) -> TPTrace:
+    """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up).
 
-    from ..apply import apply_ac, apply_tp
+    ``extrapolate=False`` traces every block (slower; the result must be the same)."""
+    import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
@@ -128,23 +133,22 @@ def trace_tp(plan, res, mesh, build: Callable[[], nn.Module], seq_len: int, micr
             res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
             attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
         ac = plan.activation_checkpointing
-        if ac.mode != "none":
+        if ac.enabled:
             # Recomputed blocks re-issue their forward collectives in backward: count them.
-            apply_ac(model, [p for p in res.ac_blocks if p in paths],
-                     ac.every if ac.mode == "selective" else 1)
+            apply_ac(model, [p for p in res.ac_blocks if p in paths], ac.every)
         return model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
         model = build()
-        found = _repeated_container(model, res.rule_of)
+        found = _identical_blocks(model, res.rule_of) if extrapolate else None
         if found is None:
             return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
         parent, attr, path = found
         depth = len(getattr(parent, attr))
         # Selective checkpointing of every k-th block repeats with period k, not 1.
         ac = plan.activation_checkpointing
-        period = ac.every if ac.mode == "selective" else 1
+        period = ac.every
         if depth % period or depth < 3 * period:
             return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
         depths = [period, 2 * period, 3 * period]

@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import export_checkpoint
+    from ..byom.export import export_checkpoint
 
     summary = export_checkpoint(args.checkpoint, args.output, args.plan, args.dtype)
     print(f"exported {summary['checkpoint']}: {summary['tensors']} tensors, "

@@ -6,8 +6,8 @@ import argparse
 import os
 import sys
 
-from ..planwriter import render_plan
-from .planout import emit, relocate
+from ..plan.writer import relocate, render_plan
+from ._common import emit
 
 
 def register(sub) -> None:
@@ -24,7 +24,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..hf_import import import_hf
+    from ..byom.import_hf import import_hf
 
     imported = import_hf(args.target, args.sequence_parallel)
     s = imported.suggestion

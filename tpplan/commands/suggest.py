@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from ..planwriter import render_plan
-import os
-
-from .planout import emit, relocate
+from ..plan import ErrorList, read_document
+from ..plan.sections import parse_model
+from ..plan.writer import relocate, render_plan
+from ..plan.yamlio import plain
+from ._common import emit
 
 
 def register(sub) -> None:
@@ -24,11 +26,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..loader import read_document
-    from ..plan import _plain
-    from ..schema import parse_model
-    from ..errors import ErrorList
-    from ..suggest import suggest_plan
+    from ..byom.suggest import suggest_plan
 
     doc = read_document(args.model)
     errs = ErrorList()
@@ -39,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     s = suggest_plan(spec, args.sequence_parallel)
     header = [f"Suggested by `tpplan suggest {args.model}` from the model's dataflow.",
               "Review it: every rule says why it is there; what was not decided is at the end."]
-    model = relocate(_plain(doc["model"]), os.path.dirname(os.path.abspath(args.model)),
+    model = relocate(plain(doc["model"]), os.path.dirname(os.path.abspath(args.model)),
                      args.output)
     text = render_plan(header, model, s.rules, tp=args.tp,
                        loss_parallel=s.loss_parallel, divide_by_tp=s.divide_by_tp, units=s.units,

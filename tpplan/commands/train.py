@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from ..cli import add_plan_args
+from ._common import add_plan_args
 
 
 def register(sub) -> None:

@@ -9,14 +9,13 @@ compared with the same model and batch on one device. Exit 1 above ``--tolerance
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-from pathlib import Path
 
-from ..cli import add_plan_args
+from ..plan.patterns import generalize
+from ._common import add_plan_args, console
 
-__all__ = ["register", "shrink_overrides", "group_rows"]
+__all__ = ["register", "group_rows"]
 
 
 def register(sub) -> None:
@@ -36,43 +35,11 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def shrink_overrides(plan, tp: int, layers: int, seq_len: int) -> list[str]:
-    """``--set`` lines that shrink a built-in Llama while keeping every split divisible:
-    ``tp`` kv heads, twice as many query heads of width 8, widths in multiples of 32·tp."""
-    spec = plan.model
-    if spec is not None and (spec.hf or spec.hf_config):
-        return _shrink_hf(spec, tp, layers, seq_len)
-    if spec is None or spec.factory or spec.name != "llama3":
-        return [f"train.seq_len={seq_len}"]
-    kv = max(tp, 2)
-    heads = 2 * kv
-    return [f"model.kwargs.n_layers={layers}", f"model.kwargs.n_heads={heads}",
-            f"model.kwargs.n_kv_heads={kv}", f"model.kwargs.dim={heads * 8}",
-            f"model.kwargs.multiple_of={32 * tp}", "model.kwargs.ffn_dim_multiplier=null",
-            f"model.kwargs.vocab_size={64 * tp}", f"model.kwargs.max_seq_len={seq_len}",
-            f"train.seq_len={seq_len}"]
-
-
-def _shrink_hf(spec, tp: int, layers: int, seq_len: int) -> list[str]:
-    """The same for a HuggingFace config: only the fields this architecture has."""
-    from ..models.hf import hf_config
-
-    config = hf_config(spec, Path(spec.base_dir) if spec.base_dir else None)
-    kv = max(tp, 2)
-    heads = 2 * kv
-    small = {"num_hidden_layers": layers, "num_attention_heads": heads,
-             "num_key_value_heads": kv, "hidden_size": heads * 8, "head_dim": 8,
-             "intermediate_size": 64 * tp, "ffn_dim": 64 * tp, "word_embed_proj_dim": heads * 8,
-             "vocab_size": 64 * tp}
-    out = [f"model.config.{k}={v}" for k, v in small.items() if hasattr(config, k)]
-    return out + [f"train.seq_len={seq_len}"]
-
-
 def group_rows(rows: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
     """Collapse per-layer rows (``layers.3.attention.wq``) into ``layers.*`` with the worst."""
     groups: dict[str, list] = {}
     for what, err in rows:
-        key = re.sub(r"\.\d+(?=\.|$)", ".*", what)
+        key = generalize(what)
         g = groups.setdefault(key, [0, 0.0])
         g[0] += 1
         g[1] = max(g[1], err)
@@ -80,12 +47,12 @@ def group_rows(rows: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
+    from ..analysis.numerics import compare, make_batch, parallel_step, reference_step
+    from ..api import load
     from ..models import build_model
-    from ..plan import load
-    from ..verify import compare, make_batch, parallel_step, reference_step
+    from ..models.introspect import shrink_overrides, vocab_size
 
     if args.nproc < 1:
         print("error: --nproc must be at least 1", file=sys.stderr)
@@ -93,20 +60,22 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = load(args.plan, args.overrides)
     dims = plan.parallel_dims(args.nproc)  # PlanErrors (exit 1) if the mesh does not fit
-    shrink = [] if args.no_shrink else shrink_overrides(plan, dims.tp, args.layers, args.seq_len)
-    overrides = shrink + list(args.overrides)  # the user's --set wins
+    shrink = [] if args.no_shrink else shrink_overrides(plan.model, dims.tp, args.layers,
+                                                        args.seq_len)
+    # The step verify runs, in the plan's own terms, so the trainer's checks apply to it.
+    step = [f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch_per_rank}",
+            f"train.global_batch_size={args.batch_per_rank * dims.dp}"]
+    overrides = shrink + step + list(args.overrides)  # the user's --set wins
     plan = load(args.plan, overrides)
+    shape = plan.step_shape(args.nproc)  # seq_len under SP: a located error, not a crash
     model = build_model(plan.model, device="meta")
     plan.check(model, args.nproc)
-    vocab = next(m.num_embeddings for m in model.modules() if hasattr(m, "num_embeddings"))
-    tokens = make_batch(vocab, args.batch_per_rank * dims.dp, args.seq_len, args.seed)
+    tokens = make_batch(vocab_size(model), shape.global_batch, shape.seq_len, args.seed)
     ref = reference_step(plan, tokens, args.seed)
     par = parallel_step(args.plan, overrides, args.nproc, tokens, args.seed)
     result = compare(ref, par, args.tolerance)
 
-    console = Console()
-    if not console.is_terminal:
-        console.width = 120
+    out = console(120)
     t = Table(title=f"{args.plan} on {args.nproc} gloo ranks ({dims}) vs one device",
               header_style="bold")
     for col in ("compared", "×", "worst relative error", ""):
@@ -114,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     for what, n, err in group_rows(result.rows):
         ok = err <= args.tolerance
         t.add_row(what, str(n), f"{err:.2e}", "[green]ok[/green]" if ok else "[red]FAIL[/red]")
-    console.print(t)
+    out.print(t)
     took = time.perf_counter() - start
     if result.ok:
-        console.print(f"[green]numerics match[/green] within {args.tolerance:g} ({took:.1f} s)")
+        out.print(f"[green]numerics match[/green] within {args.tolerance:g} ({took:.1f} s)")
         return 0
-    console.print(f"[red]numerics differ[/red]: {len(result.failures)} of {len(result.rows)} "
+    out.print(f"[red]numerics differ[/red]: {len(result.failures)} of {len(result.rows)} "
                   f"above {args.tolerance:g} ({took:.1f} s)")
     return 1

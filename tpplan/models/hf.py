@@ -14,7 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..errors import PlanError, PlanErrors, nearest
+from ..plan.errors import PlanError, PlanErrors, nearest
+from ..plan.specs import ModelSpec
 
 __all__ = ["build_hf", "require_transformers", "hf_config"]
 
@@ -47,9 +48,11 @@ def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
 
 
-def hf_config(spec, base_dir: Path | None = None):
-    """The ``transformers`` config object the plan describes (``hf_config`` or ``hf`` + ``config``)."""
+def hf_config(spec: ModelSpec):
+    """The ``transformers`` config object the plan describes (``hf_config`` or ``hf`` + ``config``);
+    a relative ``hf_config`` is looked for next to the plan first."""
     transformers = require_transformers(spec.loc)
+    base_dir = Path(spec.base_dir) if spec.base_dir else None
     if spec.hf_config:
         loc = spec.locs.get("hf_config", spec.loc)
         path = Path(spec.hf_config)
@@ -71,7 +74,7 @@ def hf_config(spec, base_dir: Path | None = None):
     return cls.config_class(**dict(spec.hf_kwargs))
 
 
-def _model_class(spec):
+def _model_class(spec: ModelSpec):
     transformers = require_transformers(spec.loc)
     cls = getattr(transformers, spec.hf, None)
     if not isinstance(cls, type) or not hasattr(cls, "config_class"):
@@ -81,10 +84,11 @@ def _model_class(spec):
     return cls
 
 
-def build_hf(spec, base_dir: Path | None = None) -> nn.Module:
-    """Construct the model on the current default device (``meta`` in the dry run)."""
+def build_hf(spec: ModelSpec, config=None) -> nn.Module:
+    """Construct the model on the current default device (``meta`` in the dry run), from
+    ``config`` when given (a shrunk copy, say), else from the plan's."""
     transformers = require_transformers(spec.loc)
-    config = hf_config(spec, base_dir)
+    config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
     if spec.hf:
         model = _model_class(spec)._from_config(config, attn_implementation="sdpa")

@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..apply import dp_rank as data_parallel_rank
-from . import checkpoint as ckpt
+from .. import checkpoint as ckpt
+from ..models import init_weights, materialize
+from ..parallel.mesh import dp_rank as data_parallel_rank
+from ..parallel.runtime import default_device_type
 from .data import local_batch
-from .init import init_weights, materialize
 from .progress import GPU_ONLY, Reporter, peak_flops
 from .setup import Prepared, prepare
 
@@ -92,12 +93,10 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
           overwrite: bool = False, device_type: str | None = None) -> dict:
     """Run ``tpplan train`` in this process (one rank of torchrun, or a world of one).
 
-    Raises :class:`~tpplan.errors.PlanErrors` / :class:`~tpplan.train.setup.TrainError`
+    Raises :class:`~tpplan.plan.errors.PlanErrors` / :class:`~tpplan.train.setup.TrainError`
     before any collective for a mistake in the plan, the data or the checkpoint. Returns
     the summary shown at the end, plus ``losses`` and ``step_times`` per step.
     """
-    from ..runtime import default_device_type
-
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
@@ -122,7 +121,8 @@ def _quiet_known_warnings() -> None:
 
 
 def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
-    plan, cfg, dims, t = prep.plan, prep.cfg, prep.dims, prep.cfg.train
+    plan, dims, t = prep.plan, prep.dims, prep.plan.train
+    accum, micro_size = prep.step.grad_accum, prep.step.micro_batch
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, torch.cuda.current_device()) \
         if device_type == "cuda" else torch.device(device_type)
@@ -156,13 +156,13 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
               f"{n_params / 1e6:.2f}M params ({init_method} init) | data {prep.corpus.source}, "
               f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
-              f"{t.seq_len} = {prep.accum} micro-batch(es) of {prep.micro} per dp rank | "
+              f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
               f"run folder {prep.run_dir}")
     if prep.resume_from is not None:
         header += f"\nresumed from {prep.resume_from} at step {start}"
     reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
     record = _batch_recorder(prep, rank, dp_rank, tp_rank)
-    can_skip_sync = hasattr(model, "set_requires_gradient_sync") and prep.accum > 1
+    can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
     times, losses, last_saved = [], [], None
 
     for step in range(start + 1, t.steps + 1):
@@ -172,16 +172,16 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
         record(step, batch)
         batch = batch.to(device)
         loss_sum = torch.zeros((), device=device)
-        for m in range(prep.accum):
-            micro = batch[m * prep.micro:(m + 1) * prep.micro]
+        for m in range(accum):
+            micro = batch[m * micro_size:(m + 1) * micro_size]
             if can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
-                model.set_requires_gradient_sync(m == prep.accum - 1)
+                model.set_requires_gradient_sync(m == accum - 1)
             with plan.loss_context():
                 logits = model(micro[:, :-1])
                 # Mean over this micro-batch / accum: the sum over micro-batches is the mean
                 # over the rank's batch, and FSDP's average over dp ranks the global mean.
                 loss = F.cross_entropy(logits.flatten(0, 1).float(),
-                                       micro[:, 1:].flatten()) / prep.accum
+                                       micro[:, 1:].flatten()) / accum
                 loss.backward()
             loss_sum += _to_local_scalar(loss.detach())
         grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
@@ -203,14 +203,14 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
         if device_type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
             row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
-        reporter.log(row, show=step % cfg.metrics.log_interval == 0 or step == t.steps)
-        interval = cfg.checkpoint.interval
-        if cfg.checkpoint.enabled and ((interval and step % interval == 0) or step == t.steps):
+        reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
+        interval = plan.checkpoint.interval
+        if plan.checkpoint.enabled and ((interval and step % interval == 0) or step == t.steps):
             state = {"step": step, "schedule": schedule.state_dict(), "data_step": step,
                      "rng": torch.get_rng_state(), "model_shapes": ckpt.model_shapes(model),
                      "mesh": dims.as_dict(), "plan": plan.source}
             last_saved = ckpt.save(prep.ckpt_dir, step, model, optimizer, state,
-                                   cfg.checkpoint.keep)
+                                   plan.checkpoint.keep)
 
     steady = times[1:] or times
     mean_dt = sum(steady) / max(len(steady), 1)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import yaml
 
-__all__ = ["flow", "render_plan"]
+__all__ = ["flow", "relocate", "render_plan"]
 
 
 def flow(value: Any) -> str:
@@ -49,3 +50,13 @@ def render_plan(header: list[str], model: dict[str, Any], rules: list[tuple[str,
     text = "\n".join(lines) + "\n"
     yaml.safe_load(text)  # what we write must read back
     return text
+
+
+def relocate(model: dict, from_dir: str, output: str | None) -> dict:
+    """Keep a relative ``hf_config`` path pointing at the same file from the new plan's folder."""
+    path = model.get("hf_config")
+    if not path or os.path.isabs(path):
+        return model
+    target = os.path.join(from_dir, path)
+    to_dir = os.path.dirname(os.path.abspath(output)) if output else os.getcwd()
+    return {**model, "hf_config": os.path.relpath(os.path.abspath(target), to_dir)}

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from .styles import Layout, StyleSpec
+from ..plan.styles import Layout, StyleSpec
 
 __all__ = ["ReplicateParallel", "build_style"]
 

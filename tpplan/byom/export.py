@@ -13,34 +13,30 @@ built-in or factory model (so :func:`load_exported` rebuilds it).
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .errors import PlanError, PlanErrors
+from ..api import load
+from ..checkpoint import find_checkpoint, read_model_state
+from ..models import build_model
+from ..models.hf import hf_config
+from ..plan.errors import PlanError, PlanErrors
+from ..plan.specs import ModelSpec
 
-__all__ = ["export_checkpoint", "load_exported", "find_checkpoint", "find_plan"]
+__all__ = ["export_checkpoint", "load_exported", "find_plan"]
 
-MODEL_PREFIX = "model."  # the trainer saves {"model": ..., "optim": ...}
 SPEC_FILE = "tpplan-model.json"
 
 
-def find_checkpoint(path: Path) -> Path:
-    """A step folder as given, or the latest complete one under a run or checkpoints folder."""
-    from .train.checkpoint import is_complete, latest
-
-    path = Path(path)
-    if is_complete(path):
-        return path
-    for folder in (path, path / "checkpoints"):
-        found = latest(folder)
-        if found is not None:
-            return found
-    raise PlanErrors([PlanError(f"no complete checkpoint at '{path}' (a step-NNNNNN folder with "
-                                ".metadata and trainer.pt, or a run folder holding one)")])
+def _checkpoint(path: Path) -> Path:
+    found = find_checkpoint(path)
+    if found is None:
+        raise PlanErrors([PlanError(f"no complete checkpoint at '{path}' (a step-NNNNNN folder "
+                                    "with .metadata and trainer.pt, or a run folder holding one)")])
+    return found
 
 
 def find_plan(checkpoint: Path) -> Path:
@@ -52,35 +48,16 @@ def find_plan(checkpoint: Path) -> Path:
                                 "plan the run used")])
 
 
-def read_model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model tensors from a DCP checkpoint, on the CPU."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(checkpoint))
-    meta = reader.read_metadata().state_dict_metadata
-    state = {key[len(MODEL_PREFIX):]: torch.empty(m.size, dtype=m.properties.dtype)
-             for key, m in meta.items()
-             if key.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
-    if not state:
-        raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
-    wrapped = {"model": state}
-    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is the point
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(wrapped, storage_reader=reader)
-    return wrapped["model"]
-
-
 def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None,
                       dtype: str | None = None) -> dict[str, Any]:
     """Write ``out/model.safetensors`` and the model's description; return a summary."""
     from safetensors.torch import save_file
 
-    from .plan import load
-
-    checkpoint = find_checkpoint(Path(checkpoint))
+    checkpoint = _checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
     state = read_model_state(checkpoint)
+    if not state:
+        raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
     if dtype:
         state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
                  for k, v in state.items()}
@@ -90,10 +67,8 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")
     spec = plan.model
-    if spec.hf or spec.hf_config:
-        from .models.hf import hf_config
-
-        config = hf_config(spec, Path(spec.base_dir) if spec.base_dir else None)
+    if spec.is_hf:
+        config = hf_config(spec)
         if spec.hf:
             config.architectures = [spec.hf]
         config.save_pretrained(str(out))
@@ -108,9 +83,6 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
 def load_exported(out: str | Path) -> nn.Module:
     """The built-in or factory model an export describes, with its weights loaded."""
     from safetensors.torch import load_file
-
-    from .models import build_model
-    from .schema import ModelSpec
 
     out = Path(out)
     desc = json.loads((out / SPEC_FILE).read_text())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-__all__ = ["compile_pattern", "generalize"]
+__all__ = ["compile_pattern", "generalize", "is_in_blocks", "matches"]
 
 
 @lru_cache(maxsize=4096)
@@ -58,9 +58,19 @@ def matches(pattern: str, path: str) -> bool:
     return compile_pattern(pattern).fullmatch(path) is not None
 
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+# A path segment that is all digits: after a dot or a quote (a path quoted in a message),
+# before a dot, a quote or the end.
+_INDEX = re.compile(r"(?<=[.'])\d+(?=[.']|$)|^\d+(?=\.|$)")
 
 
 def generalize(path: str) -> str:
-    """``layers.3.attention`` -> ``layers.*.attention``: how a path is written in a plan."""
+    """``layers.3.attention`` -> ``layers.*.attention``: how a path is written in a plan.
+
+    Works on text too: ``module 'layers.3.wq' ...`` -> ``module 'layers.*.wq' ...``, so the
+    same mistake in every block collapses to one message."""
     return _INDEX.sub("*", path)
+
+
+def is_in_blocks(path: str) -> bool:
+    """Whether ``path`` lies inside a numbered container (a repeated block)."""
+    return generalize(path) != path

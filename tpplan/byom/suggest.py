@@ -18,16 +18,18 @@ From one traced forward:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .patterns import generalize
-from .trace import Call, Trace, trace_forward
+from ..models import build_model
+from ..models.dataflow import Call, Trace, trace_forward
+from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from ..plan.patterns import generalize
+from ..plan.specs import ModelSpec
 
-__all__ = ["Suggestion", "suggest_plan", "find_blocks"]
+__all__ = ["Suggestion", "suggest_plan"]
 
 
 @dataclass
@@ -39,20 +41,6 @@ class Suggestion:
     loss_parallel: bool = False
     blocks: str | None = None  # path of the ModuleList of repeated blocks
     notes: list[str] = field(default_factory=list)  # what could not be decided, and why
-
-
-def find_blocks(model: nn.Module) -> str | None:
-    """Path of the longest ModuleList whose children all share one type."""
-    best, size = None, 1
-    for path, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > size:
-            if len({type(m) for m in module}) == 1:
-                best, size = path, len(module)
-    return best
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower() and not list(module.children())
 
 
 def _common_parent(paths: list[str]) -> str:
@@ -100,7 +88,7 @@ def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call]]
     """(the norm that opens it, its linear calls) for each sub-layer of one block."""
     out: list[tuple[Call | None, list[Call]]] = [(None, [])]
     for call in trace.within(block):
-        if _is_norm(call.module):
+        if is_norm(call.module):
             out.append((call, []))
         elif isinstance(call.module, nn.Linear):
             out[-1][1].append(call)
@@ -113,8 +101,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     only: the block gathers its output back, for models that read the sequence length outside
     the blocks), or ``off``."""
     s = Suggestion(blocks=blocks)
-    first_block = f"{blocks}.0"
-    block_call = trace.first_call(first_block)
+    first = first_block(model, blocks)
+    block_call = trace.first_call(first)
     outside = [c for c in trace.calls if not c.path.startswith(blocks + ".")]
     head = next((c for c in reversed(outside) if isinstance(c.module, nn.Linear)), None)
     vocab = head.module.out_features if head else None
@@ -135,12 +123,12 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
 
     # Sequence parallel is safe only if the embedding output feeds the first block alone.
     hidden0 = embed.outputs[0] if embed and embed.outputs else None
-    users = [c for c in trace.consumers(hidden0) if not c.path.startswith(first_block + ".")] \
+    users = [c for c in trace.consumers(hidden0) if not c.path.startswith(first + ".")] \
         if hidden0 is not None else []
     s.sequence_parallel = sequence_parallel == "auto" and bool(block_call) and \
-        hidden0 is not None and [c.path for c in users] == [first_block]
+        hidden0 is not None and [c.path for c in users] == [first]
     if sequence_parallel == "auto" and hidden0 is not None and not s.sequence_parallel:
-        others = ", ".join(sorted({c.path for c in users if c.path != first_block}))
+        others = ", ".join(sorted({c.path for c in users if c.path != first}))
         others = others or "code outside any module (it is combined with something before the first block)"
         s.notes.append(f"no sequence parallelism: the embedding output is also read by {others}, "
                        "which would see only a sequence shard")
@@ -163,7 +151,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             opts["output_layouts"] = "shard(1)"
         s.rules.append((embed.path, opts, "vocabulary rows split over tp"))
 
-    for norm, linears in _sub_layers(trace, first_block):
+    for norm, linears in _sub_layers(trace, first):
         x = linears[0].args[0] if linears[0].args else next(iter(linears[0].kwargs.values()))
         colwise = [c for c in linears if x in c.inputs]
         rest = [c for c in linears if c not in colwise]
@@ -179,7 +167,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
                             "norm on a sequence shard"))
         container = _common_parent([c.path for c in colwise])
         call = trace.first_call(container)
-        needs_prepare = container != first_block and call is not None and \
+        needs_prepare = container != first and call is not None and \
             (inner or len(colwise) > 1)
         if needs_prepare:
             hidden = norm.outputs[0] if norm is not None else x
@@ -199,7 +187,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
                 s.divide_by_tp += [f"{generalize(container)}.{name}"
                                    for name in _head_counts(call.module, colwise)]
 
-    final_norms = [c for c in outside if _is_norm(c.module) and head and
+    final_norms = [c for c in outside if is_norm(c.module) and head and
                    trace.calls.index(c) < trace.calls.index(head) and
                    trace.calls.index(c) > trace.calls.index(block_call)]
     if sp:
@@ -221,25 +209,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     return s
 
 
-def shrink_hf_config(config) -> Any:
-    """The same architecture at toy widths: the dataflow does not depend on sizes."""
-    small = {"hidden_size": 64, "intermediate_size": 128, "ffn_dim": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "vocab_size": 256, "word_embed_proj_dim": 64,
-             "head_dim": 16}
-    cfg = config.__class__(**config.to_dict())
-    for key, value in small.items():
-        if hasattr(cfg, key):
-            setattr(cfg, key, value)
-    if hasattr(cfg, "num_key_value_heads"):
-        kv = config.num_key_value_heads or config.num_attention_heads
-        cfg.num_key_value_heads = 4 if kv == config.num_attention_heads else 2
-    return cfg
-
-
-def suggest_plan(spec, sequence_parallel: str = "auto") -> Suggestion:
-    """Trace the plan's model (``spec`` is a ModelSpec) and infer its rules."""
-    from .models import build_model
-
+def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion:
+    """Trace the plan's model and infer its rules."""
     model = build_model(spec, "meta")
     blocks = find_blocks(model)
     if blocks is None:
@@ -250,14 +221,15 @@ def suggest_plan(spec, sequence_parallel: str = "auto") -> Suggestion:
     try:
         trace = trace_forward(model, tokens)
     except (RuntimeError, NotImplementedError):
-        if not (spec.hf or spec.hf_config):
+        if not spec.is_hf:
             raise
-        # HF mask code reads tensor values; trace a toy-width CPU copy of the architecture.
-        from .models.hf import hf_config, require_transformers
+        # HF mask code reads tensor values; trace a toy-width CPU copy of the architecture
+        # (the dataflow does not depend on widths).
+        from ..models.hf import build_hf, hf_config
 
-        transformers = require_transformers()
-        cfg = shrink_hf_config(hf_config(spec, Path(spec.base_dir) if spec.base_dir else None))
-        cfg.use_cache = False
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-        trace = trace_forward(model, torch.randint(0, 256, (2, 16)))
+        config = hf_config(spec)
+        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, tp=2)})
+        with torch.device("cpu"):
+            model = build_hf(spec, small)
+        trace = trace_forward(model, torch.randint(0, small.vocab_size, (2, 16)))
     return analyse(model, trace, blocks, sequence_parallel)

@@ -1,4 +1,5 @@
-"""Process group start-up: torchrun's environment, or a single process on its own."""
+"""Process group start-up: torchrun's environment, a single process on its own, or N local
+processes spawned for a test or ``tpplan verify``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device_type", "ensure_process_group", "free_port"]
+__all__ = ["default_device_type", "ensure_process_group", "free_port", "spawn"]
 
 
 def default_device_type() -> str:
@@ -40,3 +41,19 @@ def ensure_process_group(device_type: str) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     return dist.get_world_size()
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for attempt in range(3):
+        try:
+            mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size,
+                               start_method="spawn")
+            return
+        except mp.ProcessRaisedException as e:
+            # The free port can be taken between our probe and rank 0's bind; try another.
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise

@@ -6,15 +6,15 @@ not fit is reported with its lines before any collective could hang on it.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .errors import ErrorList, PlanError, nearest
-from .parallel_dims import ParallelDims
-from .patterns import compile_pattern, generalize
-from .schema import AttrRule, Rule, Unit
+from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
+from ..plan.patterns import compile_pattern, generalize
+from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
+from ..plan.styles import SHARDING_STYLES
+from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS"]
 
@@ -78,7 +78,7 @@ def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: Err
                      f"{style})", rule.loc)
 
 
-def _resolve_rules(plan, res: Resolution, paths: list[str], modules: dict, params: set[str],
+def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
                    tp: int) -> None:
     errs = res.errors
     for rule in plan.rules:
@@ -93,20 +93,20 @@ def _resolve_rules(plan, res: Resolution, paths: list[str], modules: dict, param
                          f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line})", rule.loc)
                 continue
             res.rule_of[path] = rule
-            if rule.style.name in TORCH_CLASS:
+            if rule.style.name in SHARDING_STYLES:
                 _check_sharding(rule, path, modules[path], tp, errs)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
             continue
         for inner, other in res.rule_of.items():
-            if inner.startswith(path + ".") and other.style.name in TORCH_CLASS:
+            if inner.startswith(path + ".") and other.style.name in SHARDING_STYLES:
                 errs.add(f"rule '{rule.pattern}' ({rule.style.name}) replicates every parameter "
                          f"under '{path}', but rule '{other.pattern}' (line {other.loc.line}) "
                          f"shards '{inner}' inside it", rule.loc)
                 break
 
 
-def _resolve_attrs(plan, res: Resolution, paths: list[str], modules: dict, params: set[str],
+def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
                    tp: int) -> None:
     for attr_rule in plan.divide_by_tp:
         hits = _match(attr_rule.pattern, paths)
@@ -134,7 +134,7 @@ def _resolve_attrs(plan, res: Resolution, paths: list[str], modules: dict, param
                 found.append((path, value))
 
 
-def _resolve_units(plan, res: Resolution, paths: list[str], params: set[str]) -> None:
+def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], params: set[str]) -> None:
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.fsdp.units):
         hits: list[str] = []
@@ -152,14 +152,18 @@ def _resolve_units(plan, res: Resolution, paths: list[str], params: set[str]) ->
         res.units.append((unit, hits))
 
 
-def resolve(plan, model: nn.Module, world_size: int) -> Resolution:
-    """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised."""
+def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
+    """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised.
+
+    What is checked: the mesh against the world size, every pattern (rules, ``divide_by_tp``,
+    FSDP units, activation checkpointing and compile blocks) against the model's modules,
+    each sharded dimension and divided attribute against tp. The ``train`` section's batch
+    against the mesh is the step's check (:func:`tpplan.plan.step_shape`), not apply's."""
     errs = ErrorList()
     try:
-        dims = ParallelDims.solve(plan.mesh.tp, plan.mesh.dp_shard, plan.mesh.dp_replicate,
-                                  world_size)
-    except ValueError as e:
-        errs.add(str(e), plan.mesh.loc)
+        dims = ParallelDims.of(plan.mesh, world_size)
+    except PlanErrors as e:
+        errs.extend(e.errors)
         dims = None
     res = Resolution(dims=dims, errors=errs)
     modules = dict(model.named_modules())
@@ -174,27 +178,23 @@ def resolve(plan, model: nn.Module, world_size: int) -> Resolution:
         errs.add(f"the mesh has {dims.dp} data-parallel ranks but the plan has no 'fsdp' section, "
                  "so gradients would never be averaged; add 'fsdp: {units: [...]}' (or 'fsdp: {}' "
                  "to shard at the root only)", plan.mesh.loc)
-    for spec, target in ((plan.activation_checkpointing, res.ac_blocks),
-                         (plan.compile, res.compile_blocks)):
-        if spec.mode == "none":
+    for blocks, target in ((plan.activation_checkpointing, res.ac_blocks),
+                           (plan.compile, res.compile_blocks)):
+        if not blocks.enabled:
             continue
-        hits = _match(spec.blocks, paths)
+        hits = _match(blocks.blocks, paths)
         if not hits:
-            errs.add(_no_match(spec.blocks, "blocks pattern", paths, params), spec.loc)
+            errs.add(_no_match(blocks.blocks, "blocks pattern", paths, params), blocks.loc)
         target += hits
-    _check_sequence_length(plan, tp, errs)
     res.errors = _collapse_repeats(errs)
     return res
-
-
-_LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=\.)|(?<=')\d+(?=\.)")
 
 
 def _collapse_repeats(errs: ErrorList) -> ErrorList:
     """One error per rule for a mistake repeated in every block, not 80 identical lines."""
     groups: dict[tuple, list] = {}
     for e in errs:
-        groups.setdefault((e.loc, _LAYER_INDEX.sub("*", e.message)), []).append(e)
+        groups.setdefault((e.loc, generalize(e.message)), []).append(e)
     out = ErrorList()
     for same in groups.values():
         first = same[0]
@@ -203,13 +203,3 @@ def _collapse_repeats(errs: ErrorList) -> ErrorList:
                               first.loc)
         out.append(first)
     return out
-
-
-def _check_sequence_length(plan, tp: int, errs: ErrorList) -> None:
-    """Sequence parallelism splits the sequence dimension over tp; it must divide."""
-    train = plan.section("train")
-    seq_len = train.get("seq_len")
-    if plan.uses_sequence_parallel and isinstance(seq_len, int) and seq_len % tp:
-        errs.add(f"train.seq_len={seq_len} is not divisible by tp={tp}, which sequence "
-                 "parallelism needs (it splits the sequence over the tp ranks)",
-                 train.value_loc("seq_len"))

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["StepResult", "reference_step", "parallel_step", "compare", "Comparison", "spawn"]
+from ..api import Plan, load
+from ..models import build_model
+from ..parallel.mesh import dp_rank as data_parallel_rank
+from ..parallel.runtime import spawn
+
+__all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "compare", "Comparison",
+           "rel_err"]
 
 
 @dataclass
@@ -40,10 +46,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def reference_step(plan, tokens: torch.Tensor, seed: int) -> StepResult:
+def reference_step(plan: Plan, tokens: torch.Tensor, seed: int) -> StepResult:
     """Forward and backward of the plan's model on one device, no parallelism."""
-    from .models import build_model
-
     torch.manual_seed(seed)
     model = build_model(plan.model, device="cpu").eval()  # eval: dropout off on both sides
     logits = model(tokens[:, :-1])
@@ -69,10 +73,6 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
 
     warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    from .apply import dp_rank as data_parallel_rank
-    from .models import build_model
-    from .plan import load
-
     plan = load(plan_path, overrides)
     torch.manual_seed(seed)
     model = build_model(plan.model, device="cpu").eval()
@@ -96,24 +96,6 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-
-
-def spawn(fn, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes."""
-    import torch.multiprocessing as mp
-
-    from .runtime import free_port
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for attempt in range(3):
-        try:
-            mp.start_processes(fn, args=(world_size, free_port(), *args), nprocs=world_size,
-                               start_method="spawn")
-            return
-        except mp.ProcessRaisedException as e:
-            # The free port can be taken between our probe and rank 0's bind; try another.
-            if "EADDRINUSE" not in str(e) or attempt == 2:
-                raise
 
 
 def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from .patterns import generalize
+from ..plan.patterns import generalize
+from .resolve import Resolution
 
 __all__ = ["ApplyReport", "ModuleRow", "ParamRow", "describe_params"]
 
@@ -66,8 +67,8 @@ class ApplyReport:
     """Made by :meth:`Plan.apply`: rules with the modules they hit, and a row per module
     that has a rule or parameters. ``print(report)`` prints the collapsed table."""
 
-    def __init__(self, plan, res, seconds: float = 0.0, model: nn.Module | None = None):
-        self.plan, self.resolution, self.seconds = plan, res, seconds
+    def __init__(self, res: Resolution, seconds: float = 0.0, model: nn.Module | None = None):
+        self.resolution, self.seconds = res, seconds
         self.dims = res.dims
         self.rules = [(rule, paths) for rule, paths in res.rules]
         # Rows are made on first use: apply() stays as fast as the bare torch calls.

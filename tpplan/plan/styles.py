@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "STYLES", "ALIASES", "parse_layout", "StyleSpec"]
+__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "parse_layout", "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ SHARDING_STYLES = ("colwise", "rowwise")
 
 @dataclass
 class StyleSpec:
-    """A style name with its parsed options; ``build()`` makes the PyTorch style object."""
+    """A style name with its parsed options (``tpplan.parallel.tp_styles.build_style`` makes
+    the PyTorch style object from it)."""
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
@@ -117,11 +118,6 @@ class StyleSpec:
             return self.name
         opts = ", ".join(f"{k}={_show(v)}" for k, v in self.options.items())
         return f"{self.name}({opts})"
-
-    def build(self):
-        from .tp_styles import build_style
-
-        return build_style(self)
 
 
 def _show(v: Any) -> str:

@@ -1,10 +1,19 @@
-"""The mesh as a value object: degrees checked against the world size, then the DeviceMesh."""
+"""The mesh as a value object: degrees checked against the world size, then the DeviceMesh,
+and the data-parallel views of it every consumer needs (FSDP's sub-mesh, a rank's batch slice).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["ParallelDims", "MESH_DIMS"]
+from ..plan.errors import PlanError, PlanErrors
+from ..plan.specs import MeshSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ParallelDims", "MESH_DIMS", "dp_mesh", "dp_rank"]
 
 # Outermost first: replicas talk least, tp most (it belongs inside a node's fast links).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -42,6 +51,14 @@ class ParallelDims:
             )
         return dims
 
+    @classmethod
+    def of(cls, mesh: MeshSpec, world_size: int) -> "ParallelDims":
+        """:meth:`solve` for a plan's ``mesh`` section; :class:`PlanErrors` at its line."""
+        try:
+            return cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size)
+        except ValueError as e:
+            raise PlanErrors([PlanError(str(e), mesh.loc)]) from None
+
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp
@@ -67,3 +84,17 @@ class ParallelDims:
 
     def __str__(self) -> str:
         return " × ".join(f"{n}={v}" for n, v in self.as_dict().items())
+
+
+def dp_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
+    """The mesh FSDP2 shards over: 2-D ``(dp_replicate, dp_shard)`` is HSDP."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def dp_rank(mesh: "DeviceMesh") -> int:
+    """This rank's data-parallel index (which slice of the global batch it takes); tp peers
+    share it, so they see the same batch."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + \
+        mesh["dp_shard"].get_local_rank()

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError, PlanErrors, nearest
-from .patterns import compile_pattern, generalize
-from .schema import ModelSpec
-from .styles import ALIASES, STYLES
+from ..models.hf import hf_config, require_transformers
+from ..plan.errors import PlanError, PlanErrors, nearest
+from ..plan.patterns import compile_pattern, generalize
+from ..plan.specs import ModelSpec
+from ..plan.styles import ALIASES, STYLES
+from .suggest import suggest_plan
 
 __all__ = ["ImportedPlan", "import_hf"]
 
@@ -35,8 +37,6 @@ class ImportedPlan:
 
 def _resolve(target: str) -> tuple[ModelSpec, dict[str, Any], Any]:
     """ARCH_OR_CONFIG -> (ModelSpec, the plan's model section, config object)."""
-    from .models.hf import hf_config, require_transformers
-
     transformers = require_transformers()
     path = Path(target)
     if path.exists():
@@ -65,9 +65,6 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
 
 def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
     """Read ``base_model_tp_plan`` for ``target`` and build the full plan's parts."""
-    from .models.hf import require_transformers
-    from .suggest import suggest_plan
-
     spec, model_section, config = _resolve(target)
     tp_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not tp_plan:

@@ -1,4 +1,4 @@
-"""Resumable, reshardable, atomic checkpoints with ``torch.distributed.checkpoint`` (DCP).
+"""A run's checkpoints: resumable, reshardable, atomic, with ``torch.distributed.checkpoint`` (DCP).
 
 Layout of one checkpoint, ``<dir>/step-000010/``: DCP's shards and ``.metadata`` for the
 model and optimizer (saved through ``get_state_dict``, so loading onto another mesh shape
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 __all__ = [
     "DIE_DURING_SAVE_ENV",
+    "TRAINER_FILE",
+    "find_checkpoint",
     "is_complete",
     "latest",
     "load",
     "model_shapes",
+    "read_model_state",
     "read_trainer_state",
     "save",
 ]
 
 TRAINER_FILE = "trainer.pt"
+MODEL_KEY = "model"  # the trainer saves {"model": ..., "optim": ...}
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Test hook: the step whose save dies after the shards are written, before completion.
 DIE_DURING_SAVE_ENV = "TPPLAN_TEST_DIE_DURING_SAVE"
@@ -59,6 +64,15 @@ def latest(ckpt_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(STEP_DIR.match(p.name).group(1)), default=None)
 
 
+def find_checkpoint(path: Path) -> Path | None:
+    """``path`` itself if it is a complete step folder, else the latest complete one in it
+    or in its ``checkpoints/`` (a run folder); None if there is none."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    return latest(path) or latest(path / "checkpoints")
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return torch.load(path / TRAINER_FILE, weights_only=False)
 
@@ -74,7 +88,7 @@ def save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Opt
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save({MODEL_KEY: model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if os.environ.get(DIE_DURING_SAVE_ENV) == str(step):
         os._exit(17)  # simulates a kill between the shards and completion
     dist.barrier()  # every rank's shards are on disk before the folder is declared complete
@@ -99,8 +113,29 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load model and optimizer (resharded onto this mesh) and return the trainer state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {MODEL_KEY: model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
+    set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
                    optim_state_dict=state["optim"])
     return read_trainer_state(path)
+
+
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model tensors of a checkpoint, on the CPU, in one process without a
+    process group: DCP's metadata gives every global shape, DCP reads each shard into place,
+    and only the model's entries are read, never the optimizer state. Empty if it holds none."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path))
+    meta = reader.read_metadata().state_dict_metadata
+    prefix = MODEL_KEY + "."
+    state = {key[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for key, m in meta.items()
+             if key.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    if not state:
+        return state
+    wrapped = {MODEL_KEY: state}
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, that is the point
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(wrapped, storage_reader=reader)
+    return wrapped[MODEL_KEY]

@@ -1,5 +1,8 @@
-"""The Plan: a parsed plan file, and the public entry points that act on a model.
+"""The public façade: :func:`load` a plan, then act on a model with :class:`Plan`'s methods.
 
+A :class:`Plan` holds the parsed :class:`~tpplan.plan.specs.PlanSpec` (its sections read as
+``plan.mesh``, ``plan.fsdp``, ``plan.train``, ...) and hands it to the layers below, which
+take specs and return results; only this façade keeps state (:attr:`Plan.last_report`).
 Reading a plan imports no model and needs no GPU; torch is imported only by the methods
 that build a mesh or touch a model.
 """
@@ -7,30 +10,27 @@ that build a mesh or touch a model.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import ErrorList, PlanError, PlanErrors
-from .loader import read_document
-from .parallel_dims import ParallelDims
-from .schema import (
-    AttrRule, BlockSpec, FSDPSpec, MeshSpec, ModelSpec, Rule, TRAINER_SECTIONS, check_top_level,
-    parse_blocks, parse_divide_by_tp, parse_fsdp, parse_mesh, parse_model, parse_rules,
-)
-from .yamlio import LMap, LSeq
+from .plan import ErrorList, PlanSpec, StepShape, read_plan, step_shape
+from .plan.yamlio import LMap, plain
 
 if TYPE_CHECKING:
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .report import ApplyReport
-    from .resolve import Resolution
+    from .parallel.mesh import ParallelDims
+    from .parallel.report import ApplyReport
+    from .parallel.resolve import Resolution
 
-__all__ = ["Plan", "load", "from_document"]
+__all__ = ["Plan", "load"]
+
+SECTIONS = ("source", "mesh", "model", "rules", "loss_parallel", "divide_by_tp", "fsdp",
+            "activation_checkpointing", "compile", "train", "data", "checkpoint", "metrics",
+            "uses_sequence_parallel")
 
 
-@dataclass
 class Plan:
     """A parallel plan. Build one with :func:`tpplan.load`.
 
@@ -45,36 +45,44 @@ class Plan:
         >>> print(plan.last_report)                  # which rule hit which modules
     """
 
-    source: str
-    mesh: MeshSpec
-    model: ModelSpec | None
-    rules: list[Rule]
-    loss_parallel: bool = False
-    divide_by_tp: list[AttrRule] = field(default_factory=list)
-    fsdp: FSDPSpec | None = None
-    activation_checkpointing: BlockSpec = field(default_factory=BlockSpec)
-    compile: BlockSpec = field(default_factory=BlockSpec)
-    document: LMap | None = None
-    last_report: "ApplyReport | None" = None
+    def __init__(self, spec: PlanSpec, document: LMap | None = None):
+        self.spec = spec
+        self.document = document
+        self.last_report: ApplyReport | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # The sections read straight off the spec: plan.mesh.tp, plan.train.seq_len, ...
+        spec = self.__dict__.get("spec")
+        if spec is not None and name in SECTIONS:
+            return getattr(spec, name)
+        raise AttributeError(f"'Plan' object has no attribute '{name}'")
 
     def section(self, name: str) -> LMap:
-        """A section the trainer reads (``train``, ``data``, ``checkpoint``, ``metrics``),
-        located, empty if absent."""
+        """A section of the plan document as written (located), empty if absent. The typed
+        form of every section is ``plan.<section>`` (``plan.train.seq_len``)."""
         value = self.document.get(name) if self.document is not None else None
         return value if isinstance(value, LMap) else LMap(self.mesh.loc)
 
-    def parallel_dims(self, world_size: int) -> ParallelDims:
+    def parallel_dims(self, world_size: int) -> "ParallelDims":
         """The mesh degrees at this world size; :class:`PlanErrors` if it does not fit."""
-        try:
-            return ParallelDims.solve(self.mesh.tp, self.mesh.dp_shard, self.mesh.dp_replicate,
-                                      world_size)
-        except ValueError as e:
-            raise PlanErrors([PlanError(str(e), self.mesh.loc)]) from None
+        from .parallel.mesh import ParallelDims
+
+        return ParallelDims.of(self.spec.mesh, world_size)
+
+    def step_shape(self, world_size: int) -> StepShape:
+        """The optimizer step ``tpplan train`` runs at ``world_size`` (sequence length,
+        micro-batch, gradient accumulation, dtypes); :class:`PlanErrors` when the ``train``
+        batch does not split over the mesh."""
+        dims = self.parallel_dims(world_size)
+        errs = ErrorList()
+        shape = step_shape(self.spec, dims.dp, dims.tp, errs)
+        errs.raise_if_any()
+        return shape
 
     def build_mesh(self, device_type: str | None = None) -> "DeviceMesh":
         """Start the process group if needed (gloo on CPU, nccl with GPUs; torchrun's env
         variables, or a single process) and build the named 3-D mesh."""
-        from .runtime import default_device_type, ensure_process_group
+        from .parallel.runtime import default_device_type, ensure_process_group
 
         device_type = device_type or default_device_type()
         world = ensure_process_group(device_type)
@@ -87,9 +95,9 @@ class Plan:
         ``errors`` (empty when the plan fits) and which modules each rule, unit and
         attribute resolved to.
         """
-        from .resolve import resolve
+        from .parallel.resolve import resolve
 
-        return resolve(self, model, world_size)
+        return resolve(self.spec, model, world_size)
 
     def check(self, model: "nn.Module", world_size: int) -> "Resolution":
         """:meth:`resolve`, raising :class:`PlanErrors` when anything is wrong."""
@@ -106,76 +114,39 @@ class Plan:
         Raises :class:`PlanErrors` before touching the model if the plan does not fit.
         The report of what was applied is left in :attr:`last_report`.
         """
-        from .apply import apply_plan
+        from .parallel.apply import apply_plan
 
-        return apply_plan(self, model, mesh)
+        self.last_report = apply_plan(self.spec, model, mesh)
+        return model
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """``loss_parallel()`` when the plan shards the logits over tp, else a no-op."""
-        if self.loss_parallel and self.mesh.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
+        from .parallel.apply import loss_context
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+        return loss_context(self.spec)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved plan (extends and overrides applied) as plain data, for a run folder.
 
         A relative ``model.hf_config`` is made absolute: the copy lives in another folder."""
-        out = _plain(self.document) if self.document is not None else {}
+        out = plain(self.document) if self.document is not None else {}
         model = out.get("model")
         if isinstance(model, dict) and isinstance(model.get("hf_config"), str):
             base = Path(self.model.base_dir or ".")
             model["hf_config"] = str((base / model["hf_config"]).resolve())
         return out
 
-    @property
-    def uses_sequence_parallel(self) -> bool:
-        return any(r.style.name == "sequence_parallel" for r in self.rules)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, LMap):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, LSeq):
-        return [_plain(v) for v in value]
-    return value
-
-
-def from_document(doc: LMap, source: str = "<plan>") -> Plan:
-    """Parse a located document; :class:`PlanErrors` lists every mistake at once."""
-    errs = ErrorList()
-    check_top_level(doc, errs)
-    plan = Plan(
-        source=source,
-        mesh=parse_mesh(doc, errs),
-        model=parse_model(doc, errs),
-        rules=parse_rules(doc, errs),
-        loss_parallel=doc.get("loss_parallel") is True,
-        divide_by_tp=parse_divide_by_tp(doc, errs),
-        fsdp=parse_fsdp(doc, errs),
-        activation_checkpointing=parse_blocks(doc, "activation_checkpointing", errs),
-        compile=parse_blocks(doc, "compile", errs),
-        document=doc,
-    )
-    errs.raise_if_any()
-    return plan
-
 
 def load(path: str | Path, overrides: Sequence[str] = ()) -> Plan:
     """Read a plan file, follow its ``extends`` chain, apply ``key.path=value`` overrides.
 
-    Raises :class:`PlanErrors` (each error ``file:line:col: message``) for any mistake.
+    Every section is parsed, the trainer's included. Raises :class:`PlanErrors` (each error
+    ``file:line:col: message``) for any mistake.
 
     Example::
 
         >>> plan = tpplan.load("plans/llama.yaml", overrides=["model.config=8b", "mesh.tp=8"])
     """
-    try:
-        doc = read_document(path, overrides)
-    except PlanError as e:
-        raise PlanErrors([e]) from None
-    return from_document(doc, str(path))
+    doc, spec = read_plan(path, overrides)
+    return Plan(spec, doc)
 
-
-__all__ += ["TRAINER_SECTIONS"]

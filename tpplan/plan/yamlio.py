@@ -16,7 +16,7 @@ import yaml
 
 from .errors import Loc, PlanError
 
-__all__ = ["LMap", "LSeq", "load_file", "load_text", "MAX_BYTES", "MAX_NODES"]
+__all__ = ["LMap", "LSeq", "load_file", "load_text", "plain", "MAX_BYTES", "MAX_NODES"]
 
 MAX_BYTES = 1 << 20  # a plan is a page of text; a megabyte is already absurd
 MAX_NODES = 100_000  # values after alias expansion
@@ -61,15 +61,13 @@ class LSeq(list):
         self.item_locs.append(loc)
 
 
-def loc_of(container: Any, key: Any = None, *, value: bool = True) -> Loc | None:
-    """Where ``container[key]`` (or the container itself) stands, if it is located."""
-    if isinstance(container, LMap):
-        if key is None:
-            return container.loc
-        return container.value_loc(key) if value else container.key_loc(key)
-    if isinstance(container, LSeq):
-        return container.loc if key is None else container.item_loc(key)
-    return None
+def plain(value: Any) -> Any:
+    """Located values back to plain dicts and lists (for writing a plan out)."""
+    if isinstance(value, LMap):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, LSeq):
+        return [plain(v) for v in value]
+    return value
 
 
 def _mark(file: str, mark: Any) -> Loc:

@@ -1,0 +1,126 @@
+"""The dry run behind ``tpplan validate``: any world size, one process, no real memory.
+
+The model is built on the meta device (shapes, no storage) and the process group is
+PyTorch's ``fake`` backend (collectives return at once), so a 4,096-rank mesh costs what a
+laptop has. The plan goes through the very ``plan.apply`` the trainer uses, and the step
+it sizes is the one the trainer runs (:meth:`tpplan.Plan.step_shape`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch.distributed as dist
+
+from ..api import Plan, load
+from ..models import build_model
+from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
+
+__all__ = ["Analysis", "AnalysisError", "DryRun", "dry_run", "fake_process_group"]
+
+
+@dataclass
+class AnalysisError:
+    """An analysis that could not run on this plan and model, and why."""
+
+    analysis: str
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"analysis": self.analysis, "message": self.message}
+
+
+@dataclass
+class DryRun:
+    """The outcome of a dry run: the plan's errors, or the applied plan's report, the step
+    it was sized for and each analysis's figures (or its :class:`AnalysisError`)."""
+
+    world_size: int
+    plan: Plan | None = None
+    errors: list[PlanError] = field(default_factory=list)
+    analysis_errors: list[AnalysisError] = field(default_factory=list)
+    report: Any = None  # ApplyReport
+    model: Any = None  # the parallelized meta model
+    mesh: Any = None
+    step: StepShape | None = None
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)  # each analysis's figures, by name
+    tp_trace: Any = None  # the TP collectives of one micro-batch (TPTrace), when traced
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.analysis_errors
+
+    def to_json(self) -> dict[str, Any]:
+        dims = self.report.dims if self.report is not None else None
+        out = {
+            "ok": self.ok,
+            "errors": [e.to_json() for e in self.errors],
+            "analysis_errors": [e.to_json() for e in self.analysis_errors],
+            "world_size": self.world_size,
+            "mesh": dims.as_dict() if dims else None,
+            "step": self.step.to_json() if self.step else None,
+            "modules": [m.to_json() for m in self.report.modules] if self.report else [],
+        }
+        out.update(self.extra)
+        return out
+
+
+# An analysis adds its figures to DryRun.extra under its name; it runs while the fake
+# process group is up.
+Analysis = tuple[str, Callable[[DryRun], None]]
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A process group of ``world_size`` ranks in which collectives do nothing."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running; the dry run needs its own")
+    dist.init_process_group("fake", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(result: DryRun, name: str, analysis: Callable[[DryRun], None]) -> None:
+    try:
+        analysis(result)
+    except Exception as e:  # noqa: BLE001 - reported as this analysis's error, with its reason
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+        result.analysis_errors.append(AnalysisError(name, reason))
+        result.extra[name] = {"error": reason}
+
+
+def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
+            analyses: Sequence[Analysis] = ()) -> DryRun:
+    """Load, check and apply a plan at ``world_size`` on meta tensors, then run ``analyses``.
+
+    Errors in the plan (its sections, its patterns against the model, its batch against the
+    mesh) end the run as ``errors``; an analysis that fails is an ``analysis_errors`` entry
+    with its reason, and the others still run.
+    """
+    start = time.perf_counter()
+    result = DryRun(world_size)
+    try:
+        plan = result.plan = load(plan_path, overrides)
+        model = build_model(plan.model, device="meta")
+        res = plan.resolve(model, world_size)
+        errs = ErrorList(res.errors)
+        if res.dims is not None:
+            result.step = step_shape(plan.spec, res.dims.dp, res.dims.tp, errs)
+        errs.raise_if_any()
+        with fake_process_group(world_size):
+            result.mesh = res.dims.build_mesh("cpu")
+            result.model = plan.apply(model, result.mesh)
+            result.report = plan.last_report
+            _ = result.report.modules  # rows while the mesh is alive
+            for name, analysis in analyses:
+                _run(result, name, analysis)
+    except PlanErrors as e:
+        result.errors = e.errors
+    result.seconds = time.perf_counter() - start
+    return result

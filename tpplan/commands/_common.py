@@ -1,0 +1,81 @@
+"""What every subcommand shares: the plan flags, printing errors, a console, and writing a
+generated plan (``suggest``, ``import-hf``) then validating it right away."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import TextIO
+
+from ..plan.errors import PlanError, PlanErrors
+
+__all__ = ["add_plan_args", "console", "emit", "print_errors", "size"]
+
+
+def print_errors(errors: PlanErrors | list[PlanError], stream: TextIO | None = None) -> None:
+    """``file:line:col: error: message`` per mistake, then how many."""
+    stream = stream or sys.stderr
+    errors = errors.errors if isinstance(errors, PlanErrors) else errors
+    for e in errors:
+        where = f"{e.loc}: " if e.loc.line else ""  # errors about no line of a plan
+        print(f"{where}error: {e.message}", file=stream)
+    n = len(errors)
+    print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    """``--plan`` and ``--set``, the same on every subcommand."""
+    p.add_argument("--plan", required=True, help="the plan YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a plan key, e.g. --set model.config=70b (repeatable)")
+
+
+def console(width: int):
+    """A rich console; ``width`` columns when the output is not a terminal (logs, pipes)."""
+    from rich.console import Console
+
+    c = Console()
+    if not c.is_terminal:
+        c.width = width
+    return c
+
+
+def size(n: float | None) -> str:
+    """Bytes for people: ``1.50 GiB``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextIO) -> int:
+    """Write ``text`` (or print it), then dry-run it at world size ``tp``; 1 if invalid."""
+    from ..analysis.dryrun import dry_run
+
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+        path = output
+    else:
+        sys.stdout.write(text)
+        fd, path = tempfile.mkstemp(suffix=".yaml", dir=".")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    try:
+        result = dry_run(path, tp)
+    finally:
+        if not output:
+            os.unlink(path)
+    if not result.ok:
+        print_errors(result.errors, stream)
+        return 1
+    where = f"wrote {output}" if output else "the plan above"
+    print(f"{where}: valid at world size {tp} ({len(result.report.modules)} modules with rules "
+          f"or parameters); {len(notes)} thing(s) left for you to decide, listed at its end",
+          file=stream)
+    return 0

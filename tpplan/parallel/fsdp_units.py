@@ -1,0 +1,92 @@
+"""FSDP2 units as the plan resolves them: which ``fully_shard`` calls, and how large each is.
+
+:func:`fsdp_calls` is the list :func:`tpplan.parallel.apply.apply_fsdp` walks, so the sizes
+here describe exactly the groups that apply builds. :func:`unit_sizes` computes each
+group's all-gather from shapes alone, the way FSDP2 lays it out: every parameter's
+tensor-parallel shard (the plan's style fixes which dimension tp splits) is split again
+along dimension 0 over the ``dp_shard`` ranks, dimension 0 padded up to a multiple of them
+(``torch.chunk`` sizes; rank 0 holds the padded chunk), and the all-gather returns
+``padded shard × dp_shard`` elements. Nothing is read from FSDP2's internals, so the same
+numbers come out of a meta model, a real one, or a model not yet parallelized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..plan.patterns import generalize
+from .mesh import ParallelDims
+from .resolve import SHARD_DIMS, Resolution
+
+__all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
+
+ROOT = "<root>"
+
+
+@dataclass(frozen=True)
+class UnitSize:
+    """One ``fully_shard`` parameter group: its label and its all-gather's output elements."""
+
+    unit: str
+    elements: int
+
+
+def fsdp_calls(res: Resolution) -> list[list[str]]:
+    """Module paths of each ``fully_shard`` call, in the order apply makes them: deepest
+    first, so nested units shard inside out (the root, ``fully_shard(model)``, comes after).
+    A pattern entry is one call per matched module, a list entry one call for all of them."""
+    calls: list[list[str]] = []
+    for unit, paths in res.units:
+        calls += [paths] if unit.grouped else [[p] for p in paths]
+    calls = [paths for paths in calls if paths]
+    calls.sort(key=lambda paths: -min(p.count(".") for p in paths))
+    return calls
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], module: nn.Module, res: Resolution,
+                   tp: int) -> tuple[int, ...]:
+    """The shape of parameter ``name`` (``module.path.weight``) on one tp rank."""
+    path, _, pname = name.rpartition(".")
+    rule = res.rule_of.get(path)
+    if rule is None or tp == 1:
+        return shape
+    dims = next((d for (style, kind), d in SHARD_DIMS.items()
+                 if style == rule.style.name and isinstance(module, kind)), {})
+    dim = dims.get(pname)
+    if dim is None:
+        return shape
+    out = list(shape)
+    out[dim] //= tp  # resolve checked that it divides
+    return tuple(out)
+
+
+def _gathered(shape: tuple[int, ...], shards: int) -> int:
+    """Elements of FSDP2's all-gather output for one parameter of ``shape``."""
+    if not shape:
+        return shards  # a 0-d parameter is one element per rank
+    rest = 1
+    for s in shape[1:]:
+        rest *= s
+    return -(-shape[0] // shards) * rest * shards
+
+
+def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[UnitSize]:
+    """Each FSDP2 parameter group of the plan, in apply order, the root last; a call whose
+    parameters all belong to deeper calls makes no group and is left out, as in FSDP2."""
+    modules = dict(model.named_modules())
+    owner: dict[str, int] = {}  # parameter name -> index of the call that shards it
+    calls = fsdp_calls(res)
+    for i, paths in enumerate(calls):
+        for path in paths:
+            for name, _ in modules[path].named_parameters(prefix=path):
+                owner.setdefault(name, i)
+    elements = [0] * (len(calls) + 1)
+    for name, p in model.named_parameters():
+        module = modules[name.rpartition(".")[0]]
+        local = tp_local_shape(name, tuple(p.shape), module, res, dims.tp)
+        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard)
+    labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
+              for paths in calls] + [ROOT]
+    return [UnitSize(label, n) for label, n in zip(labels, elements) if n]

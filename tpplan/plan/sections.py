@@ -1,0 +1,222 @@
+"""The plan document -> a :class:`~tpplan.plan.specs.PlanSpec`, every mistake collected
+with its place.
+
+Only syntax, types and ranges are checked here; whether a pattern matches the model, and
+whether shapes divide, is for :mod:`tpplan.parallel.resolve`, which needs the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import ErrorList, nearest
+from .patterns import compile_pattern
+from .reader import Reader
+from .rules import parse_rules
+from .specs import (
+    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FSDPSpec, MeshSpec, ModelSpec,
+    PlanSpec, Unit,
+)
+from .trainer import TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_metrics, parse_train
+from .yamlio import LMap, LSeq
+
+__all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
+
+TOP_LEVEL = (
+    "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
+    "activation_checkpointing", "compile", *TRAINER_SECTIONS,
+)
+AC_MODES = ("none", "full", "selective")
+
+
+def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
+    r = Reader(errs, "mesh", doc.get("mesh"), doc.value_loc("mesh") if "mesh" in doc else doc.loc,
+               ("tp", "dp_shard", "dp_replicate"))
+    d = MeshSpec()
+    spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
+                    r.get("dp_replicate", int, d.dp_replicate),
+                    loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc)
+    for key, low in (("tp", 1), ("dp_replicate", 1)):
+        if getattr(spec, key) < low:
+            errs.add(f"'mesh.{key}' must be at least 1, got {getattr(spec, key)}", r.loc(key))
+    if spec.dp_shard == 0 or spec.dp_shard < -1:
+        errs.add(f"'mesh.dp_shard' must be at least 1, or -1 for the ranks left over, got "
+                 f"{spec.dp_shard}", r.loc("dp_shard"))
+    return spec
+
+
+def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
+    if doc.get("model") is None:
+        return None
+    r = Reader(errs, "model", doc["model"], doc.value_loc("model"),
+               ("name", "config", "factory", "kwargs", "hf", "hf_config"))
+    hf = r.get("hf", str, None)
+    spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
+                     hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
+                     locs=r.locs(), base_dir=str(Path(doc.loc.file).parent))
+    if hf or spec.hf_config:  # config: the HF config's fields (over hf_config's file)
+        spec.hf_kwargs = dict(r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields"))
+    else:
+        spec.config = r.get("config", str, None, "a config name such as debug or 70b")
+    spec.kwargs = dict(r.get("kwargs", LMap, LMap(r.m.loc)))
+    sources = [k for k in ("name", "factory", "hf", "hf_config") if getattr(spec, k)]
+    if spec.hf and spec.hf_config:
+        sources.remove("hf")  # hf_config says the shapes, hf the class to build
+    if len(sources) > 1:
+        errs.add(f"'model' takes one of name, factory, hf or hf_config; got {' and '.join(sources)}",
+                 doc.value_loc("model"))
+    elif not sources:
+        errs.add("'model' needs 'name' (a built-in model, e.g. llama3), 'factory' "
+                 "('package.module:function'), 'hf' (a transformers class) or 'hf_config' "
+                 "(a config.json)", doc.value_loc("model"))
+    if spec.factory and ":" not in spec.factory:
+        errs.add(f"'model.factory' reads 'package.module:function', got '{spec.factory}'",
+                 r.loc("factory"))
+    return spec
+
+
+def parse_divide_by_tp(doc: LMap, errs: ErrorList) -> list[AttrRule]:
+    value = doc.get("divide_by_tp")
+    if value is None:
+        return []
+    if not isinstance(value, LSeq):
+        errs.add("'divide_by_tp' is a list of attribute paths such as "
+                 "layers.*.attention.n_heads", doc.value_loc("divide_by_tp"))
+        return []
+    out = []
+    for i, item in enumerate(value):
+        loc = value.item_loc(i)
+        if not isinstance(item, str) or "." not in item:
+            errs.add(f"'{item}' is not an attribute path (module.path.attribute)", loc)
+            continue
+        module, _, attr = item.rpartition(".")
+        try:
+            compile_pattern(module)
+        except ValueError as e:
+            errs.add(f"bad pattern '{module}': {e}", loc)
+            continue
+        out.append(AttrRule(module, attr, loc))
+    return out
+
+
+def _dtype(r: Reader, key: str) -> str | None:
+    v = r.get(key, str, None)
+    if v is None:
+        return None
+    if v not in DTYPES:
+        r.errs.add(f"'{r.where}.{key}' must be a dtype, got '{v}'{nearest(v, DTYPES)}; "
+                   f"expected one of: {', '.join(DTYPES)}", r.loc(key))
+        return None
+    return DTYPES[v]
+
+
+def parse_fsdp(doc: LMap, errs: ErrorList) -> FSDPSpec | None:
+    value = doc.get("fsdp")
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = LMap(doc.value_loc("fsdp"))
+    r = Reader(errs, "fsdp", value, doc.value_loc("fsdp"),
+               ("units", "reshard_after_forward", "mixed_precision", "cpu_offload"))
+    spec = FSDPSpec(reshard_after_forward=r.get("reshard_after_forward", bool, True),
+                    cpu_offload=r.get("cpu_offload", bool, False), loc=doc.key_loc("fsdp"))
+    mp = r.get("mixed_precision", LMap, None)
+    if mp is not None:
+        mr = Reader(errs, "fsdp.mixed_precision", mp, r.loc("mixed_precision"),
+                    ("param_dtype", "reduce_dtype"))
+        spec.param_dtype, spec.reduce_dtype = _dtype(mr, "param_dtype"), _dtype(mr, "reduce_dtype")
+    units = r.get("units", LSeq, LSeq(r.m.loc), "a list of patterns")
+    for i, entry in enumerate(units):
+        loc = units.item_loc(i)
+        patterns = list(entry) if isinstance(entry, LSeq) else [entry]
+        good = True
+        for p in patterns:
+            try:
+                compile_pattern(p)
+            except (ValueError, TypeError) as e:
+                errs.add(f"bad FSDP unit pattern '{p}': {e}", loc)
+                good = False
+        if good:
+            spec.units.append(Unit([str(p) for p in patterns], loc, isinstance(entry, LSeq)))
+    return spec
+
+
+def _section(doc: LMap, key: str, errs: ErrorList, allowed: tuple, shorthand: dict) -> Reader:
+    """A section that may also be written as one word (``compile: true``, ``ac: full``)."""
+    value = doc.get(key)
+    loc = doc.value_loc(key) if key in doc else doc.loc
+    if isinstance(value, (bool, str)) and value in shorthand:  # True == 1: bools only here
+        expanded = LMap(loc)
+        for k, v in shorthand[value].items():
+            expanded.put(k, v, loc, loc)
+        value = expanded
+    return Reader(errs, key, value, loc, allowed)
+
+
+def parse_ac(doc: LMap, errs: ErrorList) -> ACSpec:
+    """``activation_checkpointing: none|full|{mode: selective, every: 2, blocks: ...}``."""
+    key = "activation_checkpointing"
+    words = {False: {"mode": "none"}, True: {"mode": "full"}}
+    if isinstance(doc.get(key), str):  # a mode by itself; a wrong one is reported below
+        words[doc[key]] = {"mode": doc[key]}
+    r = _section(doc, key, errs, ("mode", "every", "blocks"), words)
+    spec = ACSpec(mode=r.get("mode", str, "none" if doc.get(key) is None else "full"),
+                  every=r.get("every", int, 1), blocks=r.get("blocks", str, DEFAULT_BLOCKS),
+                  loc=r.m.loc)
+    if spec.mode not in AC_MODES:
+        errs.add(f"'activation_checkpointing' mode must be one of {', '.join(AC_MODES)}, got "
+                 f"'{spec.mode}'{nearest(spec.mode, AC_MODES)}", r.loc("mode"))
+        spec.mode = "none"
+    if "every" in r.m and spec.mode != "selective":
+        errs.add(f"'activation_checkpointing.every' applies to mode selective only (mode is "
+                 f"{spec.mode}: {'every block' if spec.mode == 'full' else 'no block'})",
+                 r.loc("every"))
+        spec.every = 1
+    elif spec.every < 1:
+        errs.add(f"'activation_checkpointing.every' must be at least 1, got {spec.every}",
+                 r.loc("every"))
+        spec.every = 1
+    return spec
+
+
+def parse_compile(doc: LMap, errs: ErrorList) -> CompileSpec:
+    """``compile: true|false|{enabled: true, blocks: ..., fullgraph: false}``."""
+    r = _section(doc, "compile", errs, ("enabled", "blocks", "fullgraph"),
+                 {False: {"enabled": False}, True: {"enabled": True}})
+    return CompileSpec(enabled=r.get("enabled", bool, doc.get("compile") is not None),
+                       blocks=r.get("blocks", str, DEFAULT_BLOCKS),
+                       fullgraph=r.get("fullgraph", bool, False), loc=r.m.loc)
+
+
+def check_top_level(doc: LMap, errs: ErrorList) -> bool:
+    """Unknown sections and ``loss_parallel``; returns ``loss_parallel``."""
+    for key in doc:
+        if key not in TOP_LEVEL:
+            errs.add(f"unknown section '{key}'{nearest(str(key), TOP_LEVEL)}; sections are: "
+                     f"{', '.join(TOP_LEVEL)}", doc.key_loc(key))
+    lp = doc.get("loss_parallel", False)
+    if not isinstance(lp, bool):
+        errs.add(f"'loss_parallel' must be true or false, got {lp!r}", doc.value_loc("loss_parallel"))
+    return lp is True
+
+
+def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
+    """Parse every section; :class:`~tpplan.plan.errors.PlanErrors` lists every mistake."""
+    errs = ErrorList()
+    spec = PlanSpec(
+        source=source,
+        loss_parallel=check_top_level(doc, errs),
+        mesh=parse_mesh(doc, errs),
+        model=parse_model(doc, errs),
+        rules=parse_rules(doc, errs),
+        divide_by_tp=parse_divide_by_tp(doc, errs),
+        fsdp=parse_fsdp(doc, errs),
+        activation_checkpointing=parse_ac(doc, errs),
+        compile=parse_compile(doc, errs),
+        train=parse_train(doc, errs),
+        data=parse_data(doc, errs),
+        checkpoint=parse_checkpoint(doc, errs),
+        metrics=parse_metrics(doc, errs),
+    )
+    errs.raise_if_any()
+    return spec

@@ -1,0 +1,209 @@
+"""The plan as typed data: one dataclass per section, with the defaults every reader shares.
+
+A :class:`PlanSpec` is what parsing a plan file produces (:func:`tpplan.plan.parse_plan`);
+everything downstream — resolving, applying, the dry run, verify, the trainer — reads these
+fields and nothing else, so a name or a default is decided once, here. Each spec keeps
+where its keys stood in the file (``loc``, ``locs``) so later checks can point at them.
+No torch needed: dtypes are names (:func:`torch_dtype` turns one into a ``torch.dtype``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import Loc
+from .styles import StyleSpec
+
+__all__ = [
+    "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "FSDPSpec",
+    "MeshSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule", "TrainSpec", "Unit",
+    "DEFAULT_BLOCKS", "torch_dtype",
+]
+
+# Names a plan may use for a dtype -> the canonical name (also torch's attribute name).
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+DEFAULT_BLOCKS = "layers.*"
+
+
+def torch_dtype(name: str | None, default: str = "float32"):
+    """The ``torch.dtype`` of a canonical dtype name (``None``: ``default``)."""
+    import torch
+
+    return getattr(torch, DTYPES[name or default])
+
+
+@dataclass
+class MeshSpec:
+    """``mesh:`` — degrees of the named mesh; ``dp_shard: -1`` takes the ranks left over."""
+
+    tp: int = 1
+    dp_shard: int = -1
+    dp_replicate: int = 1
+    loc: Loc | None = None
+
+
+@dataclass
+class ModelSpec:
+    """``{name, config}`` for a built-in model, ``{factory, kwargs}`` for a user's own, or
+    ``{hf: ClassName, config: {...}}`` / ``{hf_config: path}`` for a HuggingFace model."""
+
+    name: str | None = None
+    config: str | None = None
+    factory: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    hf: str | None = None
+    hf_config: str | None = None
+    hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
+    base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+    @property
+    def is_hf(self) -> bool:
+        return bool(self.hf or self.hf_config)
+
+
+@dataclass
+class Rule:
+    """One ``pattern: style`` line of the ``tensor_parallel`` section."""
+
+    pattern: str
+    style: StyleSpec
+    loc: Loc  # the pattern (the key) in the file
+
+    def __str__(self) -> str:
+        return f"'{self.pattern}' (line {self.loc.line})"
+
+
+@dataclass
+class AttrRule:
+    """One ``divide_by_tp`` entry: a module pattern and the attribute to divide."""
+
+    pattern: str
+    attribute: str
+    loc: Loc
+
+
+@dataclass
+class Unit:
+    """One entry of ``fsdp.units``. A pattern gives one ``fully_shard`` call per module it
+    matches (``layers.*``: one unit per block); a list gives one call for every module its
+    patterns match together (``[norm, output]``: one all-gather for both)."""
+
+    patterns: list[str]
+    loc: Loc
+    grouped: bool = False
+
+
+@dataclass
+class FSDPSpec:
+    """``fsdp:`` — FSDP2 units and options; dtypes are canonical names or None."""
+
+    units: list[Unit] = field(default_factory=list)
+    reshard_after_forward: bool = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    cpu_offload: bool = False
+    loc: Loc | None = None
+
+
+@dataclass
+class ACSpec:
+    """``activation_checkpointing:`` — ``none``, ``full`` (every block) or ``selective``
+    (every ``every``-th block). ``every`` is 1 unless the mode is selective."""
+
+    mode: str = "none"
+    every: int = 1
+    blocks: str = DEFAULT_BLOCKS
+    loc: Loc | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclass
+class CompileSpec:
+    """``compile:`` — ``torch.compile`` each block matched by ``blocks``."""
+
+    enabled: bool = False
+    blocks: str = DEFAULT_BLOCKS
+    fullgraph: bool = False
+    loc: Loc | None = None
+
+
+@dataclass
+class TrainSpec:
+    """``train:`` — the optimization. Batch sizes count sequences of ``seq_len`` tokens."""
+
+    steps: int = 100
+    seq_len: int = 256
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int | None = None  # per data-parallel rank per forward; None = no accum
+    seed: int = 0
+    lr: float = 3e-4
+    min_lr: float = 0.0  # the cosine ends here
+    warmup_steps: int = 0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0  # max global L2 norm; null = no clipping
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+
+@dataclass
+class DataSpec:
+    """``data:`` — null ``path`` reads the Python standard library's own sources."""
+
+    path: str | None = None
+    max_bytes: int = 4_000_000  # cap on the text read (the stdlib default stays fast)
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+
+@dataclass
+class CheckpointSpec:
+    """``checkpoint:`` — DCP checkpoints in ``<run_dir>/checkpoints`` unless ``dir`` is set."""
+
+    enabled: bool = True
+    interval: int = 0  # every N steps; 0 = only at the end
+    keep: int = 2  # complete checkpoints kept (older ones deleted); 0 = keep all
+    dir: str | None = None
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+
+@dataclass
+class MetricsSpec:
+    """``metrics:`` — where the run folder is and how often rank 0 reports."""
+
+    run_dir: str | None = None  # default runs/<plan file stem>
+    log_interval: int = 1
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+
+@dataclass
+class PlanSpec:
+    """Every section of one plan, parsed and checked for syntax and types."""
+
+    source: str
+    mesh: MeshSpec
+    model: ModelSpec | None
+    rules: list[Rule]
+    loss_parallel: bool = False
+    divide_by_tp: list[AttrRule] = field(default_factory=list)
+    fsdp: FSDPSpec | None = None
+    activation_checkpointing: ACSpec = field(default_factory=ACSpec)
+    compile: CompileSpec = field(default_factory=CompileSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    metrics: MetricsSpec = field(default_factory=MetricsSpec)
+
+    @property
+    def uses_sequence_parallel(self) -> bool:
+        return any(r.style.name == "sequence_parallel" for r in self.rules)

@@ -1,0 +1,76 @@
+"""The shape of one optimizer step, as ``tpplan train`` runs it, from the plan's specs.
+
+One function for the trainer and the dry run alike, so ``tpplan validate`` sizes memory
+and communication for the batch ``tpplan train`` would really run, and refuses the batches
+it would refuse. Pure arithmetic on the specs and the mesh degrees: no torch, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ErrorList
+from .specs import PlanSpec
+
+__all__ = ["StepShape", "step_shape"]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One data-parallel rank's micro-batch and how many of them make an optimizer step."""
+
+    seq_len: int
+    global_batch: int  # sequences per optimizer step over all data-parallel ranks
+    micro_batch: int  # sequences per data-parallel rank per forward
+    grad_accum: int  # micro-batches per optimizer step
+    param_dtype: str  # what forward/backward compute in (FSDP mixed precision), a dtype name
+    reduce_dtype: str  # what gradients are reduced in
+
+    def to_json(self) -> dict:
+        return {"seq_len": self.seq_len, "global_batch_size": self.global_batch,
+                "micro_batch_size": self.micro_batch, "grad_accum": self.grad_accum,
+                "param_dtype": self.param_dtype, "reduce_dtype": self.reduce_dtype}
+
+
+def _where(spec: PlanSpec, key: str):
+    """The key's place in the plan, or the ``train`` section's when it was left out."""
+    return spec.train.locs.get(key, spec.train.loc)
+
+
+def _given(spec: PlanSpec, key: str) -> str:
+    return "" if key in spec.train.locs else " (the default; set train." + key + ")"
+
+
+def step_shape(spec: PlanSpec, dp: int, tp: int, errs: ErrorList) -> StepShape:
+    """The step at data-parallel degree ``dp`` and tensor-parallel degree ``tp``.
+
+    ``micro_batch_size`` defaults to the whole per-rank batch (no accumulation). The global
+    batch must split evenly over ``dp``, each rank's share into whole micro-batches, and
+    under sequence parallelism ``seq_len`` over ``tp``; mistakes go to ``errs``.
+    """
+    t = spec.train
+    micro = t.micro_batch_size or max(t.global_batch_size // dp, 1)
+    accum = 1
+    if t.global_batch_size % dp:
+        low = t.global_batch_size // dp * dp
+        options = " or ".join(str(n) for n in (low, low + dp) if n > 0)
+        errs.add(f"train.global_batch_size={t.global_batch_size}{_given(spec, 'global_batch_size')}"
+                 f" is not divisible by the data-parallel size {dp}; each data-parallel rank needs "
+                 f"the same number of sequences (e.g. {options})", _where(spec, "global_batch_size"))
+    else:
+        per_rank = t.global_batch_size // dp
+        if per_rank % micro:
+            errs.add(f"train.global_batch_size={t.global_batch_size} over dp={dp} is {per_rank} "
+                     f"sequences per rank, not a multiple of train.micro_batch_size={micro} "
+                     "(gradient accumulation needs whole micro-batches)",
+                     _where(spec, "micro_batch_size"))
+        else:
+            accum = per_rank // micro
+    if spec.uses_sequence_parallel and t.seq_len % tp:
+        errs.add(f"train.seq_len={t.seq_len}{_given(spec, 'seq_len')} is not divisible by tp={tp}, "
+                 "which sequence parallelism needs (it splits the sequence over the tp ranks)",
+                 _where(spec, "seq_len"))
+    fsdp = spec.fsdp
+    param = (fsdp.param_dtype if fsdp else None) or "float32"
+    reduce = (fsdp.reduce_dtype if fsdp else None) or param
+    return StepShape(t.seq_len, t.global_batch_size, micro, accum, param, reduce)

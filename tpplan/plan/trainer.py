@@ -1,0 +1,99 @@
+"""The trainer's sections of a plan: ``train``, ``data``, ``checkpoint``, ``metrics``.
+
+Parsed with every other section when a plan is loaded, so ``tpplan validate`` rejects
+exactly the keys and values ``tpplan train`` would: an unknown key, a boolean where a number
+is meant, a value out of range — each a ``file:line:col`` error before any process group.
+Checks that need the machine (does ``data.path`` exist?) are the trainer's own preflight.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import ErrorList
+from .reader import NUMBER, Reader
+from .specs import CheckpointSpec, DataSpec, MetricsSpec, TrainSpec
+from .yamlio import LMap, LSeq
+
+__all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_metrics", "parse_train"]
+
+TRAINER_SECTIONS = ("train", "data", "checkpoint", "metrics")
+
+
+def _reader(doc: LMap, key: str, errs: ErrorList, allowed: tuple) -> Reader:
+    return Reader(errs, key, doc.get(key), doc.value_loc(key) if key in doc else doc.loc, allowed)
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    return tuple(k for k in cls.__dataclass_fields__ if k not in ("loc", "locs"))
+
+
+def _finite(r: Reader, key: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        r.errs.add(f"'{r.where}.{key}' must be a finite number, got {value}", r.loc(key))
+
+
+def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
+    d = TrainSpec()
+    r = _reader(doc, "train", errs, _fields(TrainSpec))
+    spec = TrainSpec(
+        steps=r.get("steps", int, d.steps), seq_len=r.get("seq_len", int, d.seq_len),
+        global_batch_size=r.get("global_batch_size", int, d.global_batch_size),
+        micro_batch_size=r.get("micro_batch_size", int, d.micro_batch_size),
+        seed=r.get("seed", int, d.seed), lr=r.number("lr", d.lr), min_lr=r.number("min_lr", d.min_lr),
+        warmup_steps=r.get("warmup_steps", int, d.warmup_steps), eps=r.number("eps", d.eps),
+        weight_decay=r.number("weight_decay", d.weight_decay),
+        # null is a value here: no clipping
+        grad_clip=r.number("grad_clip", d.grad_clip) if "grad_clip" in r.m else d.grad_clip,
+        loc=r.m.loc, locs=r.locs(),
+    )
+    betas = r.m.get("betas")
+    if betas is not None:
+        if (isinstance(betas, LSeq) and len(betas) == 2
+                and all(isinstance(b, NUMBER) and not isinstance(b, bool) for b in betas)):
+            spec.betas = (float(betas[0]), float(betas[1]))
+        else:
+            errs.add(f"'train.betas' must be a list of two numbers, got {betas!r}", r.loc("betas"))
+    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+        r.at_least(key, getattr(spec, key), 1)
+    for key in ("warmup_steps", "weight_decay", "min_lr"):
+        r.at_least(key, getattr(spec, key), 0)
+    for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
+        _finite(r, key, getattr(spec, key))
+    if spec.lr <= 0:
+        errs.add(f"'train.lr' must be positive, got {spec.lr}", r.loc("lr"))
+    if spec.grad_clip is not None and spec.grad_clip <= 0:
+        errs.add(f"'train.grad_clip' must be positive or null, got {spec.grad_clip}",
+                 r.loc("grad_clip"))
+    return spec
+
+
+def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
+    d = DataSpec()
+    r = _reader(doc, "data", errs, _fields(DataSpec))
+    spec = DataSpec(path=r.get("path", str, None), max_bytes=r.get("max_bytes", int, d.max_bytes),
+                    loc=r.m.loc, locs=r.locs())
+    r.at_least("max_bytes", spec.max_bytes, 1)
+    return spec
+
+
+def parse_checkpoint(doc: LMap, errs: ErrorList) -> CheckpointSpec:
+    d = CheckpointSpec()
+    r = _reader(doc, "checkpoint", errs, _fields(CheckpointSpec))
+    spec = CheckpointSpec(enabled=r.get("enabled", bool, d.enabled),
+                          interval=r.get("interval", int, d.interval),
+                          keep=r.get("keep", int, d.keep), dir=r.get("dir", str, None),
+                          loc=r.m.loc, locs=r.locs())
+    for key in ("interval", "keep"):
+        r.at_least(key, getattr(spec, key), 0)
+    return spec
+
+
+def parse_metrics(doc: LMap, errs: ErrorList) -> MetricsSpec:
+    d = MetricsSpec()
+    r = _reader(doc, "metrics", errs, _fields(MetricsSpec))
+    spec = MetricsSpec(run_dir=r.get("run_dir", str, None),
+                       log_interval=r.get("log_interval", int, d.log_interval),
+                       loc=r.m.loc, locs=r.locs())
+    r.at_least("log_interval", spec.log_interval, 1)
+    return spec
