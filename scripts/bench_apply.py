@@ -17,11 +17,9 @@ its own hand-written twin, and reports both ratios and this tree's time over the
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import tpplan
+from checkout import command
 from tpplan.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,9 +82,8 @@ def compare(baseline: Path, rounds: int, argv: list[str]) -> None:
     trees = [("this tree", ROOT), ("baseline", baseline)]
     for r in range(rounds):
         for name, root in trees if r % 2 == 0 else trees[::-1]:
-            out = subprocess.run([sys.executable, str(root / "scripts" / "bench_apply.py"), *argv],
-                                 env={**os.environ, "PYTHONPATH": str(root)}, check=True,
-                                 capture_output=True, text=True).stdout
+            out = subprocess.run(command(root, root / "scripts" / "bench_apply.py", *argv),
+                                 check=True, capture_output=True, text=True).stdout
             ms = [float(re.search(rf"{k}\s+([\d.]+) ms", out).group(1)) for k in ("tpplan", "by hand")]
             runs[name].append((ms[0], ms[1]))
     med = {name: (statistics.median(t for t, _ in v), statistics.median(h for _, h in v),

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from checkout import command
+
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "plans" / "llama.yaml"
 TARGET = ("405b", 126, 4096, 8)
@@ -32,12 +34,12 @@ TARGET = ("405b", 126, 4096, 8)
 def measure(config: str, layers: int | None, world: int, tp: int, root: Path = ROOT) -> dict:
     """One ``tpplan validate --json`` run of the tpplan at ``root``: seconds, peak RSS (MiB)
     and the verdict."""
-    cmd = [sys.executable, "-m", "tpplan", "validate", "--plan", str(root / PLAN.relative_to(ROOT)),
-           "--world-size", str(world), "--json", "--set", f"model.config={config}",
-           "--set", f"mesh.tp={tp}", "--set", f"train.global_batch_size={8 * world // tp}"]
+    cmd = command(root, "-m", "tpplan", "validate", "--plan", root / PLAN.relative_to(ROOT),
+                  "--world-size", world, "--json", "--set", f"model.config={config}",
+                  "--set", f"mesh.tp={tp}", "--set", f"train.global_batch_size={8 * world // tp}")
     if layers is not None:
         cmd += ["--set", f"model.kwargs.n_layers={layers}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     out = proc.stdout.read()
