@@ -10,6 +10,7 @@ that build a mesh or touch a model.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -26,9 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan", "load"]
 
-SECTIONS = ("source", "mesh", "model", "rules", "loss_parallel", "divide_by_tp", "fsdp",
-            "activation_checkpointing", "compile", "train", "data", "checkpoint", "metrics",
-            "uses_sequence_parallel")
+# What reads straight off the spec: every PlanSpec field, and its derived properties.
+SECTIONS = frozenset(f.name for f in fields(PlanSpec)) | {"uses_sequence_parallel"}
 
 
 class Plan:

@@ -3,7 +3,7 @@
 :func:`fsdp_calls` is the list :func:`tpplan.parallel.apply.apply_fsdp` walks, so the sizes
 here describe exactly the groups that apply builds. :func:`unit_sizes` computes each
 group's all-gather from shapes alone, the way FSDP2 lays it out: every parameter's
-tensor-parallel shard (the plan's style fixes which dimension tp splits) is split again
+tensor-parallel shard (the plan's style fixes which dimension tp splits: ``resolve.shard_dims``) is split again
 along dimension 0 over the ``dp_shard`` ranks, dimension 0 padded up to a multiple of them
 (``torch.chunk`` sizes; rank 0 holds the padded chunk), and the all-gather returns
 ``padded shard × dp_shard`` elements. Nothing is read from FSDP2's internals, so the same
@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..plan.patterns import generalize
 from .mesh import ParallelDims
-from .resolve import SHARD_DIMS, Resolution
+from .resolve import Resolution, shard_dims
 
 __all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
 
@@ -52,9 +52,7 @@ def tp_local_shape(name: str, shape: tuple[int, ...], module: nn.Module, res: Re
     rule = res.rule_of.get(path)
     if rule is None or tp == 1:
         return shape
-    dims = next((d for (style, kind), d in SHARD_DIMS.items()
-                 if style == rule.style.name and isinstance(module, kind)), {})
-    dim = dims.get(pname)
+    dim = (shard_dims(rule.style.name, module) or {}).get(pname)
     if dim is None:
         return shape
     out = list(shape)

@@ -16,7 +16,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
 from .mesh import ParallelDims
 
-__all__ = ["Resolution", "resolve", "SHARD_DIMS"]
+__all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
 
 # (style, module type) -> {parameter: the dimension the style splits}
 SHARD_DIMS: dict[tuple[str, type], dict[str, int]] = {
@@ -60,20 +60,27 @@ def _no_match(pattern: str, what: str, paths: list[str], params: set[str]) -> st
     return f"{what} '{pattern}' matches no module of the model{nearest(pattern, candidates, 0.5)}"
 
 
+def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
+    """Which dimension of which parameter ``style`` splits over tp on ``module``; None if
+    the style does not shard this kind of module."""
+    return next((dims for (s, kind), dims in SHARD_DIMS.items()
+                 if s == style and isinstance(module, kind)), None)
+
+
 def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: ErrorList) -> None:
     style = rule.style.name
-    kind = next((t for (s, t) in SHARD_DIMS if s == style and isinstance(module, t)), None)
-    if kind is None:
+    dims = shard_dims(style, module)
+    if dims is None:
         errs.add(f"style '{style}' cannot shard module '{path}' ({type(module).__name__}): "
                  f"PyTorch's {TORCH_CLASS[style]} shards nn.Linear and nn.Embedding only", rule.loc)
         return
-    for pname, dim in SHARD_DIMS[(style, kind)].items():
+    for pname, dim in dims.items():
         param = getattr(module, pname, None)
         if param is None:
             continue
         size = param.shape[dim]
         if size % tp:
-            errs.add(f"module '{path}' ({kind.__name__}), parameter '{pname}': dimension {dim} "
+            errs.add(f"module '{path}' ({type(module).__name__}), parameter '{pname}': dimension {dim} "
                      f"of size {size} is not divisible by tp={tp} (rule '{rule.pattern}' is "
                      f"{style})", rule.loc)
 
