@@ -14,7 +14,6 @@ from collections import Counter
 from typing import Any
 
 from ..models import build_model
-from ..parallel.fsdp_units import unit_sizes
 from ..plan.specs import torch_dtype
 from .comm import diagnose, fsdp_collectives, megatron_minimum, rows, wire_bytes
 from .dryrun import Analysis, DryRun
@@ -26,10 +25,9 @@ __all__ = ["ANALYSES", "analyze_memory", "analyze_comm"]
 
 def analyze_memory(result: DryRun) -> None:
     """``memory_per_rank``: bytes per rank by part (docs/dry-run.md has the formulas)."""
-    res = result.report.resolution
-    units = unit_sizes(result.model, res, res.dims)
-    result.extra["memory_per_rank"] = memory_per_rank(result.model, result.plan.spec, res,
-                                                      result.step, units)
+    result.extra["memory_per_rank"] = memory_per_rank(result.model, result.plan.spec,
+                                                      result.report.resolution, result.step,
+                                                      result.fsdp_units)
 
 
 def analyze_comm(result: DryRun) -> None:
@@ -42,7 +40,7 @@ def analyze_comm(result: DryRun) -> None:
     else:
         trace = TPTrace(Counter(), [], None)
     result.tp_trace = trace
-    fsdp = fsdp_collectives(unit_sizes(result.model, res, dims), spec.fsdp, shape, dims)
+    fsdp = fsdp_collectives(result.fsdp_units, spec.fsdp, shape, dims)
     by_module: dict[tuple, list[int]] = {}
     for (kind, _dim, bw, nbytes, module), n in trace.counts.items():
         a = by_module.setdefault((module, "backward" if bw else "forward", kind), [0, 0])

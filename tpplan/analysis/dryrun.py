@@ -9,6 +9,7 @@ it sizes is the one the trainer runs (:meth:`tpplan.Plan.step_shape`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -53,6 +54,15 @@ class DryRun:
     @property
     def ok(self) -> bool:
         return not self.errors and not self.analysis_errors
+
+    @functools.cached_property
+    def fsdp_units(self) -> list:
+        """The applied plan's FSDP2 parameter groups (``UnitSize``), computed once for every
+        analysis that needs them."""
+        from ..parallel.fsdp_units import unit_sizes
+
+        res = self.report.resolution
+        return unit_sizes(self.model, res, res.dims)
 
     def to_json(self) -> dict[str, Any]:
         dims = self.report.dims if self.report is not None else None

@@ -55,6 +55,14 @@ class Reader:
                 errs.add(f"unknown key '{key}' in '{where}'{nearest(key, allowed)}; "
                          f"expected one of: {', '.join(allowed)}", m.key_loc(key))
 
+    @classmethod
+    def section(cls, errs: ErrorList, doc: LMap, key: str, allowed: tuple,
+                value: Any = None) -> "Reader":
+        """The top-level section ``key`` of the plan ``doc`` (empty where it is absent);
+        ``value`` stands in for the section as written (a shorthand expanded)."""
+        loc = doc.value_loc(key) if key in doc else doc.loc
+        return cls(errs, key, doc.get(key) if value is None else value, loc, allowed)
+
     def loc(self, key: str) -> Loc:
         return self.m.value_loc(key) if key in self.m else self.m.loc
 

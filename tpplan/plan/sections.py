@@ -30,15 +30,13 @@ AC_MODES = ("none", "full", "selective")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
-    r = Reader(errs, "mesh", doc.get("mesh"), doc.value_loc("mesh") if "mesh" in doc else doc.loc,
-               ("tp", "dp_shard", "dp_replicate"))
+    r = Reader.section(errs, doc, "mesh", ("tp", "dp_shard", "dp_replicate"))
     d = MeshSpec()
     spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
                     r.get("dp_replicate", int, d.dp_replicate),
                     loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc)
-    for key, low in (("tp", 1), ("dp_replicate", 1)):
-        if getattr(spec, key) < low:
-            errs.add(f"'mesh.{key}' must be at least 1, got {getattr(spec, key)}", r.loc(key))
+    r.at_least("tp", spec.tp, 1)
+    r.at_least("dp_replicate", spec.dp_replicate, 1)
     if spec.dp_shard == 0 or spec.dp_shard < -1:
         errs.add(f"'mesh.dp_shard' must be at least 1, or -1 for the ranks left over, got "
                  f"{spec.dp_shard}", r.loc("dp_shard"))
@@ -144,13 +142,12 @@ def parse_fsdp(doc: LMap, errs: ErrorList) -> FSDPSpec | None:
 def _section(doc: LMap, key: str, errs: ErrorList, allowed: tuple, shorthand: dict) -> Reader:
     """A section that may also be written as one word (``compile: true``, ``ac: full``)."""
     value = doc.get(key)
-    loc = doc.value_loc(key) if key in doc else doc.loc
     if isinstance(value, (bool, str)) and value in shorthand:  # True == 1: bools only here
-        expanded = LMap(loc)
-        for k, v in shorthand[value].items():
-            expanded.put(k, v, loc, loc)
-        value = expanded
-    return Reader(errs, key, value, loc, allowed)
+        loc = doc.value_loc(key)
+        value = LMap(loc)
+        for k, v in shorthand[doc[key]].items():
+            value.put(k, v, loc, loc)
+    return Reader.section(errs, doc, key, allowed, value)
 
 
 def parse_ac(doc: LMap, errs: ErrorList) -> ACSpec:

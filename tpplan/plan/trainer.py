@@ -20,10 +20,6 @@ __all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_metrics"
 TRAINER_SECTIONS = ("train", "data", "checkpoint", "metrics")
 
 
-def _reader(doc: LMap, key: str, errs: ErrorList, allowed: tuple) -> Reader:
-    return Reader(errs, key, doc.get(key), doc.value_loc(key) if key in doc else doc.loc, allowed)
-
-
 def _fields(cls: type) -> tuple[str, ...]:
     return tuple(k for k in cls.__dataclass_fields__ if k not in ("loc", "locs"))
 
@@ -35,7 +31,7 @@ def _finite(r: Reader, key: str, value: float | None) -> None:
 
 def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
     d = TrainSpec()
-    r = _reader(doc, "train", errs, _fields(TrainSpec))
+    r = Reader.section(errs, doc, "train", _fields(TrainSpec))
     spec = TrainSpec(
         steps=r.get("steps", int, d.steps), seq_len=r.get("seq_len", int, d.seq_len),
         global_batch_size=r.get("global_batch_size", int, d.global_batch_size),
@@ -70,7 +66,7 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
 
 def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
     d = DataSpec()
-    r = _reader(doc, "data", errs, _fields(DataSpec))
+    r = Reader.section(errs, doc, "data", _fields(DataSpec))
     spec = DataSpec(path=r.get("path", str, None), max_bytes=r.get("max_bytes", int, d.max_bytes),
                     loc=r.m.loc, locs=r.locs())
     r.at_least("max_bytes", spec.max_bytes, 1)
@@ -79,7 +75,7 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
 
 def parse_checkpoint(doc: LMap, errs: ErrorList) -> CheckpointSpec:
     d = CheckpointSpec()
-    r = _reader(doc, "checkpoint", errs, _fields(CheckpointSpec))
+    r = Reader.section(errs, doc, "checkpoint", _fields(CheckpointSpec))
     spec = CheckpointSpec(enabled=r.get("enabled", bool, d.enabled),
                           interval=r.get("interval", int, d.interval),
                           keep=r.get("keep", int, d.keep), dir=r.get("dir", str, None),
@@ -91,7 +87,7 @@ def parse_checkpoint(doc: LMap, errs: ErrorList) -> CheckpointSpec:
 
 def parse_metrics(doc: LMap, errs: ErrorList) -> MetricsSpec:
     d = MetricsSpec()
-    r = _reader(doc, "metrics", errs, _fields(MetricsSpec))
+    r = Reader.section(errs, doc, "metrics", _fields(MetricsSpec))
     spec = MetricsSpec(run_dir=r.get("run_dir", str, None),
                        log_interval=r.get("log_interval", int, d.log_interval),
                        loc=r.m.loc, locs=r.locs())
