@@ -24,3 +24,13 @@ def tpplan_cli(*args, cwd=None, env: dict | None = None, timeout: int = 300,
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    """``tpplan ARGS`` in this process: its exit code and everything it printed. An exception
+    escaping ``main`` fails the test, as the traceback would reach a user."""
+    from tpplan.cli import main
+
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err

@@ -5,16 +5,7 @@ an exception escaping it would be the traceback a user sees); a few run the real
 """
 
 import pytest
-from helpers import PLANS, tpplan_cli  # noqa: F401
-
-from tpplan.cli import main
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    """Exit code and everything printed (stdout + stderr) of ``tpplan ARGS``."""
-    rc = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return rc, out.out + out.err
+from helpers import PLANS, run_main, tpplan_cli  # noqa: F401
 
 
 def error_lines(output: str) -> list[str]:
@@ -26,13 +17,13 @@ def error_lines(output: str) -> list[str]:
     ["train", "--plan"], ["suggest"]])
 def test_a_missing_plan_is_one_line_naming_it(capsys, tmp_path, command):
     missing = tmp_path / "missing.yaml"
-    rc, out = cli(capsys, *command, missing)
+    rc, out = run_main(capsys, *command, missing)
     assert rc == 1
     assert out.strip() == f"{missing}: error: cannot read plan: No such file or directory"
 
 
 def test_a_folder_for_a_plan_is_one_line(capsys, tmp_path):
-    rc, out = cli(capsys, "suggest", tmp_path)
+    rc, out = run_main(capsys, "suggest", tmp_path)
     assert rc == 1
     assert out.strip() == f"{tmp_path}: error: cannot read plan: it is a folder, not a YAML file"
 
@@ -40,7 +31,7 @@ def test_a_folder_for_a_plan_is_one_line(capsys, tmp_path):
 def test_extends_naming_a_folder_is_located(capsys, write_plan, tmp_path):
     (tmp_path / "base").mkdir()
     plan = write_plan("extends: base\nmodel: {name: llama3}\n")
-    rc, out = cli(capsys, "validate", "--plan", plan, "--world-size", "1")
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "1")
     assert rc == 1
     assert error_lines(out) == [f"{plan}:1:10: error: 'extends' names 'base', which is a "
                                 f"folder, not a plan ({tmp_path / 'base'})"]

@@ -9,17 +9,23 @@ model: tokens in, logits out.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
-from ..plan.errors import PlanError, PlanErrors, nearest
+from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 
 __all__ = ["build_hf", "require_transformers", "hf_config"]
 
 EXTRA_HINT = "HuggingFace models need the 'hf' extra: pip install 'tpplan[hf]'"
+# HF config fields every decoder needs at least 1 of; other sizes may be 0, never negative.
+POSITIVE_FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+                   "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions"}
+SIZE_FIELD = re.compile(r"^num_|^n_|_size$|_dim$|_heads$|_layers$")
 
 
 def require_transformers(loc=None):
@@ -84,10 +90,26 @@ def _model_class(spec: ModelSpec):
     return cls
 
 
+def _check_sizes(spec: ModelSpec) -> None:
+    """The plan's sizes among the HF config fields: positive where every architecture needs
+    them, never negative where the name says size; located, before transformers divides by
+    them (a zero head count is a ZeroDivisionError deep inside its config)."""
+    errs = ErrorList()
+    for key, v in spec.hf_kwargs.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            continue
+        low = 1 if key in POSITIVE_FIELDS else 0 if SIZE_FIELD.search(key) else None
+        if low is not None and v < low:
+            errs.add(f"'model.config.{key}' must be at least {low}, got {v}",
+                     spec.locs.get(f"config.{key}", spec.loc))
+    errs.raise_if_any()
+
+
 def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     """Construct the model on the current default device (``meta`` in the dry run), from
     ``config`` when given (a shrunk copy, say), else from the plan's."""
     transformers = require_transformers(spec.loc)
+    _check_sizes(spec)
     config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
     if spec.hf:
