@@ -131,3 +131,32 @@ def test_hf_sizes_out_of_range_are_located(capsys):
     assert rc == 1
     assert errors == ["--set model.config.num_attention_heads=0:1:34: error: "
                       "'model.config.num_attention_heads' must be at least 1, got 0"]
+
+
+@pytest.mark.parametrize("setting, column, message", [
+    ("fsdp.units=[layers]", 13, "FSDP unit pattern 'layers' matches 'layers', a ModuleList with "
+                                "no forward of its own (its parent calls each child), so FSDP2 "
+                                "cannot shard it; write 'layers.*' for each child"),
+    ("fsdp.units=[tok_embeddings, [layers, norm]]", 29, "FSDP unit pattern 'layers' matches"),
+    ("activation_checkpointing={mode: full, blocks: layers}", 26,
+     "activation checkpointing blocks 'layers' matches 'layers', a ModuleList with no forward "
+     "of its own (its parent calls each child), so checkpointing it would never run; write "
+     "'layers.*' for each child"),
+    ("compile={enabled: true, blocks: layers}", 9,
+     "compile blocks 'layers' matches 'layers', a ModuleList with no forward of its own (its "
+     "parent calls each child), so compiling it would never run; write 'layers.*' for each "
+     "child"),
+])
+def test_a_container_without_forward_is_no_unit_or_block(capsys, setting, column, message):
+    rc, errors = validate(capsys, LLAMA, setting)
+    assert rc == 1 and len(errors) == 1, errors
+    assert errors[0].startswith(f"--set {setting}:1:{column}: error: {message}")
+
+
+def test_train_refuses_a_container_unit_before_the_process_group(tmp_path):
+    proc = tpplan_cli("train", "--plan", LLAMA, "--set", "mesh.tp=1", "--set",
+                      "fsdp.units=[layers]", "--set", f"metrics.run_dir={tmp_path}", timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("--set fsdp.units=[layers]:1:13: error: FSDP unit pattern "
+                                  "'layers' matches 'layers', a ModuleList")
+    assert not (tmp_path / "metrics.jsonl").exists()
