@@ -41,3 +41,29 @@ def test_suggest_of_a_missing_file_is_no_traceback():
     proc = tpplan_cli("suggest", "missing.yaml", timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "missing.yaml: error: cannot read plan: No such file or directory"
+
+
+def test_a_world_size_no_process_group_can_hold_is_one_line(capsys):
+    rc, out = run_main(capsys, "validate", "--plan", PLANS / "llama.yaml", "--world-size", 2**40,
+                       "--set", f"train.global_batch_size={2**40}")
+    assert rc == 2
+    assert out.strip() == ("error: --world-size 1,099,511,627,776 is more than a PyTorch process "
+                           "group can hold: at most 2,147,483,647 ranks")
+
+
+def test_a_world_size_beyond_this_machines_memory_is_one_line(capsys):
+    from tpplan.analysis.dryrun import MAX_WORLD_SIZE, world_size_problem
+
+    if world_size_problem(MAX_WORLD_SIZE) is None:
+        pytest.skip("this machine has the ~2 TiB of memory to simulate every rank")
+    rc, out = run_main(capsys, "validate", "--plan", PLANS / "llama.yaml", "--world-size",
+                       MAX_WORLD_SIZE)
+    assert rc == 2 and len(out.strip().splitlines()) == 1
+    assert out.startswith("error: --world-size 2,147,483,647 needs about 2,048.0 GiB of memory "
+                          "for the dry run's fake process group and mesh")
+
+
+@pytest.mark.parametrize("command", [["suggest", PLANS / "llama.yaml"], ["import-hf", "llama"]])
+def test_a_tp_degree_out_of_range_is_one_line(capsys, command):
+    rc, out = run_main(capsys, *command, "--tp", 0)
+    assert rc == 2 and out.strip() == "error: --tp must be at least 1, got 0"

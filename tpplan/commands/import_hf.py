@@ -24,8 +24,13 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..analysis.dryrun import world_size_problem
     from ..byom.import_hf import import_hf
 
+    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
+    if problem:
+        print(f"error: --tp {problem}", file=sys.stderr)
+        return 2
     imported = import_hf(args.target, args.sequence_parallel)
     s = imported.suggestion
     header = [f"Imported from {imported.source}",

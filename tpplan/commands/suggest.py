@@ -26,8 +26,13 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..analysis.dryrun import world_size_problem
     from ..byom.suggest import suggest_plan
 
+    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
+    if problem:
+        print(f"error: --tp {problem}", file=sys.stderr)
+        return 2
     doc = read_document(args.model)
     errs = ErrorList()
     spec = parse_model(doc, errs)

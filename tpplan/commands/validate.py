@@ -24,10 +24,11 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import ANALYSES
-    from ..analysis.dryrun import dry_run
+    from ..analysis.dryrun import dry_run, world_size_problem
 
-    if args.world_size < 1:
-        print("error: --world-size must be at least 1", file=sys.stderr)
+    problem = world_size_problem(args.world_size)
+    if problem:
+        print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
     if args.json:
