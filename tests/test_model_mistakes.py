@@ -160,3 +160,13 @@ def test_train_refuses_a_container_unit_before_the_process_group(tmp_path):
     assert proc.stderr.startswith("--set fsdp.units=[layers]:1:13: error: FSDP unit pattern "
                                   "'layers' matches 'layers', a ModuleList")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_plan_naming_no_causal_lm_class_is_located(capsys, write_plan):
+    pytest.importorskip("transformers")
+    plan = write_plan("mesh: {tp: 1}\nmodel: {hf: PreTrainedModel}\n")
+    rc, errors = validate(capsys, plan, world=1)
+    assert rc == 1
+    assert errors == [f"{plan}:2:13: error: model.hf: 'PreTrainedModel' is not a concrete model "
+                      "class (an abstract base without a configuration or a forward); name a "
+                      "causal language model class such as 'LlamaForCausalLM'"]

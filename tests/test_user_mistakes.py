@@ -67,3 +67,45 @@ def test_a_world_size_beyond_this_machines_memory_is_one_line(capsys):
 def test_a_tp_degree_out_of_range_is_one_line(capsys, command):
     rc, out = run_main(capsys, *command, "--tp", 0)
     assert rc == 2 and out.strip() == "error: --tp must be at least 1, got 0"
+
+
+@pytest.mark.parametrize("target, message", [
+    ("PreTrainedModel", "'PreTrainedModel' is not a concrete model class (an abstract base without "
+                        "a configuration or a forward); name a causal language model class such "
+                        "as 'LlamaForCausalLM'"),
+    ("LlamaPreTrainedModel", "'LlamaPreTrainedModel' is not a concrete model class (an abstract "
+                             "base without a configuration or a forward); try 'LlamaForCausalLM'"),
+    ("LlamaModel", "'LlamaModel' is not a causal language model (tpplan trains next-token "
+                   "prediction: a *ForCausalLM class); try 'LlamaForCausalLM'"),
+    ("LlamaConfig", "'LlamaConfig' is a configuration class, not a model class; try "
+                    "'LlamaForCausalLM'"),
+    ("pipeline", "'pipeline' is a function in transformers, not a model class; name a causal "
+                 "language model class such as 'LlamaForCausalLM'"),
+    ("GenerationMixin", "'GenerationMixin' is not a model class; name a causal language model "
+                        "class such as 'LlamaForCausalLM'"),
+    ("t5", "transformers has no causal language model for model type 't5' (T5Config); tpplan "
+           "trains next-token prediction (a *ForCausalLM class)"),
+    ("configs/llama.json", "cannot read 'configs/llama.json': No such file or directory"),
+])
+def test_import_hf_of_something_that_is_no_causal_lm_is_one_line(capsys, target, message):
+    pytest.importorskip("transformers")
+    rc, out = run_main(capsys, "import-hf", target)
+    assert rc == 1 and out.strip() == f"error: {message}"
+
+
+def test_import_hf_of_a_bad_config_path_is_one_line(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "bad.json").write_text("{model_type: llama")
+    (tmp_path / "empty").mkdir()
+    rc, out = run_main(capsys, "import-hf", tmp_path / "bad.json")
+    assert rc == 1 and out.startswith(f"error: '{tmp_path / 'bad.json'}' is not a JSON config: ")
+    assert len(out.strip().splitlines()) == 1
+    rc, out = run_main(capsys, "import-hf", tmp_path / "empty")
+    assert rc == 1 and out.strip() == f"error: '{tmp_path / 'empty'}' is a folder without a config.json"
+
+
+def test_import_hf_of_an_abstract_class_is_no_traceback():
+    pytest.importorskip("transformers")
+    proc = tpplan_cli("import-hf", "PreTrainedModel", timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: 'PreTrainedModel' is not a concrete model class")

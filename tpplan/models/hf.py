@@ -81,13 +81,56 @@ def hf_config(spec: ModelSpec):
 
 
 def _model_class(spec: ModelSpec):
-    transformers = require_transformers(spec.loc)
-    cls = getattr(transformers, spec.hf, None)
-    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
-        names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
-        raise PlanErrors([PlanError(f"model.hf: transformers has no model class '{spec.hf}'"
-                                    f"{nearest(spec.hf, names)}", spec.locs.get("hf", spec.loc))])
-    return cls
+    try:
+        return causal_lm_class(spec.hf)
+    except ValueError as e:
+        raise PlanErrors([PlanError(f"model.hf: {e}", spec.locs.get("hf", spec.loc))]) from None
+
+
+def causal_lm_for(config_class: type | None) -> type | None:
+    """transformers' causal-LM class for a configuration class, if it has one."""
+    transformers = require_transformers()
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[config_class]
+    except (KeyError, TypeError):
+        return None
+
+
+def causal_lm_class(name: str) -> type:
+    """The transformers causal-LM class called ``name``. ``ValueError`` says why another
+    name is not one (an abstract base, a configuration, a function, a model without a
+    language-model head) and which class to use instead."""
+    transformers = require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+    obj = getattr(transformers, name, None)
+    config_class = obj if isinstance(obj, type) and issubclass(
+        obj, transformers.PretrainedConfig) else getattr(obj, "config_class", None)
+    lm = causal_lm_for(config_class) if isinstance(config_class, type) else None
+    concrete = (isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel)
+                and isinstance(config_class, type) and obj.forward is not nn.Module.forward)
+    if concrete and (obj is lm or name in known or name.endswith(("ForCausalLM", "LMHeadModel"))):
+        return obj
+    hint = (f"try '{lm.__name__}'" if lm is not None else nearest(name, known, 0.85).strip(" ()")
+            or "name a causal language model class such as 'LlamaForCausalLM'")
+    if obj is None:
+        return _fail(f"transformers has no model class '{name}'", hint)
+    if not isinstance(obj, type):
+        return _fail(f"'{name}' is a {type(obj).__name__} in transformers, not a model class", hint)
+    if config_class is obj:
+        return _fail(f"'{name}' is a configuration class, not a model class", hint)
+    if not issubclass(obj, transformers.PreTrainedModel):
+        return _fail(f"'{name}' is not a model class", hint)
+    if not concrete:
+        return _fail(f"'{name}' is not a concrete model class (an abstract base without a "
+                     "configuration or a forward)", hint)
+    return _fail(f"'{name}' is not a causal language model (tpplan trains next-token "
+                 "prediction: a *ForCausalLM class)", hint)
+
+
+def _fail(what: str, hint: str):
+    raise ValueError(f"{what}; {hint}")
 
 
 def _check_sizes(spec: ModelSpec) -> None:
