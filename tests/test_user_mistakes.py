@@ -4,8 +4,10 @@ Most tests run ``tpplan.cli.main`` in this process (what the command prints, its
 an exception escaping it would be the traceback a user sees); a few run the real command.
 """
 
+import shutil
+
 import pytest
-from helpers import PLANS, run_main, tpplan_cli  # noqa: F401
+from helpers import PLANS, TEST_PLANS, run_main, tpplan_cli
 
 
 def error_lines(output: str) -> list[str]:
@@ -109,3 +111,75 @@ def test_import_hf_of_an_abstract_class_is_no_traceback():
     proc = tpplan_cli("import-hf", "PreTrainedModel", timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: 'PreTrainedModel' is not a concrete model class")
+
+
+def test_suggest_refuses_to_write_over_its_own_input(capsys, tmp_path, monkeypatch):
+    plan = tmp_path / "p.yaml"
+    shutil.copy(PLANS / "llama.yaml", plan)
+    before = plan.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for output in ("p.yaml", tmp_path / "p.yaml", f"../{tmp_path.name}/p.yaml"):
+        rc, out = run_main(capsys, "suggest", "p.yaml", "-o", output)
+        assert rc == 1 and out.strip() == (f"error: refusing to write '{output}': it is the plan "
+                                           "(p.yaml), which this command reads; choose another "
+                                           "output")
+    (tmp_path / "link.yaml").symlink_to(plan)
+    rc, out = run_main(capsys, "suggest", "p.yaml", "-o", "link.yaml")
+    assert rc == 1 and "refusing to write 'link.yaml'" in out
+    assert plan.read_bytes() == before
+
+
+def test_suggest_refuses_to_write_over_a_parent_plan_or_the_factory_source(capsys, tmp_path,
+                                                                          monkeypatch):
+    (tmp_path / "my_gpt.py").write_text("from toy_models import mini_gpt as build\n")
+    (tmp_path / "base.yaml").write_text('model: {factory: "my_gpt:build", kwargs: {d: 32}}\n')
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nmesh: {tp: 2}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    rc, out = run_main(capsys, "suggest", "child.yaml", "-o", "base.yaml")
+    assert rc == 1 and out.strip().startswith("error: refusing to write 'base.yaml': it is the "
+                                              f"plan ({tmp_path / 'base.yaml'})")
+    rc, out = run_main(capsys, "suggest", "child.yaml", "-o", "my_gpt.py")
+    assert rc == 1 and out.strip() == (f"error: refusing to write 'my_gpt.py': it is the source "
+                                       f"of model.factory ({tmp_path / 'my_gpt.py'}), which this "
+                                       "command reads; choose another output")
+    assert (tmp_path / "base.yaml").read_text().startswith("model: {factory")
+    rc, out = run_main(capsys, "suggest", "child.yaml", "-o", "out.yaml")
+    assert rc == 0 and (tmp_path / "out.yaml").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == [
+        "base.yaml", "child.yaml", "my_gpt.py", "out.yaml"]  # no temp file left
+
+
+def test_import_hf_refuses_to_write_over_its_config(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    shutil.copy(TEST_PLANS / "hf" / "llama-config.json", config)
+    before = config.read_bytes()
+    for target in (config, tmp_path):
+        rc, out = run_main(capsys, "import-hf", target, "-o", config)
+        assert rc == 1 and out.strip() == (f"error: refusing to write '{config}': it is the "
+                                           f"imported config ({config}), which this command "
+                                           "reads; choose another output")
+    assert config.read_bytes() == before
+
+
+def test_an_output_in_a_missing_folder_or_on_a_folder_is_one_line(capsys, tmp_path):
+    plan = PLANS / "llama.yaml"
+    rc, out = run_main(capsys, "suggest", plan, "-o", tmp_path / "no" / "p.yaml")
+    assert rc == 1 and out.strip() == (f"error: cannot write '{tmp_path / 'no' / 'p.yaml'}': "
+                                       f"there is no folder '{tmp_path / 'no'}'")
+    rc, out = run_main(capsys, "suggest", plan, "-o", tmp_path)
+    assert rc == 1 and out.strip() == f"error: cannot write '{tmp_path}': it is a folder"
+
+
+def test_a_write_that_fails_leaves_the_previous_file_and_no_temp(tmp_path):
+    from tpplan.byom.outputs import atomic_output
+
+    target = tmp_path / "plan.yaml"
+    target.write_text("previous\n")
+    with pytest.raises(RuntimeError):
+        with atomic_output(target) as tmp:
+            tmp.write_text("half of a pl")
+            raise RuntimeError("disk full, say")
+    assert target.read_text() == "previous\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]

@@ -63,13 +63,17 @@ def size(n: float | None) -> str:
     return str(n)
 
 
-def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextIO) -> int:
-    """Write ``text`` (or print it), then dry-run it at world size ``tp``; 1 if invalid."""
+def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextIO,
+         inputs: list = ()) -> int:
+    """Write ``text`` (or print it), then dry-run it at world size ``tp``; 1 if invalid.
+
+    ``output`` is written atomically, and refused when it is one of ``inputs`` (the files
+    the command read: ``byom.outputs.model_inputs``)."""
     from ..analysis.dryrun import dry_run
+    from ..byom.outputs import write_text
 
     if output:
-        with open(output, "w") as f:
-            f.write(text)
+        write_text(output, text, inputs)
         path = output
     else:
         sys.stdout.write(text)

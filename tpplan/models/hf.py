@@ -18,7 +18,8 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 
-__all__ = ["build_hf", "require_transformers", "hf_config"]
+__all__ = ["build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
+           "require_transformers"]
 
 EXTRA_HINT = "HuggingFace models need the 'hf' extra: pip install 'tpplan[hf]'"
 # HF config fields every decoder needs at least 1 of; other sizes may be 0, never negative.
@@ -54,18 +55,23 @@ def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
 
 
+def hf_config_path(spec: ModelSpec) -> Path:
+    """The config.json a plan's ``hf_config`` names: a relative path is looked for next to
+    the plan first, a folder means its ``config.json``."""
+    path = Path(spec.hf_config)
+    base_dir = Path(spec.base_dir) if spec.base_dir else None
+    if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
+        path = base_dir / path
+    return path / "config.json" if path.is_dir() else path
+
+
 def hf_config(spec: ModelSpec):
     """The ``transformers`` config object the plan describes (``hf_config`` or ``hf`` + ``config``);
     a relative ``hf_config`` is looked for next to the plan first."""
     transformers = require_transformers(spec.loc)
-    base_dir = Path(spec.base_dir) if spec.base_dir else None
     if spec.hf_config:
         loc = spec.locs.get("hf_config", spec.loc)
-        path = Path(spec.hf_config)
-        if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
-            path = base_dir / path
-        if path.is_dir():
-            path = path / "config.json"
+        path = hf_config_path(spec)
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
