@@ -74,8 +74,11 @@ def hf_config(spec: ModelSpec):
         path = hf_config_path(spec)
         try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e}", loc)]) from None
+        except OSError as e:
+            raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e.strerror}",
+                                        loc)]) from None
+        except ValueError as e:
+            raise PlanErrors([PlanError(f"model.hf_config: '{path}' is not JSON: {e}", loc)]) from None
         model_type = data.pop("model_type", None)
         data.update(spec.hf_kwargs)  # the plan's model.config overrides the file
         try:
