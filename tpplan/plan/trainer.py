@@ -98,6 +98,8 @@ def parse_checkpoint(doc: LMap, errs: ErrorList) -> CheckpointSpec:
     spec = CheckpointSpec(enabled=r.get("enabled", bool, d.enabled),
                           interval=r.get("interval", int, d.interval),
                           keep=r.get("keep", int, d.keep), dir=r.get("dir", str, None),
+                          on_signal=r.get("on_signal", bool, d.on_signal),
+                          verify=r.get("verify", bool, d.verify),
                           loc=r.m.loc, locs=r.locs())
     for key in ("interval", "keep"):
         r.at_least(key, getattr(spec, key), 0)
