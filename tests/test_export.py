@@ -2,6 +2,7 @@
 loads into transformers (HF models) or tpplan (the reference Llama) with the same logits as
 the trained model."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -118,8 +119,9 @@ def test_export_of_a_truncated_shard_names_the_file(one_process_run, tmp_path):
         f.truncate(1000)
     proc = tpplan_cli("export", "--checkpoint", run, "-o", tmp_path / "out", timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.startswith(f"error: checkpoint {ckpt} cannot be read: {shard}: truncated "
-                                  "(1,000 bytes; the checkpoint's metadata needs at least ")
+    assert proc.stderr.startswith(f"error: checkpoint {ckpt} cannot be read: {shard}: is 1,000 "
+                                  "bytes, the manifest says ")
+    assert proc.stderr.strip().endswith("(truncated)")
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
@@ -129,20 +131,35 @@ def test_export_of_a_missing_shard_or_garbage_metadata_names_the_file(capsys, on
     run, ckpt, shard = _damaged(one_process_run, tmp_path)
     shard.unlink()
     assert _export_error(capsys, run, tmp_path / "out") == (
-        f"error: checkpoint {ckpt} cannot be read: {shard}: missing (the checkpoint's metadata "
-        "lists it)")
+        f"error: checkpoint {ckpt} cannot be read: {shard}: is missing")
     shutil.rmtree(run)
     run, ckpt, shard = _damaged(one_process_run, tmp_path)
     (ckpt / ".metadata").write_bytes(b"\xff" * 64)
     assert _export_error(capsys, run, tmp_path / "out").startswith(
-        f"error: checkpoint {ckpt} cannot be read: {ckpt / '.metadata'}: not readable DCP "
-        "metadata (")
+        f"error: checkpoint {ckpt} cannot be read: {ckpt / '.metadata'}: is 64 bytes")
 
 
-def test_export_of_corrupt_shard_bytes_names_the_file(capsys, one_process_run, tmp_path):
+def test_export_of_flipped_shard_bytes_names_the_file(capsys, one_process_run, tmp_path):
+    """Same size, other bytes: only the manifest's SHA-256 can tell, and export checks it."""
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4] = bytes(255 - x for x in data[len(data) // 2:len(data) // 2 + 4])
+    shard.write_bytes(bytes(data))
+    assert _export_error(capsys, run, tmp_path / "out") == (
+        f"error: checkpoint {ckpt} is damaged: {shard}: contents do not match the manifest's "
+        "SHA-256 (corrupted on disk)")
+
+
+def test_export_of_a_shard_the_manifest_does_not_cover_still_names_the_file(
+        capsys, one_process_run, tmp_path):
+    """A checkpoint whose manifest leaves a shard out (as one written before tpplan kept
+    manifests leaves every shard out): the failing read is traced to the file all the same."""
     from torch.distributed.checkpoint import FileSystemReader
 
     run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"][shard.name]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     entries = FileSystemReader(str(ckpt)).read_metadata().storage_data
     start = min(info.offset for index, info in entries.items() if index.fqn.startswith("model."))
     data = bytearray(shard.read_bytes())
@@ -150,6 +167,11 @@ def test_export_of_corrupt_shard_bytes_names_the_file(capsys, one_process_run, t
     shard.write_bytes(bytes(data))
     assert _export_error(capsys, run, tmp_path / "out").startswith(
         f"error: checkpoint {ckpt} cannot be read: {shard}: corrupt or unreadable (")
+    with open(shard, "r+b") as f:
+        f.truncate(start + 100)
+    assert _export_error(capsys, run, tmp_path / "out").startswith(
+        f"error: checkpoint {ckpt} cannot be read: {shard}: truncated ({start + 100:,} bytes; "
+        "the checkpoint's metadata needs at least ")
 
 
 def test_export_refuses_an_output_that_is_a_file_or_an_input(capsys, one_process_run, tmp_path):

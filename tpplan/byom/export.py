@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import load
-from ..checkpoint import find_checkpoint, read_model_state
+from ..checkpoint import (
+    Damaged, check_contents, check_structure, find_checkpoint, read_model_state,
+)
+from ..checkpoint.integrity import SafeReader
 from ..models import build_model
 from ..models.hf import hf_config
 from ..plan.errors import CommandError, PlanError, PlanErrors
@@ -40,12 +42,23 @@ def _checkpoint(path: Path) -> Path:
     found = find_checkpoint(path)
     if found is None:
         raise PlanErrors([PlanError(f"no complete checkpoint at '{path}' (a step-NNNNNN folder "
-                                    "with .metadata and trainer.pt, or a run folder holding one)")])
+                                    "with .metadata, trainer.json and manifest.json, or a run "
+                                    "folder holding one)")])
     return found
 
 
 def _read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of ``checkpoint``; a file that does not read is one error naming it."""
+    """The model tensors of ``checkpoint``, checked first against its manifest (sizes, then
+    every file's SHA-256, as ``--resume`` does); a damaged or unreadable file is one error
+    naming it and the problem."""
+    try:
+        check_structure(checkpoint)
+        problems = check_contents(checkpoint)  # no process group: this process hashes all
+    except Damaged as e:
+        raise CommandError(f"checkpoint {checkpoint} cannot be read: {e}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CommandError(f"checkpoint {checkpoint} is damaged: {problems[0]}{more}")
     try:
         return read_model_state(checkpoint)
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
@@ -54,18 +67,23 @@ def _read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def _diagnose(checkpoint: Path, error: BaseException) -> str:
-    """Which file of a checkpoint is broken and how: the metadata that does not parse, a
-    shard that is missing or shorter than the metadata says; else the reader's own error."""
+    """For a checkpoint without a manifest (written before tpplan kept one) that passed the
+    checks but does not read: which file is broken and how (a shard missing or shorter than
+    the metadata says), else the reader's own error."""
     if isinstance(error, CheckpointException) and error.failures:
         error = next(iter(error.failures.values()))[0]  # (exception, traceback) of a rank
+    if isinstance(error, Damaged):
+        return str(error)
     # The first sentence only: torch's advice to retry with weights_only=False is not one
     # to pass on about a file that does not parse.
     text = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else ""
     reason = f"corrupt or unreadable ({type(error).__name__}{': ' + text if text else ''})"
     try:
-        meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any way it fails to parse
-        return f"{checkpoint / '.metadata'}: not readable DCP metadata ({type(e).__name__}: {e})"
+        meta = SafeReader(str(checkpoint)).read_metadata()  # never plain pickle: runs no code
+    except Damaged as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any way it fails to read
+        return f"{checkpoint / '.metadata'}: cannot be read ({type(e).__name__}: {e})"
     needed: dict[str, int] = {}
     for index, info in (meta.storage_data or {}).items():
         if index.fqn.startswith("model."):
