@@ -277,8 +277,9 @@ def test_a_half_written_metrics_line_does_not_block_resume(reference_run, tmp_pa
 
 def test_a_diverging_loss_stops_the_run_at_its_step(tmp_path):
     d = tmp_path / "diverged"
+    # No weight decay: lr × weight_decay ≥ 1 is refused when the plan is read.
     out = fails(tpplan_train(d, sets=["mesh.tp=1", "train.lr=100000000.0", "train.grad_clip=null",
-                                      "train.warmup_steps=0"]),
+                                      "train.warmup_steps=0", "train.weight_decay=0"]),
                 "training diverged; stopped before the optimizer step")
     step = int(re.search(r"error: step (\d+): loss", out).group(1))
     assert steps_logged(d) == list(range(1, step))  # the diverged step is not a row
