@@ -309,3 +309,17 @@ def test_a_run_started_from_its_own_resolved_plan_does_not_rewrite_it(reference_
     ok(tpplan_train(d, "--resume", str(d / "checkpoints" / "step-000010"),
                     sets=["mesh.tp=1"], plan=str(d / "plan.yaml")))
     assert (d / "plan.yaml").read_bytes() == before
+
+
+def test_validate_reports_the_checkpoint_size_the_preflight_checks(reference_run):
+    """The dry run's checkpoint size (what ``train`` checks free space against) held
+    against the bytes a real checkpoint of the same plan takes on disk."""
+    from helpers import tpplan_cli
+    from trainrun import PLAN, TINY
+
+    sets = [a for s in [*TINY, "mesh.tp=1"] for a in ("--set", s)]
+    out = tpplan_cli("validate", "--plan", PLAN, "--world-size", "1", "--json", *sets, check=True)
+    predicted = json.loads(out.stdout)["checkpoint_bytes"]
+    folder = reference_run / "checkpoints" / f"step-{STEPS:06d}"
+    real = sum(p.stat().st_size for p in folder.iterdir())
+    assert real <= predicted <= real * 1.05, (predicted, real)  # never short, at most 5% over

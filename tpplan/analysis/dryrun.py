@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from ..api import Plan, load
+from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
@@ -56,6 +57,9 @@ class DryRun:
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # each analysis's figures, by name
     tp_trace: Any = None  # the TP collectives of one micro-batch (TPTrace), when traced
+    # One training checkpoint on disk, all ranks together: what `tpplan train`'s preflight
+    # checks free space against (parameters + AdamW's two moments, from global shapes).
+    checkpoint_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -79,6 +83,7 @@ class DryRun:
             "world_size": self.world_size,
             "mesh": dims.as_dict() if dims else None,
             "step": self.step.to_json() if self.step else None,
+            "checkpoint_bytes": self.checkpoint_bytes,
             "modules": [m.to_json() for m in self.report.modules] if self.report else [],
         }
         out.update(self.extra)
@@ -156,6 +161,7 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
     try:
         plan = result.plan = load(plan_path, overrides)
         model = build_model(plan.model, device="meta")
+        result.checkpoint_bytes = checkpoint_bytes(model)
         res = plan.resolve(model, world_size)
         errs = ErrorList(res.errors)
         if res.dims is not None:

@@ -52,6 +52,8 @@ __all__ = [
     "step_of",
 ]
 
+PER_TENSOR_BYTES = 2304  # DCP's per-tensor record + metadata entry (measured ~2.1 KiB)
+FIXED_BYTES = 16 << 10  # trainer.json (its RNG state is 10 KiB of hex) and manifest.json
 MODEL_KEY = "model"  # the trainer saves {"model": ..., "optim": ...}
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Test hook: the step whose save dies after the shards are written, before completion.
@@ -68,10 +70,14 @@ def model_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 
 def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
-    """Bytes one checkpoint of ``model`` takes: every parameter once and ``optimizer_states``
-    tensors of its size (AdamW: two), from the global shapes (works on the meta device)."""
-    return sum(p.numel() * p.element_size() * (1 + optimizer_states)
-               for p in model.parameters())
+    """Bytes one checkpoint of ``model`` takes on disk: every parameter once and
+    ``optimizer_states`` tensors of its size (AdamW: two moments), from the global shapes
+    (works on the meta device), plus what DCP and tpplan add -- per saved tensor (AdamW's
+    step counter included) a ``torch.save`` record and a ``.metadata`` entry, about 2.1 KiB
+    measured, counted as 2.25 KiB -- and the trainer state and manifest."""
+    params = list(model.parameters())
+    data = sum(p.numel() * p.element_size() * (1 + optimizer_states) for p in params)
+    return data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES + FIXED_BYTES
 
 
 def is_step_folder(path: Path) -> bool:

@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
+    if result.checkpoint_bytes:
+        out.print(f"one training checkpoint (model + AdamW state, all ranks): "
+                  f"{size(result.checkpoint_bytes)} on disk", highlight=False)
     for e in result.analysis_errors:
         what = TITLES.get(e.analysis, e.analysis)
         print(f"error: {what} could not be computed for this model: {e.message}", file=sys.stderr)
