@@ -25,8 +25,9 @@ from ..models import build_model
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import spawn
 
-__all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "compare", "Comparison",
-           "rel_err"]
+__all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
+           "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep",
+           "verify_step"]
 
 
 @dataclass
@@ -63,52 +64,166 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequence[str],
-            tokens: torch.Tensor, seed: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import logging
-    import warnings
-
-    warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
-    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
+          tokens: torch.Tensor, seed: int, out_dir: Path) -> None:
+    """One rank's forward and backward through the plan; rank 0 saves the full gradients,
+    each tp group's first rank its data-parallel slice of the logits."""
     plan = load(plan_path, overrides)
     torch.manual_seed(seed)
     model = build_model(plan.model, device="cpu").eval()
     mesh = plan.build_mesh("cpu")
+    model = plan.apply(model, mesh)
+    dims = plan.parallel_dims(world)
+    dp_rank = data_parallel_rank(mesh)
+    local = tokens.chunk(dims.dp)[dp_rank]
+    with plan.loss_context():
+        logits = model(local[:, :-1])
+        loss = _loss(logits, local[:, 1:])
+        loss.backward()
+    logits, loss = _full(logits.detach()), _full(loss.detach())
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    if mesh["tp"].get_local_rank() == 0:
+        torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
+                   out_dir / f"rank{rank}.pt")
+    if rank == 0:
+        torch.save(grads, out_dir / "grads.pt")
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+
+
+def _env(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequence[str],
+            tokens: torch.Tensor, seed: int, out_dir: str) -> None:
+    _env(rank, world, port)
+    _quiet()
     try:
-        model = plan.apply(model, mesh)
-        dims = plan.parallel_dims(world)
-        dp_rank = data_parallel_rank(mesh)
-        local = tokens.chunk(dims.dp)[dp_rank]
-        with plan.loss_context():
-            logits = model(local[:, :-1])
-            loss = _loss(logits, local[:, 1:])
-            loss.backward()
-        logits, loss = _full(logits.detach()), _full(loss.detach())
-        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-        if mesh["tp"].get_local_rank() == 0:
-            torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
-                       Path(out_dir) / f"rank{rank}.pt")
-        if rank == 0:
-            torch.save(grads, Path(out_dir) / "grads.pt")
+        _step(rank, world, plan_path, overrides, tokens, seed, Path(out_dir))
         dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _jobs_worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+    """Every job in turn in this one process: a job that fails on a rank is recorded as
+    that rank's error line and the next job starts after a barrier."""
+    _env(rank, world, port)
+    _quiet()
+    from datetime import timedelta
+
+    from ..parallel.runtime import ensure_process_group
+
+    ensure_process_group("cpu")
+    try:
+        for i, (plan_path, overrides, tokens, seed) in enumerate(jobs):
+            job_dir = Path(out_dir) / f"job{i}"
+            try:
+                _step(rank, world, plan_path, overrides, tokens, seed, job_dir)
+            except Exception as e:  # noqa: BLE001 - the job's result is its error line
+                (job_dir / f"error{rank}.txt").write_text(_one_line(e))
+            dist.monitored_barrier(timeout=timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 
 
-def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,
-                  tokens: torch.Tensor, seed: int) -> StepResult:
-    """The same step through the plan on ``world_size`` gloo processes."""
-    with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
-        spawn(_worker, world_size, plan_path, list(overrides), tokens, seed, out)
-        parts = [torch.load(p) for p in sorted(Path(out).glob("rank*.pt"))]
-        parts.sort(key=lambda d: d["dp_rank"])
-        grads = torch.load(Path(out) / "grads.pt")
+def _one_line(e: BaseException) -> str:
+    lines = [x for x in f"{type(e).__name__}: {e}".splitlines() if x.strip()]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+
+
+def _read(out: Path) -> StepResult:
+    parts = [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
+    parts.sort(key=lambda d: d["dp_rank"])
+    grads = torch.load(out / "grads.pt")
     logits = torch.cat([d["logits"] for d in parts])
     loss = sum(d["loss"] for d in parts) / len(parts)
     return StepResult(logits, loss, grads)
+
+
+def worker_failure(e: BaseException) -> str:
+    """One line for a spawned rank's failure: which rank, and the last line of its error
+    (the exception itself, not the multi-process traceback around it)."""
+    rank = getattr(e, "error_index", None)
+    text = str(e).strip().splitlines()
+    last = next((x for x in reversed(text) if x.strip()), str(e))
+    return f"rank {rank} failed: {last.strip()}" if rank is not None else last.strip()
+
+
+def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,
+                  tokens: torch.Tensor, seed: int) -> StepResult:
+    """The same step through the plan on ``world_size`` gloo processes. A rank that fails
+    is one :class:`~tpplan.plan.errors.CommandError` line naming the rank and its error."""
+    import torch.multiprocessing as mp
+
+    from ..plan.errors import CommandError
+
+    with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
+        try:
+            spawn(_worker, world_size, plan_path, list(overrides), tokens, seed, out)
+        except mp.ProcessRaisedException as e:
+            raise CommandError(worker_failure(e)) from None
+        return _read(Path(out))
+
+
+def parallel_steps(jobs: Sequence[tuple[str, Sequence[str], torch.Tensor, int]],
+                   world_size: int) -> list[StepResult | str]:
+    """Several plans' steps (``(plan_path, overrides, tokens, seed)`` each) in one spawn of
+    ``world_size`` processes, so start-up is paid once: each job's result, or the error
+    line it failed with."""
+    with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
+        for i in range(len(jobs)):
+            (Path(out) / f"job{i}").mkdir()
+        spawn(_jobs_worker, world_size, [(p, list(o), t, s) for p, o, t, s in jobs], out)
+        results: list[StepResult | str] = []
+        for i in range(len(jobs)):
+            job = Path(out) / f"job{i}"
+            errors = sorted(job.glob("error*.txt"))
+            results.append(errors[0].read_text() if errors else _read(job))
+        return results
+
+
+@dataclass
+class VerifyStep:
+    """What verify runs: the plan loaded with its shrinking and step overrides, those
+    overrides (the parallel side loads the plan with them too) and the global batch."""
+
+    plan: Plan
+    overrides: list[str]
+    tokens: torch.Tensor
+
+
+def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layers: int = 2,
+                seq_len: int = 16, batch_per_rank: int = 2, seed: int = 0,
+                shrink: bool = True) -> VerifyStep:
+    """The plan's model shrunk to a tiny one of the same architecture (every divisibility
+    relation over tp kept), a step of ``batch_per_rank`` sequences per data-parallel rank,
+    checked as the trainer checks it. :class:`PlanErrors` if the plan does not fit."""
+    from ..models.introspect import shrink_overrides, vocab_size
+
+    plan = load(plan_path, overrides)
+    dims = plan.parallel_dims(nproc)  # PlanErrors (exit 1) if the mesh does not fit
+    shrunk = shrink_overrides(plan.model, dims.tp, layers, seq_len) if shrink else []
+    # The step verify runs, in the plan's own terms, so the trainer's checks apply to it.
+    step = [f"train.seq_len={seq_len}", f"train.micro_batch_size={batch_per_rank}",
+            f"train.global_batch_size={batch_per_rank * dims.dp}"]
+    every = shrunk + step + list(overrides)  # the user's --set wins
+    plan = load(plan_path, every)
+    shape = plan.step_shape(nproc)  # seq_len under SP: a located error, not a crash
+    model = build_model(plan.model, device="meta")
+    plan.check(model, nproc)
+    tokens = make_batch(vocab_size(model), shape.global_batch, shape.seq_len, seed)
+    return VerifyStep(plan, every, tokens)
 
 
 @dataclass

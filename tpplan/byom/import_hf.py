@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.nn as nn
+
+from ..models import build_model
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
 from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
@@ -97,9 +100,46 @@ def _resolve(target: str) -> tuple[ModelSpec, dict[str, Any], Any]:
 
 
 def _mapped(style: str, sequence_parallel: bool) -> Any:
-    if style == "rowwise" and sequence_parallel:
-        return {"style": "rowwise", "output_layouts": "shard(1)"}
-    return style
+    """transformers' style name as a tpplan rule (aliases spelled out, so SP can add to them)."""
+    name, preset = ALIASES.get(style, (style, {}))
+    opts = {k: str(v) for k, v in preset.items()}
+    if name == "rowwise" and sequence_parallel:
+        opts["output_layouts"] = "shard(1)"
+    return {"style": name, **opts} if opts else name
+
+
+# transformers' styles tpplan does with a rule of its own, from the dataflow (or not at all)
+COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}
+LINEAR_KINDS = (nn.Linear, nn.Embedding)
+
+
+def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
+                 params: set[str]) -> str | None:
+    """Why transformers' rule cannot be a tpplan rule on this model, or None."""
+    rx = compile_pattern(pattern)
+    hits = [m for p, m in modules.items() if rx.fullmatch(p)]
+    if not hits and any(rx.fullmatch(p) for p in params):
+        return (f"'{pattern}' ({style}) is a parameter, not a module (experts held as one "
+                "tensor): left replicated on every tp rank; TP over experts is a later step")
+    if not hits:
+        return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
+                "plan covers variants of the architecture); left out")
+    name = ALIASES.get(style, (style, {}))[0]
+    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], LINEAR_KINDS):
+        return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
+                f"{name} cannot shard: left replicated")
+    return None
+
+
+def _drop_per_head_under_gather(rules: list) -> list:
+    """A projection transformers gathers (colwise with replicated output) hands whole heads
+    to the norms after it: they need no per-head rule there (it would treat the whole as a
+    shard)."""
+    gathered = {p.rpartition(".")[0] for p, st, _ in rules if isinstance(st, dict)
+                and st.get("style") == "colwise" and st.get("output_layouts") == "replicate"}
+    return [(p, st, c) for p, st, c in rules
+            if not (isinstance(st, dict) and "sequence_dim" in st
+                    and p.rpartition(".")[0] in gathered)]
 
 
 def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
@@ -116,9 +156,20 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
         spec.hf_kwargs = {}
     sugg = suggest_plan(spec, "blocks" if sequence_parallel else "off")
 
+    model = build_model(spec, "meta")
+    modules = dict(model.named_modules())
+    params = {n for n, _ in model.named_parameters()}
     hf_rules = {f"{prefix}.{key}": style for key, style in tp_plan.items()}
-    for pattern, style in hf_rules.items():
-        if style not in EXACT:
+    suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
+    for pattern, style in list(hf_rules.items()):
+        why = _unshardable(pattern, style, modules, params) if style in EXACT else None
+        if why:
+            sugg.notes.append(why)
+            del hf_rules[pattern]
+        elif style in COVERED and any(rx.fullmatch(m) for rx in suggested for m in modules
+                                      if compile_pattern(pattern).fullmatch(m)):
+            continue  # the dataflow's own rule for these modules stands
+        elif style not in EXACT:
             sugg.notes.append(f"transformers' '{style}' for '{pattern}' has no exact PyTorch "
                               "equivalent; left out")
     hf_rules = {p: s for p, s in hf_rules.items() if s in EXACT}
@@ -148,7 +199,7 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
     for pattern, style in hf_rules.items():
         if pattern not in used:
             rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = rules
+    sugg.rules = _drop_per_head_under_gather(rules)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
 

@@ -84,15 +84,85 @@ def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
             and all(c.module.out_features % value == 0 for c in colwise)]
 
 
-def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call]]]:
-    """(the norm that opens it, its linear calls) for each sub-layer of one block."""
-    out: list[tuple[Call | None, list[Call]]] = [(None, [])]
+def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], list[Call]]]:
+    """(the norm that opens it, its linear calls, the norms inside it) for each sub-layer of
+    one block. Only a norm that is a direct child of the block reads the residual stream and
+    opens a sub-layer; a norm deeper down (``self_attn.q_norm``) acts on a projection's
+    output, inside the sub-layer."""
+    out: list[tuple[Call | None, list[Call], list[Call]]] = [(None, [], [])]
     for call in trace.within(block):
         if is_norm(call.module):
-            out.append((call, []))
+            if call.path.rpartition(".")[0] == block:
+                out.append((call, [], []))
+            else:
+                out[-1][2].append(call)
         elif isinstance(call.module, nn.Linear):
             out[-1][1].append(call)
-    return [(norm, lins) for norm, lins in out if lins]
+    return [(norm, lins, inner) for norm, lins, inner in out if lins or norm is not None]
+
+
+FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
+
+
+def _inner_norm_rules(inner: list[Call], colwise: list[Call]) -> tuple[list, str | None]:
+    """Rules for the norms inside a sub-layer, or why its projections must be gathered.
+
+    A norm over ``head_dim`` after a colwise projection (Qwen3's ``q_norm``, on a
+    ``(batch, seq, heads, head_dim)`` view) acts on whole heads, and each rank holds whole
+    heads: it runs on this rank's heads as a DTensor sharded on the heads dimension with its
+    weight replicated, so the weight's gradient is summed over tp. A norm over the whole
+    projection (OLMo 2's, over heads × head_dim) needs every head: the projections are
+    gathered instead."""
+    rules, gather = [], None
+    widths = {c.module.out_features for c in colwise}
+    for c in inner:
+        shape = c.shapes.get(c.inputs[0]) if c.inputs else None
+        if not shape or shape[-1] in widths or len(shape) < 3:
+            gather = (f"'{generalize(c.path)}' normalizes the whole projection output, across "
+                      "heads: q/k/v are gathered (colwise with replicated output) so it sees "
+                      "every head")
+            continue
+        rules.append((generalize(c.path), {"style": "sequence_parallel",
+                                           "sequence_dim": len(shape) - 2,
+                                           "use_local_output": True},
+                      f"per-head norm over head_dim {shape[-1]}: runs on this rank's heads "
+                      f"(dimension {len(shape) - 2}), weight replicated, gradient summed over tp"))
+    fused = [c for c in colwise if any(f in c.path.rpartition(".")[2] for f in FUSED)]
+    if fused and gather is None:
+        gather = (f"'{generalize(fused[0].path)}' packs several projections in one weight; "
+                  "sharding it by rows would give each rank a slice of one part, so its output "
+                  "is gathered (colwise with replicated output)")
+    return rules, gather
+
+
+def _sp_norm(trace: Trace, norm: Call, block: str) -> tuple[str, Any, str]:
+    """A norm on a sequence shard; its output stays a DTensor for the module that reads it
+    (whose prepare_input gathers it), or is a local tensor where only code reads it (a
+    post-norm's output goes straight into the residual add)."""
+    readers = [c for c in trace.consumers(norm.outputs[0]) if c.path.startswith(block + ".")] \
+        if norm.outputs else []
+    if readers:
+        return generalize(norm.path), "sequence_parallel", "norm on a sequence shard"
+    return (generalize(norm.path), {"style": "sequence_parallel", "use_local_output": True},
+            "norm on a sequence shard; its output goes to the residual add as a local shard")
+
+
+def _whole_sequence(s: Suggestion, trace: Trace, norm: Call, block: str) -> None:
+    """A sub-layer without linear layers (experts held as parameters) under sequence
+    parallelism: the module reading the norm's output gets the whole sequence and hands
+    back its shard, so its replicated weights see every token."""
+    for c in trace.consumers(norm.outputs[0]) if norm.outputs else []:
+        if c.path.startswith(block + ".") and not is_norm(c.module):
+            opts = {"style": "prepare_input_output",
+                    **_input_layouts(c, norm.outputs[0], "shard(1)", "replicate"),
+                    "use_local_input": True, "output_layouts": "replicate", "desired_output_layouts": "shard(1)",
+                    "use_local_output": True}
+            s.rules.append((generalize(c.path), opts, "no projection to shard here: runs on "
+                            "the whole sequence (replicated weights), hands back its shard"))
+            s.notes.append(f"replicated on every tp rank: '{generalize(c.path)}' (its weights "
+                           "are parameters, not linear layers tpplan can shard; experts under "
+                           "TP are a later step)")
+            return
 
 
 def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str = "auto"
@@ -151,7 +221,13 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             opts["output_layouts"] = "shard(1)"
         s.rules.append((embed.path, opts, "vocabulary rows split over tp"))
 
-    for norm, linears in _sub_layers(trace, first):
+    for norm, linears, inner_norms in _sub_layers(trace, first):
+        if inner and norm is not None:
+            s.rules.append(_sp_norm(trace, norm, first))
+        if not linears:
+            if inner and norm is not None:
+                _whole_sequence(s, trace, norm, first)
+            continue
         x = linears[0].args[0] if linears[0].args else next(iter(linears[0].kwargs.values()))
         colwise = [c for c in linears if x in c.inputs]
         rest = [c for c in linears if c not in colwise]
@@ -162,9 +238,9 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             if c is not rowwise:
                 s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the sub-layer's "
                                "input nor the last projection; left replicated")
-        if inner and norm is not None:
-            s.rules.append((generalize(norm.path), "sequence_parallel",
-                            "norm on a sequence shard"))
+        norm_rules, gather = _inner_norm_rules(inner_norms, colwise)
+        if gather:
+            s.notes.append(f"gathered: {gather}; attention or MLP runs whole on every rank")
         container = _common_parent([c.path for c in colwise])
         call = trace.first_call(container)
         needs_prepare = container != first and call is not None and \
@@ -178,12 +254,20 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             s.rules.append((generalize(container), opts,
                             why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
         if colwise:
-            s.rules.append((_group([c.path for c in colwise]), "colwise",
-                            "reads the sub-layer input"))
+            opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
+            s.rules.append((_group([c.path for c in colwise]), opts,
+                            "reads the sub-layer input" + ("; output gathered" if gather else "")))
+        if not gather:
+            s.rules += norm_rules
         if rowwise is not None:
-            opts = {"style": "rowwise", "output_layouts": "shard(1)"} if inner else "rowwise"
-            s.rules.append((generalize(rowwise.path), opts, "writes back to the residual stream"))
-            if call is not None:
+            opts = {"style": "rowwise"}
+            if gather:
+                opts["input_layouts"] = "replicate"
+            if inner:
+                opts["output_layouts"] = "shard(1)"
+            s.rules.append((generalize(rowwise.path), opts if len(opts) > 1 else "rowwise",
+                            "writes back to the residual stream"))
+            if call is not None and not gather:
                 s.divide_by_tp += [f"{generalize(container)}.{name}"
                                    for name in _head_counts(call.module, colwise)]
 

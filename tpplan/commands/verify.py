@@ -49,30 +49,17 @@ def group_rows(rows: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from ..analysis.numerics import compare, make_batch, parallel_step, reference_step
-    from ..api import load
-    from ..models import build_model
-    from ..models.introspect import shrink_overrides, vocab_size
+    from ..analysis.numerics import compare, parallel_step, reference_step, verify_step
 
     if args.nproc < 1:
         print("error: --nproc must be at least 1", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    plan = load(args.plan, args.overrides)
-    dims = plan.parallel_dims(args.nproc)  # PlanErrors (exit 1) if the mesh does not fit
-    shrink = [] if args.no_shrink else shrink_overrides(plan.model, dims.tp, args.layers,
-                                                        args.seq_len)
-    # The step verify runs, in the plan's own terms, so the trainer's checks apply to it.
-    step = [f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch_per_rank}",
-            f"train.global_batch_size={args.batch_per_rank * dims.dp}"]
-    overrides = shrink + step + list(args.overrides)  # the user's --set wins
-    plan = load(args.plan, overrides)
-    shape = plan.step_shape(args.nproc)  # seq_len under SP: a located error, not a crash
-    model = build_model(plan.model, device="meta")
-    plan.check(model, args.nproc)
-    tokens = make_batch(vocab_size(model), shape.global_batch, shape.seq_len, args.seed)
-    ref = reference_step(plan, tokens, args.seed)
-    par = parallel_step(args.plan, overrides, args.nproc, tokens, args.seed)
+    step = verify_step(args.plan, args.nproc, args.overrides, args.layers, args.seq_len,
+                       args.batch_per_rank, args.seed, shrink=not args.no_shrink)
+    dims = step.plan.parallel_dims(args.nproc)
+    ref = reference_step(step.plan, step.tokens, args.seed)
+    par = parallel_step(args.plan, step.overrides, args.nproc, step.tokens, args.seed)
     result = compare(ref, par, args.tolerance)
 
     out = console(120)

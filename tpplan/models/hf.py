@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
@@ -53,6 +54,20 @@ def _init_std_for(model: nn.Module, std: float):
 
 def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
+
+
+def _meta_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """On the meta device (the dry run's traces), hand the model a ready 4-D mask:
+    transformers' mask code otherwise reads tensor values (its packed-sequence check calls
+    ``.item()``), which meta tensors do not have. Only shapes matter there; real runs are
+    left to transformers' own causal mask."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.device.type == "meta" and \
+            kwargs.get("attention_mask") is None and ids.dim() == 2:
+        b, s = ids.shape
+        kwargs = {**kwargs, "attention_mask": torch.ones(b, 1, s, s, dtype=torch.bool,
+                                                         device="meta")}
+    return args, kwargs
 
 
 def hf_config_path(spec: ModelSpec) -> Path:
@@ -164,10 +179,18 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     _check_sizes(spec)
     config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
+    cls = _model_class(spec) if spec.hf else causal_lm_for(type(config))
+    kwargs = {"attn_implementation": "sdpa"}
+    if torch.empty(0).device.type == "meta" and cls is not None and \
+            cls._can_set_experts_implementation():
+        # grouped_mm's meta kernel takes bfloat16 only, and the eager loop over experts asks
+        # nonzero() for values: batched_mm runs on shapes alone (the dry run's traces).
+        kwargs["experts_implementation"] = "batched_mm"
     if spec.hf:
-        model = _model_class(spec)._from_config(config, attn_implementation="sdpa")
+        model = cls._from_config(config, **kwargs)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
     model.register_forward_hook(_logits_only)
+    model.register_forward_pre_hook(_meta_mask, with_kwargs=True)
     model.init_std = _init_std_for(model, getattr(config, "initializer_range", 0.02))
     return model

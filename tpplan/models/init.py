@@ -85,7 +85,9 @@ def _cpu_copy(module: nn.Module) -> nn.Module:
     import copy
 
     clone = copy.copy(module)
-    clone._parameters = {}
+    # Keep the entries registered as None (``nn.Linear(bias=False)`` has ``bias: None``):
+    # ``reset_parameters`` reads them.
+    clone._parameters = {name: None for name, p in module._parameters.items() if p is None}
     clone._modules = {}
     clone._buffers = dict(module._buffers)
     for name, p in module.named_parameters(recurse=False):

@@ -4,6 +4,7 @@ tracing a HuggingFace model's dataflow on the CPU)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch.nn as nn
@@ -45,20 +46,58 @@ def vocab_size(model: nn.Module) -> int | None:
     return emb.num_embeddings if emb is not None else None
 
 
-def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, int]:
-    """HF config fields of a tiny model of the same architecture, every split over ``tp``
-    divisible: ``max(tp, 2)`` KV heads (as many query heads when the model has no grouped
-    attention, twice as many when it has), width 8 per head, widths in multiples of 64·tp.
-    Only the fields this architecture has."""
-    kv = max(tp, 2)
-    grouped = getattr(config, "num_key_value_heads", None) not in (
-        None, getattr(config, "num_attention_heads", None))
-    heads = 2 * kv if grouped else kv
+def _keep_residue(n: int | None, tp: int, base: int) -> int:
+    """``base`` (a multiple of tp) plus ``n``'s remainder modulo tp: a size tp divides stays
+    divisible, one it does not stays indivisible (verify must see what the real size sees)."""
+    return base + (n % tp if isinstance(n, int) else 0)
+
+
+def _heads(config: Any, tp: int) -> tuple[int, int]:
+    """Query and KV heads of the tiny model, with the real model's relations to tp: where
+    tp divides both, ``max(tp, 2)`` KV heads (twice as many query heads when grouped); where
+    it does not (KV heads fewer than tp, say), the real counts themselves (width 8 per head
+    keeps them small)."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int) and isinstance(kv, int) and (heads % tp or kv % tp):
+        return heads, kv
+    grouped = kv != heads
+    small_kv = max(tp, 2)
+    return (2 * small_kv if grouped else small_kv), small_kv
+
+
+# Mixture-of-experts and latent-attention sizes of the tiny model (the fields a family has).
+SMALL_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
+             "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+             "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+             "qk_nope_head_dim": 8, "v_head_dim": 8}
+
+
+def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
+    """HF config fields of a tiny model of the same architecture with every relation of the
+    real one to ``tp`` kept: head and KV-head counts (:func:`_heads`), width 8 per head,
+    hidden widths in multiples of 64·tp and the vocabulary's remainder modulo tp. Only the
+    fields this architecture has."""
+    heads, kv = _heads(config, tp)
     small = {"num_hidden_layers": layers, "num_attention_heads": heads,
-             "num_key_value_heads": kv if grouped else heads, "hidden_size": heads * 8,
-             "head_dim": 8, "intermediate_size": 64 * tp, "ffn_dim": 64 * tp,
-             "word_embed_proj_dim": heads * 8, "vocab_size": 64 * tp}
-    return {k: v for k, v in small.items() if hasattr(config, k)}
+             "num_key_value_heads": kv, "hidden_size": heads * 8, "head_dim": 8,
+             "intermediate_size": _keep_residue(getattr(config, "intermediate_size", None),
+                                                tp, 64 * tp),
+             "ffn_dim": 64 * tp, "word_embed_proj_dim": heads * 8,
+             "moe_intermediate_size": 16 * tp, "shared_expert_intermediate_size": 32 * tp,
+             "vocab_size": _keep_residue(getattr(config, "vocab_size", None), tp, 64 * tp),
+             **SMALL_MOE}
+    out = {k: v for k, v in small.items() if isinstance(getattr(config, k, None), int)}
+    if "num_key_value_heads" not in out and hasattr(config, "num_key_value_heads"):
+        out["num_key_value_heads"] = kv  # None in the config means "as many as heads"
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the tiny vocab
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value >= small["vocab_size"]:
+            out[key] = None
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) > layers:
+        out["layer_types"] = list(layer_types[:layers])
+    return out
 
 
 def shrink_overrides(spec: ModelSpec | None, tp: int, layers: int, seq_len: int) -> list[str]:
@@ -70,7 +109,7 @@ def shrink_overrides(spec: ModelSpec | None, tp: int, layers: int, seq_len: int)
         from .hf import hf_config
 
         fields = small_hf_fields(hf_config(spec), tp, layers)
-        return [f"model.config.{k}={v}" for k, v in fields.items()]
+        return [f"model.config.{k}={json.dumps(v)}" for k, v in fields.items()]
     if spec is None or spec.factory or spec.name != "llama3":
         return []
     kv = max(tp, 2)

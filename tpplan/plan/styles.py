@@ -13,8 +13,8 @@ Each style is the PyTorch one under a stable short name, with PyTorch's keyword 
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
-``colwise_rep`` is colwise with ``output_layouts: replicate``, ``rowwise_rep`` is rowwise
-with ``input_layouts: replicate``.
+``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
+``rowwise_rep`` (or ``rowwise_split_input``) is rowwise with ``input_layouts: replicate``.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ REQUIRED = {
 ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "colwise_rep": ("colwise", {"output_layouts": Layout("replicate")}),
     "rowwise_rep": ("rowwise", {"input_layouts": Layout("replicate")}),
+    # transformers' later names for the same two
+    "colwise_gather_output": ("colwise", {"output_layouts": Layout("replicate")}),
+    "rowwise_split_input": ("rowwise", {"input_layouts": Layout("replicate")}),
 }
 
 # styles that shard parameters, and the module types PyTorch can shard with them
