@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
 from ..plan.errors import PlanError, PlanErrors, nearest
-from ..plan.patterns import compile_pattern, generalize
+from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
 from .suggest import suggest_plan
@@ -174,51 +175,96 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
                               "equivalent; left out")
     hf_rules = {p: s for p, s in hf_rules.items() if s in EXACT}
 
+    def hits(pattern: str) -> list[str]:
+        rx = compile_pattern(pattern)
+        return [m for m in modules if rx.fullmatch(m)]
+
+    in_blocks = re.compile(rf"{re.escape(sugg.blocks or '')}\.(\*|\d+|\{{[\d,]+\}})\.")
     rules, used = [], set()
     for pattern, style, comment in sugg.rules:
         name = style if isinstance(style, str) else style["style"]
-        if name not in ("colwise", "rowwise") or not pattern.startswith(f"{sugg.blocks}.*."):
+        if name not in ("colwise", "rowwise") or not in_blocks.match(pattern):
             rules.append((pattern, style, comment))
             continue
         # A suggested linear rule: replace it by transformers' style for the same modules.
-        members = _expand(pattern)
-        for member in members:
-            hf = next((p for p in hf_rules if compile_pattern(p).fullmatch(member)), None)
+        kept = []
+        for member in _expand(pattern):
+            found = hits(member)
+            hf = next((p for p in hf_rules if found and compile_pattern(p).fullmatch(found[0])),
+                      None)
             if hf is None:
                 sugg.notes.append(f"transformers' plan does not shard '{member}' (the dataflow "
                                   f"suggests {name}); left replicated")
+                if name == "rowwise" and sequence_parallel:
+                    rules.append((member, {"style": "prepare_output", "output_layouts":
+                                           "replicate", "desired_output_layouts": "shard(1)",
+                                           "use_local_output": True},
+                                  "replicated, it writes the whole sequence: its shard goes back "
+                                  "to the residual stream"))
                 continue
             used.add(hf)
+            kept.append((member, hf_rules[hf]))
             if hf_rules[hf] != name:
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}, the dataflow "
                                   f"suggests {name}; using transformers'")
-        kept = [m for m in members if any(compile_pattern(p).fullmatch(m) for p in hf_rules)]
-        for group in _regroup(kept, hf_rules):
-            rules.append((group[0], _mapped(group[1], sequence_parallel),
-                          f"transformers: {group[1]}"))
+        for group, hf_style in _regroup(kept):
+            rules.append((group, _mapped(hf_style, sequence_parallel), f"transformers: {hf_style}"))
+    covered = {m for p, _, _ in rules for m in hits(p)}
+    sp_blocks = {m for p, st, _ in rules if isinstance(st, dict)
+                 and st["style"] == "prepare_input_output" and p.startswith(f"{sugg.blocks}.")
+                 for m in hits(p)}
     for pattern, style in hf_rules.items():
-        if pattern not in used:
-            rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = _drop_per_head_under_gather(rules)
+        if pattern in used:
+            continue
+        if set(hits(pattern)) <= covered:  # blocks the dataflow's rules already handle
+            sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above")
+            continue
+        if sequence_parallel and sugg.blocks and not all(
+                any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
+            sugg.notes.append(f"transformers' '{pattern}: {style}' is in blocks that run "
+                              "without sequence parallelism (they differ from the first); "
+                              "left replicated")
+            continue
+        rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
+    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules), hits)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
 
 
 def _expand(pattern: str) -> list[str]:
-    """``a.*.{x,y}`` -> ``[a.*.x, a.*.y]``."""
-    if "{" not in pattern:
+    """``a.*.{x,y}`` -> ``[a.*.x, a.*.y]`` (the last alternatives only)."""
+    if not pattern.endswith("}"):
         return [pattern]
-    head, _, rest = pattern.partition("{")
-    alts, _, tail = rest.partition("}")
-    return [f"{head}{a}{tail}" for a in alts.split(",")]
+    head, _, alts = pattern[:-1].rpartition("{")
+    return [f"{head}{a}" for a in alts.split(",")]
 
 
-def _regroup(members: list[str], hf_rules: dict[str, str]) -> list[tuple[str, str]]:
+def _regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Members with the same HF style and parent back into one brace pattern."""
     groups: dict[tuple[str, str], list[str]] = {}
-    for m in members:
-        style = next(s for p, s in hf_rules.items() if compile_pattern(p).fullmatch(m))
-        parent, _, name = generalize(m).rpartition(".")
+    for m, style in members:
+        parent, _, name = m.rpartition(".")
         groups.setdefault((parent, style), []).append(name)
     return [(f"{parent}.{{{','.join(names)}}}" if len(names) > 1 else f"{parent}.{names[0]}",
              style) for (parent, style), names in groups.items()]
+
+
+def _without_idle_prepares(rules: list, hits) -> list:
+    """A parent's prepare_input is there for the projections it shares one input among; where
+    transformers shards none of them, it goes (replicated in, replicated out), or under
+    sequence parallelism the module gets the whole sequence as a local tensor (its last
+    projection hands back the shard): never a DTensor that plain layers cannot take."""
+    sharded = {m for p, st, _ in rules
+               if (st if isinstance(st, str) else st["style"]) in ("colwise", "rowwise")
+               for m in hits(p)}
+    out = []
+    for p, st, c in rules:
+        if isinstance(st, dict) and st["style"] == "prepare_input" and not any(
+                m.startswith(h + ".") for h in hits(p) for m in sharded):
+            layouts = [v for k, v in st.items() if "layouts" in k]
+            if all("shard" not in str(v) for v in layouts):
+                continue
+            st = {**st, "use_local_output": True}  # the whole sequence, as a local tensor
+            c = "no projection below is sharded: " + c
+        out.append((p, st, c))
+    return out

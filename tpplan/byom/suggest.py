@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 
 from ..models import build_model
-from ..models.dataflow import Call, Trace, trace_forward
+from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
-from ..plan.patterns import generalize
+from .sublayers import input_layouts, sp_norm, sub_layer_rules, sub_layers
 from ..plan.specs import ModelSpec
 
 __all__ = ["Suggestion", "suggest_plan"]
@@ -41,128 +41,6 @@ class Suggestion:
     loss_parallel: bool = False
     blocks: str | None = None  # path of the ModuleList of repeated blocks
     notes: list[str] = field(default_factory=list)  # what could not be decided, and why
-
-
-def _common_parent(paths: list[str]) -> str:
-    parts = [p.split(".") for p in paths]
-    common = []
-    for seg in zip(*parts):
-        if len(set(seg)) != 1:
-            break
-        common.append(seg[0])
-    if len(common) == len(parts[0]):  # one linear: its parent
-        common = common[:-1]
-    return ".".join(common)
-
-
-def _group(paths: list[str]) -> str:
-    """``[a.x.wq, a.x.wk]`` -> ``a.*.{wq,wk}`` (generalized)."""
-    parent = generalize(paths[0].rpartition(".")[0])
-    names = [p.rpartition(".")[2] for p in paths]
-    if len(names) == 1:
-        return f"{parent}.{names[0]}"
-    return f"{parent}.{{{','.join(names)}}}"
-
-
-def _input_layouts(call: Call, hidden: int, src: str, dst: str) -> dict[str, Any]:
-    """prepare_input options for a module called with the hidden states ``hidden``."""
-    for name, tid in call.kwargs.items():
-        if tid == hidden:
-            return {"input_kwarg_layouts": {name: src}, "desired_input_kwarg_layouts": {name: dst}}
-    layouts = [src if a == hidden else None for a in call.args]
-    if len(layouts) == 1:
-        return {"input_layouts": src, "desired_input_layouts": dst}
-    return {"input_layouts": layouts,
-            "desired_input_layouts": [dst if x else None for x in layouts]}
-
-
-def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
-    """Integer attributes that look like head counts: they must become per-rank under TP."""
-    return [name for name, value in vars(module).items()
-            if isinstance(value, int) and not isinstance(value, bool) and value > 1
-            and "head" in name and not any(w in name for w in ("dim", "size", "group"))
-            and all(c.module.out_features % value == 0 for c in colwise)]
-
-
-def _sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], list[Call]]]:
-    """(the norm that opens it, its linear calls, the norms inside it) for each sub-layer of
-    one block. Only a norm that is a direct child of the block reads the residual stream and
-    opens a sub-layer; a norm deeper down (``self_attn.q_norm``) acts on a projection's
-    output, inside the sub-layer."""
-    out: list[tuple[Call | None, list[Call], list[Call]]] = [(None, [], [])]
-    for call in trace.within(block):
-        if is_norm(call.module):
-            if call.path.rpartition(".")[0] == block:
-                out.append((call, [], []))
-            else:
-                out[-1][2].append(call)
-        elif isinstance(call.module, nn.Linear):
-            out[-1][1].append(call)
-    return [(norm, lins, inner) for norm, lins, inner in out if lins or norm is not None]
-
-
-FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
-
-
-def _inner_norm_rules(inner: list[Call], colwise: list[Call]) -> tuple[list, str | None]:
-    """Rules for the norms inside a sub-layer, or why its projections must be gathered.
-
-    A norm over ``head_dim`` after a colwise projection (Qwen3's ``q_norm``, on a
-    ``(batch, seq, heads, head_dim)`` view) acts on whole heads, and each rank holds whole
-    heads: it runs on this rank's heads as a DTensor sharded on the heads dimension with its
-    weight replicated, so the weight's gradient is summed over tp. A norm over the whole
-    projection (OLMo 2's, over heads × head_dim) needs every head: the projections are
-    gathered instead."""
-    rules, gather = [], None
-    widths = {c.module.out_features for c in colwise}
-    for c in inner:
-        shape = c.shapes.get(c.inputs[0]) if c.inputs else None
-        if not shape or shape[-1] in widths or len(shape) < 3:
-            gather = (f"'{generalize(c.path)}' normalizes the whole projection output, across "
-                      "heads: q/k/v are gathered (colwise with replicated output) so it sees "
-                      "every head")
-            continue
-        rules.append((generalize(c.path), {"style": "sequence_parallel",
-                                           "sequence_dim": len(shape) - 2,
-                                           "use_local_output": True},
-                      f"per-head norm over head_dim {shape[-1]}: runs on this rank's heads "
-                      f"(dimension {len(shape) - 2}), weight replicated, gradient summed over tp"))
-    fused = [c for c in colwise if any(f in c.path.rpartition(".")[2] for f in FUSED)]
-    if fused and gather is None:
-        gather = (f"'{generalize(fused[0].path)}' packs several projections in one weight; "
-                  "sharding it by rows would give each rank a slice of one part, so its output "
-                  "is gathered (colwise with replicated output)")
-    return rules, gather
-
-
-def _sp_norm(trace: Trace, norm: Call, block: str) -> tuple[str, Any, str]:
-    """A norm on a sequence shard; its output stays a DTensor for the module that reads it
-    (whose prepare_input gathers it), or is a local tensor where only code reads it (a
-    post-norm's output goes straight into the residual add)."""
-    readers = [c for c in trace.consumers(norm.outputs[0]) if c.path.startswith(block + ".")] \
-        if norm.outputs else []
-    if readers:
-        return generalize(norm.path), "sequence_parallel", "norm on a sequence shard"
-    return (generalize(norm.path), {"style": "sequence_parallel", "use_local_output": True},
-            "norm on a sequence shard; its output goes to the residual add as a local shard")
-
-
-def _whole_sequence(s: Suggestion, trace: Trace, norm: Call, block: str) -> None:
-    """A sub-layer without linear layers (experts held as parameters) under sequence
-    parallelism: the module reading the norm's output gets the whole sequence and hands
-    back its shard, so its replicated weights see every token."""
-    for c in trace.consumers(norm.outputs[0]) if norm.outputs else []:
-        if c.path.startswith(block + ".") and not is_norm(c.module):
-            opts = {"style": "prepare_input_output",
-                    **_input_layouts(c, norm.outputs[0], "shard(1)", "replicate"),
-                    "use_local_input": True, "output_layouts": "replicate", "desired_output_layouts": "shard(1)",
-                    "use_local_output": True}
-            s.rules.append((generalize(c.path), opts, "no projection to shard here: runs on "
-                            "the whole sequence (replicated weights), hands back its shard"))
-            s.notes.append(f"replicated on every tp rank: '{generalize(c.path)}' (its weights "
-                           "are parameters, not linear layers tpplan can shard; experts under "
-                           "TP are a later step)")
-            return
 
 
 def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str = "auto"
@@ -208,7 +86,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
         opts = {"style": "prepare_input_output",
-                **_input_layouts(block_call, hidden, "replicate", "shard(1)"),
+                **input_layouts(block_call, hidden, "replicate", "shard(1)"),
                 "use_local_input": True, "output_layouts": "shard(1)",
                 "desired_output_layouts": "replicate"}
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
@@ -221,55 +99,11 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             opts["output_layouts"] = "shard(1)"
         s.rules.append((embed.path, opts, "vocabulary rows split over tp"))
 
-    for norm, linears, inner_norms in _sub_layers(trace, first):
+    for norm, linears, inner_norms in sub_layers(trace, first):
         if inner and norm is not None:
-            s.rules.append(_sp_norm(trace, norm, first))
-        if not linears:
-            if inner and norm is not None:
-                _whole_sequence(s, trace, norm, first)
-            continue
-        x = linears[0].args[0] if linears[0].args else next(iter(linears[0].kwargs.values()))
-        colwise = [c for c in linears if x in c.inputs]
-        rest = [c for c in linears if c not in colwise]
-        last = linears[-1]
-        d = block_call.shapes.get(block_call.inputs[0], (None,))[-1] if block_call else None
-        rowwise = last if last in rest and last.module.out_features == d else None
-        for c in rest:
-            if c is not rowwise:
-                s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the sub-layer's "
-                               "input nor the last projection; left replicated")
-        norm_rules, gather = _inner_norm_rules(inner_norms, colwise)
-        if gather:
-            s.notes.append(f"gathered: {gather}; attention or MLP runs whole on every rank")
-        container = _common_parent([c.path for c in colwise])
-        call = trace.first_call(container)
-        needs_prepare = container != first and call is not None and \
-            (inner or len(colwise) > 1)
-        if needs_prepare:
-            hidden = norm.outputs[0] if norm is not None else x
-            src = "shard(1)" if inner else "replicate"
-            opts = {"style": "prepare_input", **_input_layouts(call, hidden, src, "replicate")}
-            why = ("one all-gather of the sequence, shared by " if inner else
-                   "siblings share one replicated input: one gradient all-reduce for ")
-            s.rules.append((generalize(container), opts,
-                            why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
-        if colwise:
-            opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
-            s.rules.append((_group([c.path for c in colwise]), opts,
-                            "reads the sub-layer input" + ("; output gathered" if gather else "")))
-        if not gather:
-            s.rules += norm_rules
-        if rowwise is not None:
-            opts = {"style": "rowwise"}
-            if gather:
-                opts["input_layouts"] = "replicate"
-            if inner:
-                opts["output_layouts"] = "shard(1)"
-            s.rules.append((generalize(rowwise.path), opts if len(opts) > 1 else "rowwise",
-                            "writes back to the residual stream"))
-            if call is not None and not gather:
-                s.divide_by_tp += [f"{generalize(container)}.{name}"
-                                   for name in _head_counts(call.module, colwise)]
+            s.rules.append(sp_norm(trace, norm, first))
+        s.rules += sub_layer_rules(s, model, trace, first, block_call, norm, linears,
+                                   inner_norms, inner)
 
     final_norms = [c for c in outside if is_norm(c.module) and head and
                    trace.calls.index(c) < trace.calls.index(head) and
@@ -290,6 +124,36 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     tail = [c.path for c in final_norms] + ([head.path] if head else [])
     if tail:
         s.units.append(tail if len(tail) > 1 else tail[0])
+    return _restrict_to_like_blocks(s, model, blocks, first)
+
+
+def _signature(block: nn.Module) -> tuple:
+    return tuple((rel, type(m).__name__) for rel, m in block.named_modules())
+
+
+def _restrict_to_like_blocks(s: Suggestion, model: nn.Module, blocks: str, first: str
+                             ) -> Suggestion:
+    """The rules come from the first block; where later blocks differ (DeepSeek's and GLM-4
+    MoE's dense first layers, then MoE layers), they apply only to the blocks like it
+    (``layers.{0,1}``), and the others run replicated, whole, on every rank."""
+    container = model.get_submodule(blocks)
+    sig = _signature(model.get_submodule(first))
+    names = [n for n, b in container.named_children()]
+    like = [n for n, b in container.named_children() if _signature(b) == sig]
+    if len(like) == len(names):
+        return s
+    alts = like[0] if len(like) == 1 else "{" + ",".join(like) + "}"
+    star = f"{blocks}.*"
+
+    def restrict(p: str) -> str:
+        return alts.join([f"{blocks}.", p[len(star):]]) if p == star or \
+            p.startswith(star + ".") else p
+
+    s.rules = [(restrict(p), st, c) for p, st, c in s.rules]
+    s.divide_by_tp = [restrict(p) for p in s.divide_by_tp]
+    others = ", ".join(n for n in names if n not in like)
+    s.notes.append(f"blocks {others} of '{blocks}' differ from block {like[0]} (other modules): "
+                   "the rules cover the blocks like it; the others run replicated on every rank")
     return s
 
 
