@@ -87,6 +87,10 @@ def _traced(result) -> Counter:
     ("llama.yaml", []), ("llama-tp.yaml", []),
     # Recomputation re-issues collectives in backward; the trace must see the same ones.
     ("llama.yaml", ["activation_checkpointing={mode: full}"]),
+    # A HuggingFace model: its mask code is traced on meta too (issue 11).
+    ("hf-llama.yaml", [f"model.config.{k}={v}" for k, v in (
+        ("num_hidden_layers", 3), ("hidden_size", 64), ("num_attention_heads", 4),
+        ("num_key_value_heads", 2), ("intermediate_size", 128), ("vocab_size", 256))]),
 ])
 def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_path):
     world, micro, seq = 4, 2, 16

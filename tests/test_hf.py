@@ -85,15 +85,16 @@ def test_validate_an_hf_plan(tmp_path):
     assert tpplan_cli("import-hf", HF / "llama-config.json", "-o", out).returncode == 0
     proc = tpplan_cli("validate", "--plan", out, "--world-size", "8", "--json")
     data = json.loads(proc.stdout)
-    assert data["errors"] == [], data["errors"]  # the plan is valid ...
+    assert data["errors"] == [], data["errors"]  # the plan is valid
     q = next(m for m in data["modules"] if m["path"] == "model.layers.0.self_attn.q_proj")
     assert q["params"][0]["global_shape"] == [64, 64] and q["params"][0]["local_shape"] == [8, 64]
     assert data["memory_per_rank"]["parameters"] > 0
-    # ... but transformers' mask code reads tensor values, which meta tensors do not have, so
-    # the communication trace cannot run: said as an error with its reason, exit 1.
-    assert data["analysis_errors"] == [{"analysis": "comm_per_step", "message": (
-        "RuntimeError: Tensor.item() cannot be called on meta tensors")}]
-    assert proc.returncode == 1
+    # ... and its communication is traced too (transformers' mask code is handed a ready
+    # mask on the meta device instead of reading tensor values): nothing swallowed.
+    assert data["analysis_errors"] == []
+    tp = [r for r in data["comm_per_step"]["collectives"] if r["source"] == "tp"]
+    assert tp and all(r["count"] > 0 for r in tp)
+    assert proc.returncode == 0
 
 
 def test_missing_extra_is_one_line(tmp_path):

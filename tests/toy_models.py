@@ -78,3 +78,26 @@ def float_mlp(width: int = 8) -> nn.Sequential:
     """A model that takes features, not token ids: valid to parallelize, not to trace with a
     batch of tokens."""
     return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))
+
+
+class FailsOnRankOne(MiniGPT):
+    """Runs on one device; on rank 1 of a process group its forward raises (a worker failing
+    inside ``tpplan verify``)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("this model fails on rank 1")
+        return super().forward(idx)
+
+
+def fails_on_rank_one(**kwargs) -> FailsOnRankOne:
+    return FailsOnRankOne(**kwargs)
+
+
+def tied_gpt(**kwargs) -> MiniGPT:
+    """MiniGPT with its output head sharing the token embedding's weight (tied embeddings)."""
+    model = MiniGPT(**kwargs)
+    model.lm_head.weight = model.wte.weight
+    return model

@@ -195,7 +195,7 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
             if hf is None:
                 sugg.notes.append(f"transformers' plan does not shard '{member}' (the dataflow "
                                   f"suggests {name}); left replicated")
-                if name == "rowwise" and sequence_parallel:
+                if isinstance(style, dict) and style.get("output_layouts") == "shard(1)":
                     rules.append((member, {"style": "prepare_output", "output_layouts":
                                            "replicate", "desired_output_layouts": "shard(1)",
                                            "use_local_output": True},

@@ -27,6 +27,7 @@ from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
 from .sublayers import input_layouts, sp_norm, sub_layer_rules, sub_layers
+from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 
 __all__ = ["Suggestion", "suggest_plan"]
@@ -66,8 +67,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     tied = head is not None and embed is not None and head.module.weight is embed.module.weight
     if tied:
         s.notes.append(f"'{head.path}' shares its weight with '{embed.path}' (tied embeddings): "
-                       "they cannot be sharded two ways; both left replicated")
-        head = embed = None
+                       "both split the vocabulary (dimension 0), the weight stays one weight, "
+                       "and one FSDP unit holds both")
 
     # Sequence parallel is safe only if the embedding output feeds the first block alone.
     hidden0 = embed.outputs[0] if embed and embed.outputs else None
@@ -118,12 +119,15 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         s.rules.append((head.path, opts, "logits stay vocabulary-sharded for loss_parallel"))
         s.loss_parallel = True
 
-    if embed:
+    if embed and not tied:
         s.units.append(embed.path)
     s.units.append(f"{blocks}.*")
-    tail = [c.path for c in final_norms] + ([head.path] if head else [])
+    tail = ([embed.path] if tied else []) + [c.path for c in final_norms] + \
+        ([head.path] if head else [])
     if tail:
         s.units.append(tail if len(tail) > 1 else tail[0])
+    seen: set[str] = set()
+    s.rules = [r for r in s.rules if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
 
 
@@ -157,6 +161,12 @@ def _restrict_to_like_blocks(s: Suggestion, model: nn.Module, blocks: str, first
     return s
 
 
+def _untraceable(e: Exception):
+    reason = f"{type(e).__name__}: {e}".splitlines()[0]
+    raise PlanErrors([PlanError(f"the model's forward could not be traced (one batch of "
+                                f"tokens through it raised {reason})")]) from None
+
+
 def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion:
     """Trace the plan's model and infer its rules."""
     model = build_model(spec, "meta")
@@ -168,9 +178,11 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion
     tokens = torch.randint(0, 2, (2, 16), device="meta")
     try:
         trace = trace_forward(model, tokens)
-    except (RuntimeError, NotImplementedError):
+    except Exception as e:  # noqa: BLE001 - HF models: retried on a tiny CPU copy below
         if not spec.is_hf:
             raise
+        if not isinstance(e, (RuntimeError, NotImplementedError)):
+            _untraceable(e)
         # HF mask code reads tensor values; trace a toy-width CPU copy of the architecture
         # (the dataflow does not depend on widths).
         from ..models.hf import build_hf, hf_config
@@ -179,5 +191,8 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion
         small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, tp=2)})
         with torch.device("cpu"):
             model = build_hf(spec, small)
-        trace = trace_forward(model, torch.randint(0, small.vocab_size, (2, 16)))
+        try:
+            trace = trace_forward(model, torch.randint(0, small.vocab_size, (2, 16)))
+        except Exception as e:  # noqa: BLE001 - one line, not transformers' traceback
+            _untraceable(e)
     return analyse(model, trace, blocks, sequence_parallel)

@@ -172,6 +172,12 @@ def _check_sizes(spec: ModelSpec) -> None:
     errs.raise_if_any()
 
 
+def _from_config(transformers, cls, config, kwargs: dict) -> nn.Module:
+    if cls is not None:
+        return cls._from_config(config, **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+
+
 def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     """Construct the model on the current default device (``meta`` in the dry run), from
     ``config`` when given (a shrunk copy, say), else from the plan's."""
@@ -186,10 +192,14 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
         # grouped_mm's meta kernel takes bfloat16 only, and the eager loop over experts asks
         # nonzero() for values: batched_mm runs on shapes alone (the dry run's traces).
         kwargs["experts_implementation"] = "batched_mm"
-    if spec.hf:
-        model = cls._from_config(config, **kwargs)
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+    try:
+        model = _from_config(transformers, cls if spec.hf else None, config, kwargs)
+    except ValueError as e:
+        if "does not support an attention implementation" not in str(e):
+            raise
+        # Architectures without an SDPA path (Gemma 2's soft-capping, say) run eager attention.
+        model = _from_config(transformers, cls if spec.hf else None, config,
+                             {**kwargs, "attn_implementation": "eager"})
     model.register_forward_hook(_logits_only)
     model.register_forward_pre_hook(_meta_mask, with_kwargs=True)
     model.init_std = _init_std_for(model, getattr(config, "initializer_range", 0.02))

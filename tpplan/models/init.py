@@ -26,10 +26,25 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     one code that knows how. ``to_empty`` would leave them uninitialized, so they are put back.
     """
     buffers = {name: b for name, b in model.named_buffers() if b.device.type != "meta"}
+    tied = _tied(model)
     model.to_empty(device=device)
+    for (path, name), *others in tied:  # to_empty gives each owner of a shared weight its own
+        param = model.get_submodule(path)._parameters[name]
+        for other, attr in others:
+            model.get_submodule(other)._parameters[attr] = param
     for name, b in buffers.items():
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._buffers[attr] = b.to(device)
+
+
+def _tied(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """(module path, attribute) of each owner of a parameter shared by several modules."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None and (path, name) not in owners.get(id(p), []):
+                owners.setdefault(id(p), []).append((path, name))
+    return [group for group in owners.values() if len(group) > 1]
 
 
 def param_seed(seed: int, name: str) -> int:

@@ -22,6 +22,7 @@ from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
 from .report import ApplyReport
 from .resolve import Resolution, resolve
+from .tied import retie, tied_groups
 from .tp_styles import build_style
 
 __all__ = ["apply_plan", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "loss_context"]
@@ -35,8 +36,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
 
     modules = dict(model.named_modules())
     styles = {id(rule): build_style(rule.style) for rule, _ in res.rules}
+    tied = tied_groups(model)
     for path, rule in res.rule_of.items():
         parallelize_module(modules[path], tp_mesh, styles[id(rule)])
+    retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     for attr_rule, found in res.attrs:
         for path, value in found:

@@ -14,6 +14,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
+from .checks import check_heads, check_norms_beside_colwise, check_tied
 from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
@@ -102,6 +103,9 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             res.rule_of[path] = rule
             if rule.style.name in SHARDING_STYLES:
                 _check_sharding(rule, path, modules[path], tp, errs)
+                check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
+                             tp, errs)
+    check_norms_beside_colwise(res, modules)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
             continue
@@ -219,7 +223,8 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
         if bare:
             errs.add(bare, blocks.loc)
         target += hits
-    res.errors = _collapse_repeats(errs)
+    check_tied(res, model, modules)
+    res.errors = _collapse_repeats(res.errors)
     return res
 
 

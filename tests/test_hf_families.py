@@ -1,0 +1,75 @@
+"""Every HuggingFace decoder family the issue names gets a verified plan: tiny configurations
+built from transformers' config classes (no download), import-hf and suggest, with and
+without sequence parallelism, validated and run on 4 gloo processes (tp 2 × dp 2) against
+the same model on one device (logits and every gradient). One spawn for all plans
+(``scripts/sweep_hf.py`` runs every family the same way)."""
+
+import json
+import sys
+
+import pytest
+from helpers import ROOT, run_main
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sweep_hf  # noqa: E402
+
+# q/k norms per head (qwen3, gemma3_text), fused qkv/gate_up (phi3), a norm over the whole
+# projection (olmo2), parallel attention+MLP (cohere), MoE with experts held as parameters
+# (mixtral, qwen3_moe), a shared expert (qwen2_moe), dense-then-MoE blocks (glm4_moe).
+FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3_moe",
+            "qwen2_moe", "glm4_moe"]
+
+
+def test_families_import_suggest_validate_and_verify(tmp_path):
+    cells = sweep_hf.run(FAMILIES, list(sweep_hf.MODES), tmp_path, log=lambda s: None)
+    bad = [f"{c.family} {c.mode}: {c.status} {c.detail}" for c in cells if c.status != "ok"]
+    assert not bad, "\n".join(bad)
+    assert all(c.worst is not None and c.worst < sweep_hf.TOLERANCE for c in cells)
+    # validate reports communication for every one of them (no swallowed trace failure)
+    assert all(c.comm for c in cells), [(c.family, c.mode, c.notes) for c in cells]
+    qwen3 = (tmp_path / "qwen3" / "import.yaml").read_text()
+    assert "self_attn.q_norm\": {style: sequence_parallel, sequence_dim: 2" in qwen3
+    assert "per-head norm" in qwen3
+
+
+def _kv_config(tmp_path, kv: int):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4,
+                                  "num_key_value_heads": kv, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 2,
+                                  "vocab_size": 256}))
+    return config
+
+
+def test_kv_heads_fewer_than_tp_are_refused_by_import_validate_and_verify(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    rc, out = run_main(capsys, "import-hf", _kv_config(tmp_path, 2), "--tp", "4", "-o", plan)
+    assert rc == 1 and "Traceback" not in out
+    assert "projects 2 heads of head_dim 16 (KV heads fewer than tp) and tp=4" in out
+    assert "plan.yaml:" in out  # located at the rule
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1 and "KV heads fewer than tp" in out
+    # verify's shrunk model keeps 2 KV heads: it fails as the real size would, before spawning
+    rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "4")
+    assert rc == 1 and "KV heads fewer than tp" in out
+    # tp 2 divides 2 KV heads: valid
+    rc, out = run_main(capsys, "import-hf", _kv_config(tmp_path, 2), "--tp", "2", "-o", plan)
+    assert rc == 0, out
+
+
+def test_a_per_head_norm_left_without_a_rule_is_a_located_error(write_plan, tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("qwen3")))
+    plan = write_plan(f"""mesh: {{tp: 2, dp_shard: -1}}
+model: {{hf_config: {config}}}
+tensor_parallel:
+  "model.layers.*.self_attn.{{q_proj,k_proj,v_proj}}": colwise
+  "model.layers.*.self_attn.o_proj": rowwise
+fsdp: {{units: ["model.layers.*"]}}
+""")
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "2")
+    assert rc == 1 and "Traceback" not in out
+    assert "plan.yaml:4:3: error: module 'model.layers.0.self_attn.q_norm'" in out
+    assert "partial sum" in out and "sequence_dim: 2" in out

@@ -1,0 +1,94 @@
+"""Checks of a plan that need to know what a module does with its weights: whole heads
+per rank, per-head norms beside colwise projections, tied weights kept one weight. Run by
+:func:`tpplan.parallel.resolve.resolve`, errors located at the rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ..plan.errors import ErrorList
+from ..plan.specs import Rule
+from .tied import tied_groups
+
+__all__ = ["check_heads", "check_norms_beside_colwise", "check_tied"]
+
+
+def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
+    from .resolve import shard_dims as dims
+
+    return dims(style, module)
+
+
+def _gathered(rule: Rule) -> bool:
+    out = rule.style.options.get("output_layouts")
+    return getattr(out, "kind", None) == "replicate"
+
+
+def check_heads(rule: Rule, path: str, module: nn.Module, parent: nn.Module | None, tp: int,
+                 errs: ErrorList) -> None:
+    """A colwise projection of whole heads (its parent stores ``head_dim``) must give each
+    rank whole heads: KV heads fewer than tp (2 KV heads at tp 4) would split a head, and the
+    attention's reshape fails mid-forward (transformers#48307)."""
+    head_dim = getattr(parent, "head_dim", None)
+    if rule.style.name != "colwise" or not isinstance(module, nn.Linear) or _gathered(rule) \
+            or not isinstance(head_dim, int) or head_dim <= 0 or module.out_features % head_dim:
+        return
+    heads = module.out_features // head_dim
+    if heads % tp:
+        kv = " (KV heads fewer than tp)" if heads < tp else ""
+        errs.add(f"module '{path}' projects {heads} heads of head_dim {head_dim}{kv} and "
+                 f"tp={tp} does not divide {heads}: each rank would hold part of a head; use a "
+                 f"tp that divides {heads} (replicating KV heads over tp is not supported yet)",
+                 rule.loc)
+
+
+def check_norms_beside_colwise(res: Any, modules: dict) -> None:
+    """A norm inside a module whose projections are colwise (Qwen3's ``self_attn.q_norm``)
+    sees only this rank's heads. Without a rule its weight's gradient is a partial sum (wrong
+    numbers, no error): it needs ``{style: sequence_parallel, sequence_dim: 2,
+    use_local_output: true}`` if it normalizes each head, or the projections gathered."""
+    seen: set[str] = set()
+    for path, rule in res.rule_of.items():
+        if rule.style.name != "colwise" or _gathered(rule) or \
+                not isinstance(modules[path], nn.Linear):
+            continue
+        parent = path.rpartition(".")[0]
+        for name, child in modules[parent].named_children() if parent in modules else []:
+            norm = f"{parent}.{name}"
+            if "norm" in type(child).__name__.lower() and norm not in res.rule_of \
+                    and norm not in seen:
+                seen.add(norm)
+                res.errors.add(
+                    f"module '{norm}' ({type(child).__name__}) sits beside '{path}', which rule "
+                    f"'{rule.pattern}' shards colwise: it sees this rank's heads only and has no "
+                    "rule, so its weight's gradient would be a partial sum; give it "
+                    "'{style: sequence_parallel, sequence_dim: 2, use_local_output: true}' if it "
+                    "normalizes each head, or gather the projection (output_layouts: replicate)",
+                    rule.loc)
+
+
+def check_tied(res: Any, model: nn.Module, modules: dict) -> None:
+    """A weight shared by several modules (tied embeddings) stays one weight: every owner must
+    shard it along the same dimension (a ``rowwise`` embedding and a ``colwise`` head both
+    split dimension 0), and one FSDP unit must hold all its owners."""
+    owner_unit = {p: unit for unit, paths in res.units for p in paths}
+    for group in tied_groups(model):
+        split = {}
+        for path, attr in group:
+            rule = res.rule_of.get(path)
+            dims = shard_dims(rule.style.name, modules[path]) if rule else None
+            split[path] = (dims or {}).get(attr)
+        names = " and ".join(f"'{p}.{a}'" for p, a in group)
+        if len(set(split.values())) > 1:
+            how = ", ".join(f"'{p}' {'dimension %d' % d if d is not None else 'whole'}"
+                            for p, d in split.items())
+            loc = next((res.rule_of[p].loc for p, _ in group if p in res.rule_of), None)
+            res.errors.add(f"{names} are one tied weight, sharded differently ({how}): shard "
+                           "both on dimension 0 (embedding rowwise, head colwise) or neither", loc)
+        units = {id(owner_unit[p]): owner_unit[p] for p, _ in group if p in owner_unit}
+        if len(units) > 1 or (units and len([p for p, _ in group if p in owner_unit]) < len(group)):
+            unit = next(iter(units.values()))
+            res.errors.add(f"{names} are one tied weight in two FSDP units: put their modules "
+                           f"in one unit (a list: [{', '.join(p for p, _ in group)}])", unit.loc)

@@ -1,0 +1,36 @@
+"""Parameters shared by several modules (tied input and output embeddings), kept shared.
+
+PyTorch's parallel styles and ``to_empty`` replace a module's parameter object by a new
+one, module by module: a weight two modules share comes out as two weights (the output
+head and the embedding then train separately, silently). tpplan records the sharing before
+and restores it after: the first owner's new parameter is given to the others. Sharing a
+weight is only possible where every owner shards it the same way (a vocabulary-sharded
+embedding, ``rowwise``, and a ``colwise`` head both split dimension 0): :func:`tie_errors`
+checks that when the plan is resolved.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+__all__ = ["tied_groups", "retie"]
+
+Owner = tuple[str, str]  # (module path, parameter attribute)
+
+
+def tied_groups(model: nn.Module) -> list[list[Owner]]:
+    """Every parameter held by more than one module: its owners, in module order."""
+    owners: dict[int, list[Owner]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None and (path, name) not in owners.get(id(p), []):
+                owners.setdefault(id(p), []).append((path, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[Owner]]) -> None:
+    """Give every owner in each group the first owner's (possibly new) parameter."""
+    for (path, name), *others in groups:
+        param = model.get_submodule(path)._parameters[name]
+        for other, attr in others:
+            model.get_submodule(other)._parameters[attr] = param
