@@ -10,6 +10,8 @@ from tpplan.models import build_model
 from tpplan.models.init import init_weights, materialize
 
 MINIGPT = TEST_PLANS / "minigpt.yaml"
+# the factory's module (tests/toy_models.py) importable in the spawned ranks too
+TOYS = {"PYTHONPATH": f"{TEST_PLANS.parent.parent}:{TEST_PLANS.parent}"}
 
 
 def test_the_initializer_keeps_bias_free_linears_and_is_reproducible():
@@ -33,9 +35,9 @@ def test_train_a_user_model_with_bias_free_linears_on_two_ranks_and_resume(tmp_p
     args = ["train", "--plan", MINIGPT, "--nproc", "2"]
     for s in sets:
         args += ["--set", s]
-    tpplan_cli(*args, check=True)
+    tpplan_cli(*args, env=TOYS, check=True)
     more = [a if a != "train.steps=4" else "train.steps=6" for a in args]
-    proc = tpplan_cli(*more, "--resume", check=True)
+    proc = tpplan_cli(*more, "--resume", env=TOYS, check=True)
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
@@ -43,7 +45,7 @@ def test_a_worker_failing_in_verify_is_one_line(write_plan):
     plan = write_plan(MINIGPT.read_text().replace("toy_models:mini_gpt",
                                                   "toy_models:fails_on_rank_one"))
     proc = tpplan_cli("verify", "--plan", plan, "--nproc", "2", "--set", "mesh.tp=2",
-                      env={"PYTHONPATH": f"{TEST_PLANS.parent}:{TEST_PLANS.parent.parent}"})
+                      env=TOYS)
     assert proc.returncode == 1
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert err[-1] == "error: rank 1 failed: RuntimeError: this model fails on rank 1", \

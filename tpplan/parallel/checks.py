@@ -55,10 +55,22 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
                 not isinstance(modules[path], nn.Linear):
             continue
         parent = path.rpartition(".")[0]
-        for name, child in modules[parent].named_children() if parent in modules else []:
+        # Only inside a sub-layer: a parent holding a rowwise linear too (attention, MLP),
+        # not the model's root, whose final norm feeds the head its whole input.
+        if not parent or not any(
+                r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)
+                and p.rpartition(".")[0] == parent for p, r in res.rule_of.items()):
+            continue
+        for name, child in modules[parent].named_children():
             norm = f"{parent}.{name}"
-            if "norm" in type(child).__name__.lower() and norm not in res.rule_of \
-                    and norm not in seen:
+            weight = getattr(child, "weight", None)
+            width = weight.numel() if isinstance(weight, nn.Parameter) else 0
+            # A norm over the block's width reads the residual stream (OPT keeps those
+            # beside its fc1); one over heads or a projection's width acts on its output.
+            acts_on_output = width and width != modules[path].in_features and \
+                modules[path].out_features % width == 0
+            if "norm" in type(child).__name__.lower() and acts_on_output \
+                    and norm not in res.rule_of and norm not in seen:
                 seen.add(norm)
                 res.errors.add(
                     f"module '{norm}' ({type(child).__name__}) sits beside '{path}', which rule "
