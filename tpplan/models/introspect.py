@@ -88,8 +88,11 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
              "vocab_size": _keep_residue(getattr(config, "vocab_size", None), tp, 64 * tp),
              **SMALL_MOE}
     out = {k: v for k, v in small.items() if isinstance(getattr(config, k, None), int)}
-    if "num_key_value_heads" not in out and hasattr(config, "num_key_value_heads"):
-        out["num_key_value_heads"] = kv  # None in the config means "as many as heads"
+    if hasattr(config, "num_experts_per_tok") and "n_routed_experts" in out:
+        out["num_experts_per_tok"] = SMALL_MOE["num_experts_per_tok"]  # DeepSeek-V2: None
+    for key in ("num_key_value_heads", "head_dim"):  # None: "as many as heads", "derived"
+        if key not in out and hasattr(config, key):  # (Ministral's attention never derives it)
+            out[key] = small[key]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the tiny vocab
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= small["vocab_size"]:
