@@ -47,11 +47,15 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
     if doc.get("model") is None:
         return None
     r = Reader(errs, "model", doc["model"], doc.value_loc("model"),
-               ("name", "config", "factory", "kwargs", "hf", "hf_config"))
+               ("name", "config", "factory", "kwargs", "hf", "hf_config", "pretrained"))
     hf = r.get("hf", str, None)
     spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
                      hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
-                     locs=r.locs(), base_dir=str(Path(doc.loc.file).parent))
+                     locs=r.locs(), base_dir=str(Path(doc.loc.file).parent),
+                     pretrained=r.get("pretrained", str, None, "an HF checkpoint folder"))
+    if spec.pretrained and not (spec.name or spec.factory or spec.hf_config):
+        spec.hf_config = spec.pretrained  # an HF model: its config.json is in the folder
+        spec.locs.setdefault("hf_config", spec.locs["pretrained"])
     if hf or spec.hf_config:  # config: the HF config's fields (over hf_config's file)
         fields = r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields")
         spec.hf_kwargs = dict(fields)

@@ -10,6 +10,7 @@ No torch needed: dtypes are names (:func:`torch_dtype` turns one into a ``torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import Loc
@@ -56,6 +57,7 @@ class ModelSpec:
     hf: str | None = None
     hf_config: str | None = None
     hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
+    pretrained: str | None = None  # an HF checkpoint folder the weights start from
     base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
@@ -63,6 +65,14 @@ class ModelSpec:
     @property
     def is_hf(self) -> bool:
         return bool(self.hf or self.hf_config)
+
+    def path(self, given: str) -> Path:
+        """A path the model section names: relative ones next to the plan first, then from
+        the working folder."""
+        path = Path(given)
+        if not path.is_absolute() and self.base_dir and (Path(self.base_dir) / path).exists():
+            return Path(self.base_dir) / path
+        return path
 
 
 @dataclass
