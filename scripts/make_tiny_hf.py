@@ -13,7 +13,7 @@ small chat dataset next to them: ``chat.jsonl`` (and ``chat-eval.jsonl``), one c
 line -- a question about a standard-library module and, as the answer, the first paragraph of
 that module's own docstring -- so chat fine-tuning has real text to learn.
 
-Sizes: ``tiny`` (width 64, 2 layers, 4 query heads, 2 KV heads, vocabulary 512; a few hundred
+Sizes: ``tiny`` (width 64, 2 layers, 8 query heads, 4 KV heads: tp up to 4, vocabulary 512; a few hundred
 KB) or ``1b`` (the Llama 3.2 1B shape of tpplan's built-in ``llama3`` ``1b`` config, random
 weights; for load benchmarks).
 """
@@ -44,8 +44,8 @@ CHAT_TEMPLATE = (
 
 SIZES = {
     # vocab_size is the tokenizer's for tiny (rounded up so every tp up to 8 divides it)
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, intermediate_size=128, vocab_size=512,
                  max_position_embeddings=512, rope_theta=10000.0),
     # tpplan's llama3 "1b": dim 2048, 16 layers, 32/8 heads, SwiGLU hidden 8192
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,

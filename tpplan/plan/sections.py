@@ -14,7 +14,7 @@ from .patterns import compile_pattern
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
-    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FSDPSpec, MeshSpec, ModelSpec,
+    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
 from .trainer import TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_metrics, parse_train
@@ -24,7 +24,7 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
@@ -222,6 +222,33 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         data=parse_data(doc, errs),
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
+        freeze=parse_freeze(doc, errs),
     )
     errs.raise_if_any()
     return spec
+
+
+def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
+    """``freeze: [pattern, '!pattern', ...]``: parameter or module paths, ``!`` to exempt."""
+    if doc.get("freeze") is None:
+        return []
+    items = doc["freeze"]
+    if not isinstance(items, LSeq):
+        errs.add(f"'freeze' must be a list of parameter or module patterns, got {items!r}",
+                 doc.value_loc("freeze"))
+        return []
+    out = []
+    for i, item in enumerate(items):
+        loc = items.item_loc(i)
+        if not isinstance(item, str):
+            errs.add(f"'freeze' entries are patterns (strings), got {item!r}", loc)
+            continue
+        frozen = not item.startswith("!")
+        pattern = item if frozen else item[1:]
+        try:
+            compile_pattern(pattern)
+        except ValueError as e:
+            errs.add(f"'freeze' pattern '{item}': {e}", loc)
+            continue
+        out.append(FreezeRule(pattern, frozen, loc))
+    return out

@@ -17,7 +17,8 @@ from .errors import Loc
 from .styles import StyleSpec
 
 __all__ = [
-    "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "FSDPSpec",
+    "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "FreezeRule",
+    "FSDPSpec",
     "MeshSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule", "TrainSpec", "Unit",
     "DEFAULT_BLOCKS", "torch_dtype",
 ]
@@ -93,6 +94,17 @@ class AttrRule:
 
     pattern: str
     attribute: str
+    loc: Loc
+
+
+@dataclass
+class FreezeRule:
+    """One ``freeze`` entry: parameters (or modules: every parameter under them) whose path
+    the pattern matches stop training; ``!pattern`` trains them again. The last entry that
+    matches a parameter decides."""
+
+    pattern: str
+    frozen: bool  # False for a '!pattern' exception
     loc: Loc
 
 
@@ -215,6 +227,7 @@ class PlanSpec:
     data: DataSpec = field(default_factory=DataSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
+    freeze: list[FreezeRule] = field(default_factory=list)
 
     @property
     def uses_sequence_parallel(self) -> bool:

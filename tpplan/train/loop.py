@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import checkpoint as ckpt
@@ -27,55 +25,15 @@ from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import local_batch
+from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
+from .pretrained import load as load_pretrained
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 
-__all__ = ["clip_grad_norm", "lr_lambda", "train"]
-
-
-def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
-    """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warmup, then cosine
-    from ``lr`` down to ``min_lr`` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    span = max(total - warmup, 1)
-    progress = min((step - warmup) / span, 1.0)
-    floor = min_lr / lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (clipped to ``max_norm`` if given), correct for
-    DTensor gradients on any mix of meshes and placements.
-
-    Norms are computed per (mesh, placements) group -- a group's norm of sharded DTensors is
-    a Partial DTensor and ``full_tensor()`` reduces it over exactly the ranks that hold
-    shards -- then combined as the root of the sum of squares. One ``get_total_norm`` over
-    mixed groups would fail or double-count.
-    """
-    params = [p for p in params if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = p.grad
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
-        groups[key].append(g)
-    squares = []
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        squares.append(n.float() ** 2)
-    total = torch.stack([s.cpu() for s in squares]).sum().sqrt() if squares else torch.zeros(())
-    if max_norm is not None:
-        coef = min(max_norm / (float(total) + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-    return float(total)
+__all__ = ["train"]
 
 
 def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
@@ -163,9 +121,13 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
 
     model = plan.apply(prep.model, mesh)
     materialize(model, device)
-    init_method = init_weights(model, t.seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
-                                  weight_decay=t.weight_decay)
+    if claimed.resume_from is not None:  # the checkpoint's weights replace these below
+        init_method = f"{init_weights(model, t.seed, device)} init, then the checkpoint's"
+    elif prep.pretrained is not None:
+        init_method = load_pretrained(prep.pretrained, model)
+    else:
+        init_method = init_weights(model, t.seed, device) + " init"
+    optimizer, trained = make_optimizer(model, t)  # over what `freeze` leaves training
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr))
     if claimed.resume_from is not None:
@@ -179,7 +141,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     peak = peak_flops(device_type)
     flops_token = flops_per_token(model, n_params, t.seq_len)
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
-              f"{n_params / 1e6:.2f}M params ({init_method} init) | data {prep.corpus.source}, "
+              f"{n_params / 1e6:.2f}M params{trained_summary(trained, n_params)} "
+              f"({init_method}) | data {prep.corpus.source}, "
               f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
               f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
               f"run folder {prep.run_dir}")

@@ -22,6 +22,7 @@ from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
 from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
+from . import pretrained
 from .data import Corpus, load_corpus
 from .runfolder import launch_id, preflight, read_launch
 
@@ -53,6 +54,7 @@ class Prepared:
     restarted: bool = False  # torchrun restarted this launch's workers
     overwrite: bool = False  # a fresh start that removes what an earlier run wrote
     notes: list[str] = field(default_factory=list)  # shown under the header on rank 0
+    pretrained: pretrained.Pretrained | None = None  # model.pretrained, checked
 
 
 def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
@@ -99,6 +101,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     errs.raise_if_any()
     model = build_model(plan.model, device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
+    source = pretrained.check(plan.model, model) if plan.model.pretrained else None
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is not None and t.seq_len > max_len:
         errs.add(f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={max_len}",
@@ -116,7 +119,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     run_dir, ckpt_dir = run_folders(plan, plan_path)
     if problem := restart_problem():
         raise TrainError(problem)
-    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir)
+    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, pretrained=source)
     if plan.checkpoint.enabled:
         problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
         if problem:
