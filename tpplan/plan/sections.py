@@ -82,27 +82,37 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
 
 
 def parse_divide_by_tp(doc: LMap, errs: ErrorList) -> list[AttrRule]:
-    value = doc.get("divide_by_tp")
-    if value is None:
-        return []
-    if not isinstance(value, LSeq):
-        errs.add("'divide_by_tp' is a list of attribute paths such as "
-                 "layers.*.attention.n_heads", doc.value_loc("divide_by_tp"))
-        return []
     out = []
-    for i, item in enumerate(value):
-        loc = value.item_loc(i)
+    for item, loc in _items(doc, "divide_by_tp", errs, "'divide_by_tp' is a list of attribute "
+                            "paths such as layers.*.attention.n_heads"):
         if not isinstance(item, str) or "." not in item:
             errs.add(f"'{item}' is not an attribute path (module.path.attribute)", loc)
             continue
         module, _, attr = item.rpartition(".")
-        try:
-            compile_pattern(module)
-        except ValueError as e:
-            errs.add(f"bad pattern '{module}': {e}", loc)
-            continue
-        out.append(AttrRule(module, attr, loc))
+        if _pattern_ok(module, f"bad pattern '{module}'", loc, errs):
+            out.append(AttrRule(module, attr, loc))
     return out
+
+
+def _items(doc: LMap, key: str, errs: ErrorList, what: str):
+    """``(item, loc)`` of the list at ``key`` (nothing if absent; an error if not a list)."""
+    value = doc.get(key)
+    if value is None:
+        return
+    if not isinstance(value, LSeq):
+        errs.add(f"{what}, got {value!r}", doc.value_loc(key))
+        return
+    for i, item in enumerate(value):
+        yield item, value.item_loc(i)
+
+
+def _pattern_ok(pattern: str, what: str, loc, errs: ErrorList) -> bool:
+    try:
+        compile_pattern(pattern)
+        return True
+    except ValueError as e:
+        errs.add(f"{what}: {e}", loc)
+        return False
 
 
 def _dtype(r: Reader, key: str) -> str | None:
@@ -230,25 +240,14 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
 
 def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
     """``freeze: [pattern, '!pattern', ...]``: parameter or module paths, ``!`` to exempt."""
-    if doc.get("freeze") is None:
-        return []
-    items = doc["freeze"]
-    if not isinstance(items, LSeq):
-        errs.add(f"'freeze' must be a list of parameter or module patterns, got {items!r}",
-                 doc.value_loc("freeze"))
-        return []
     out = []
-    for i, item in enumerate(items):
-        loc = items.item_loc(i)
+    for item, loc in _items(doc, "freeze", errs, "'freeze' must be a list of parameter or "
+                            "module patterns"):
         if not isinstance(item, str):
             errs.add(f"'freeze' entries are patterns (strings), got {item!r}", loc)
             continue
         frozen = not item.startswith("!")
         pattern = item if frozen else item[1:]
-        try:
-            compile_pattern(pattern)
-        except ValueError as e:
-            errs.add(f"'freeze' pattern '{item}': {e}", loc)
-            continue
-        out.append(FreezeRule(pattern, frozen, loc))
+        if _pattern_ok(pattern, f"'freeze' pattern '{item}'", loc, errs):
+            out.append(FreezeRule(pattern, frozen, loc))
     return out
