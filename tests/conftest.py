@@ -40,3 +40,17 @@ def reference_run(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("reference") / "single"
     ok(tpplan_train(d, sets=["mesh.tp=1"]))
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """``scripts/make_tiny_hf.py --family llama``: config, tokenizer with a chat template
+    marking assistant turns, chat.jsonl and chat-eval.jsonl (made once per session)."""
+    import subprocess
+
+    from helpers import cli_env
+
+    out = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), "--family", "llama",
+                    "--out", str(out)], check=True, capture_output=True, env=cli_env())
+    return out
