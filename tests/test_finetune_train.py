@@ -74,7 +74,8 @@ def test_chat_finetune_2x2_loss_falls_and_eval_is_reported(chat_run):
 def test_prompt_tokens_carry_no_loss_2x2_equals_one_device(chat_run):
     """Step 1's loss and gradient norm on 2×2 (TP + SP + loss parallel + FSDP2, two
     micro-batches per rank) equal one device's mean cross-entropy over the global batch's
-    assistant tokens only -- and differ from the loss over every token."""
+    assistant tokens only -- and not the loss over every token (at a random init the two
+    are close, but far apart at this tolerance)."""
     run_dir, sets, _ = chat_run
     _, model, data = _reference(sets, run_dir)
     batch = step_batch(data.train, SEED, 1, 4, 32, 0, 1)
@@ -88,7 +89,7 @@ def test_prompt_tokens_carry_no_loss_2x2_equals_one_device(chat_run):
     assert got["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
     assert got["loss_tokens"] == batch.count
     every = summed_loss(logits, batch.tokens, None).item() / batch.tokens[:, 1:].numel()
-    assert abs(every - loss.item()) > 0.01 * loss.item()
+    assert got["loss"] != pytest.approx(every, rel=1e-4)  # the prompts' targets are not in it
 
 
 def test_eval_loss_2x2_equals_one_device_over_the_same_weights(chat_run):
