@@ -48,6 +48,8 @@ def tiny_hf(tmp_path_factory):
     scripts/make_tiny_hf.py (weights, tokenizer, chat.jsonl), once per session per kind."""
     import subprocess
 
+    from helpers import cli_env
+
     made: dict[tuple, Path] = {}
 
     def make(family: str = "llama", dtype: str = "float32") -> Path:
@@ -56,8 +58,15 @@ def tiny_hf(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
             subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"),
                             "--family", family, "--dtype", dtype, "--out", str(out)],
-                           check=True, capture_output=True)
+                           check=True, capture_output=True, env=cli_env())
             made[key] = out
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_hf) -> Path:
+    """``scripts/make_tiny_hf.py --family llama``: config, weights, tokenizer with a chat
+    template marking assistant turns, chat.jsonl and chat-eval.jsonl (once per session)."""
+    return tiny_hf("llama")

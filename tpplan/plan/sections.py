@@ -17,7 +17,9 @@ from .specs import (
     DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
-from .trainer import TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_metrics, parse_train
+from .trainer import (
+    TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_eval, parse_metrics, parse_train,
+)
 from .yamlio import LMap, LSeq
 
 __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
@@ -230,6 +232,7 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         compile=parse_compile(doc, errs),
         train=parse_train(doc, errs),
         data=parse_data(doc, errs),
+        eval=parse_eval(doc, errs),
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
