@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import load
@@ -41,7 +42,7 @@ from ..plan.specs import torch_dtype
 from ..plan.yamlio import plain
 from .export import checked_checkpoint, find_plan, read_failure
 from .safetensors_out import Entry, parse_size, write_sharded
-from .tokenizer_files import copy_tokenizer_files, tokenizer_source
+from .tokenizer_files import copy_tokenizer_files, tokenizer_source, tokenizer_vocab
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_hf"]
 
@@ -84,6 +85,21 @@ def _config_json(spec, model, dtype_name: str) -> str:
     return config.to_json_string(use_diff=True)
 
 
+def _check_tokenizer(source: Path, model) -> None:
+    """A tokenizer that names ids the model has no embedding row for is refused."""
+    if not source.exists():
+        raise CommandError(f"cannot read the tokenizer '{source}': no such file or folder")
+    try:
+        vocab = tokenizer_vocab(source)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    rows = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if vocab is not None and rows is not None and vocab > rows:
+        raise CommandError(f"the tokenizer {source} has {vocab} tokens, more than the model's "
+                           f"vocabulary of {rows}: it is not the tokenizer this model was "
+                           "trained with")
+
+
 def _out_folder(out: Path) -> None:
     """``out`` new or an empty folder, its parent created; else one line, nothing written."""
     if out.exists() and not out.is_dir():
@@ -123,6 +139,8 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     dtype_name = str(floats[0] if floats else torch.float32).removeprefix("torch.")
     source = Path(tokenizer) if tokenizer else tokenizer_source(
         plain(plan.document) if plan.document is not None else {}, plan_file.parent)
+    if source is not None:
+        _check_tokenizer(source, model)
     out = Path(out)
     _out_folder(out)
     head_dim = getattr(getattr(model, "config", None), "head_dim", None)

@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "has_tokenizer", "tokenizer_source"]
+__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "has_tokenizer", "tokenizer_source",
+           "tokenizer_vocab"]
 
 # What AutoTokenizer (and generation) reads from a model folder, where present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -66,3 +67,18 @@ def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
             shutil.copyfile(folder / name, dest / name)
             copied.append(name)
     return copied
+
+
+def tokenizer_vocab(source: Path) -> int | None:
+    """The vocabulary size of a ``tokenizer.json`` (or a folder's), added tokens included;
+    None when there is no such file to read."""
+    path = Path(source) / "tokenizer.json" if Path(source).is_dir() else Path(source)
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the library's parse errors have no common base
+        raise ValueError(f"'{path}' is not a tokenizer file the tokenizers library reads: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
