@@ -66,13 +66,14 @@ def activation_bytes(model: nn.Module, plan: PlanSpec, res: Resolution,
 def memory_per_rank(model: nn.Module, plan: PlanSpec, res: Resolution, shape: StepShape,
                     units: list[UnitSize]) -> dict[str, Any]:
     """Bytes per rank, by part, and their ``total``; ``units`` are the plan's FSDP units."""
-    local_elems = 0
-    params = 0
+    local_elems = 0  # trained (not frozen) parameters' elements: AdamW keeps state for these
+    params = grads = 0
     for p in model.parameters():
         t = _local(p)
-        local_elems += t.numel()
         params += t.numel() * t.element_size()
-    grads = params  # FSDP2 keeps sharded gradients in the parameters' own dtype
+        if p.requires_grad:
+            local_elems += t.numel()
+            grads += t.numel() * t.element_size()  # FSDP2: sharded, in the parameter's dtype
     optimizer = ADAM_MOMENTS * FP32 * local_elems
     working = 0
     if plan.fsdp is not None:

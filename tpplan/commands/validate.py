@@ -30,7 +30,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
+    from ..train.pretrained import plan_problems
+
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
+    if not result.errors:  # the HF checkpoint a plan starts from, against its model
+        result.errors.extend(plan_problems(args.plan, args.overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
         return 0 if result.ok else 1

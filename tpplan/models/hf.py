@@ -186,7 +186,9 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
     cls = _model_class(spec) if spec.hf else causal_lm_for(type(config))
-    kwargs = {"attn_implementation": "sdpa"}
+    # fp32 parameters whatever dtype the config (or a bf16 checkpoint) names: the trainer's
+    # master weights; lower precision is the plan's mixed-precision setting.
+    kwargs = {"attn_implementation": "sdpa", "dtype": torch.float32}
     if torch.empty(0).device.type == "meta" and cls is not None and \
             cls._can_set_experts_implementation():
         # grouped_mm's meta kernel takes bfloat16 only, and the eager loop over experts asks

@@ -15,6 +15,7 @@ from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
 from .checks import check_heads, check_norms_beside_colwise, check_tied
+from .freeze import check_freeze
 from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
@@ -224,6 +225,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
             errs.add(bare, blocks.loc)
         target += hits
     check_tied(res, model, modules)
+    check_freeze(plan.freeze, model, res.errors)
     res.errors = _collapse_repeats(res.errors)
     return res
 
