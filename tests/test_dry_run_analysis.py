@@ -159,8 +159,12 @@ def test_validate_prints_memory_and_communication_and_json_has_no_private_keys(c
     data = json.loads(capsys.readouterr().out)
     assert not [k for k in data if k.startswith("_")]
     mem = data["memory_per_rank"]
-    assert mem["total"] == sum(mem[k] for k in ("parameters", "gradients", "optimizer",
-                                                "fsdp_unsharded", "activations"))
+    parts = ("parameters", "buffers", "optimizer", "gradients", "fsdp_unsharded",
+             "accumulated_gradients", "activations", "transients")
+    assert mem["total"] == sum(mem[k] for k in parts)
+    # The peak is one moment of the step: its parts add up to it, none above its largest.
+    assert mem["peak"] == sum(mem["at_peak"].values()) <= mem["total"]
+    assert all(mem["at_peak"][k] <= mem[k] for k in parts if k != "activations")
     assert {r["source"] for r in data["comm_per_step"]["collectives"]} == {"tp", "fsdp"}
 
 
@@ -171,12 +175,14 @@ def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
     assert not minimum["at_minimum"]
     layers = len(result.model.layers)
     # Per block, w2 (colwise, input shard(-1), output replicate) replaces the rowwise
-    # layer's one all-reduce per pass by: an all-gather of its hidden-sharded input and one
-    # of its feature-sharded output in forward, a reduce-scatter of its input gradient back
-    # to hidden shards in backward. Kinds do not cancel, so the extras per kind are those.
+    # layer's all-reduce in forward by an all-gather of its hidden-sharded input and one of
+    # its feature-sharded output, and adds a reduce-scatter of its input gradient back to
+    # hidden shards in backward (the MLP's backward all-reduce, for w1/w3's input gradient,
+    # is there either way). Every kind that differs is listed, with its sign.
     extra = {(e["kind"], e["pass"]): e["count"] for e in minimum["extra"]}
-    assert extra == {("all_gather", "forward"): 2 * layers,
+    assert extra == {("all_gather", "forward"): 2 * layers, ("all_reduce", "forward"): -layers,
                      ("reduce_scatter", "backward"): layers}
+    assert minimum["verdict"] == "above"
     [reason] = minimum["reasons"]
     assert reason["where"] == "layers.*.feed_forward.w2"
     assert reason["extra_count"] == {"all_gather (forward)": 2 * layers,
@@ -220,17 +226,50 @@ def test_fsdp_unit_sizes_are_what_fully_shard_gathers(plan, world, extra, tmp_pa
 
 
 def test_a_failing_analysis_is_an_error_with_its_reason(write_plan, capsys):
-    """A model whose forward does not take a batch of token ids cannot be traced: validate
-    says so, as an error, after the module table, and exits 1."""
+    """A model whose forward does not take a batch of token ids cannot be run as the
+    trainer runs it: validate says so for memory and communication, as errors, after the
+    module table, and exits 1."""
     path = write_plan("mesh: {tp: 2}\nmodel: {factory: 'toy_models:float_mlp'}\n"
                       "tensor_parallel: {'0': colwise, '1': rowwise}\n")
     assert main(["validate", "--plan", path, "--world-size", "2"]) == 1
     captured = capsys.readouterr()
+    assert "memory per rank could not be computed for this model" in captured.err
     assert "communication per step could not be computed for this model" in captured.err
-    assert "the plan is valid, but 1 of its analyses failed" in captured.out
+    assert "the plan is valid, but 2 of its analyses failed" in captured.out
     assert main(["validate", "--plan", path, "--world-size", "2", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert not data["ok"] and data["errors"] == []
-    [failure] = data["analysis_errors"]
-    assert failure["analysis"] == "comm_per_step" and failure["message"]
-    assert data["comm_per_step"] == {"error": failure["message"]}
+    failures = {f["analysis"]: f["message"] for f in data["analysis_errors"]}
+    assert set(failures) == {"memory_per_rank", "comm_per_step"} and all(failures.values())
+    assert data["comm_per_step"] == {"error": failures["comm_per_step"]}
+    assert data["memory_per_rank"] == {"error": failures["memory_per_rank"]}
+
+
+@pytest.mark.parametrize("factory", ["mini_gpt", "mini_gpt_double"])
+def test_the_minimum_follows_the_models_dtype(factory):
+    """A float64 model moves 8-byte activations: its minimum does too, so the reference
+    layout sits at it in either dtype."""
+    result = dry_run(str(TEST_PLANS / "minigpt.yaml"), 4,
+                     [f"model.factory=toy_models:{factory}", "train.seq_len=32"], ANALYSES)
+    assert result.ok, (result.errors, result.analysis_errors)
+    minimum = result.extra["comm_minimum"]
+    assert minimum["at_minimum"] and minimum["verdict"] == "at", minimum["extra"]
+    dtype = "float64" if factory.endswith("double") else "float32"
+    assert result.extra["memory_per_rank"]["batch"]["compute_dtype"] == dtype
+
+
+def test_differences_from_the_minimum_print_with_their_sign():
+    from rich.console import Console
+
+    from tpplan.commands.validate import render_comm
+
+    out = Console(record=True, width=200)
+    mini = {"at_minimum": False, "verdict": "below", "style": "tensor parallel",
+            "wire_bytes": 2048, "measured_wire_bytes": 1024, "reasons": [],
+            "extra": [{"kind": "all_reduce", "pass": "forward", "count": -3, "bytes": -1024},
+                      {"kind": "all_gather", "pass": "backward", "count": 0, "bytes": 512}]}
+    render_comm(out, {"grad_accum": 1, "collectives": []}, mini)
+    text = out.export_text()
+    assert "TP below the minimum" in text and "+-" not in text
+    assert "-3 all_reduce in forward (-1.00 KiB)" in text
+    assert "+0 all_gather in backward (+512 B)" in text

@@ -78,3 +78,8 @@ def float_mlp(width: int = 8) -> nn.Sequential:
     """A model that takes features, not token ids: valid to parallelize, not to trace with a
     batch of tokens."""
     return nn.Sequential(nn.Linear(width, 2 * width), nn.Linear(2 * width, width))
+
+
+def mini_gpt_double(**kwargs) -> MiniGPT:
+    """The same in float64: a model whose dtype is not the float32 default."""
+    return MiniGPT(**kwargs).double()

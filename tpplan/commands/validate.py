@@ -54,17 +54,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PART_NAMES = {
+    "parameters": "parameters (local shards)", "buffers": "buffers and the batch",
+    "optimizer": "optimizer state", "gradients": "gradients (sharded)",
+    "fsdp_unsharded": "fsdp_unsharded (gathered params)",
+    "accumulated_gradients": "accumulated_gradients (unsharded)",
+    "activations": "activations (saved for backward)",
+    "transients": "transients (backward, buffers)"}
+
+
 def render_memory(out, mem: dict[str, Any]) -> None:
     from rich.table import Table
 
     b = mem["batch"]
-    t = Table(title=f"memory per rank (micro-batch {b['micro_batch_size']} × seq {b['seq_len']}, "
-                    f"{b['compute_dtype']} compute, AdamW)", header_style="bold")
+    accum = f", {b['grad_accum']} micro-batches" if b["grad_accum"] > 1 else ""
+    t = Table(title=f"memory per rank (micro-batch {b['micro_batch_size']} × seq {b['seq_len']}"
+                    f"{accum}, {b['compute_dtype']} compute, AdamW)", header_style="bold")
     t.add_column("part")
-    t.add_column("bytes", justify="right")
-    for part in ("parameters", "gradients", "optimizer", "fsdp_unsharded", "activations", "total"):
-        t.add_row(part, size(mem[part]))
+    t.add_column("largest", justify="right")
+    t.add_column("at the peak", justify="right")
+    for part, name in PART_NAMES.items():
+        t.add_row(name, size(mem[part]), size(mem["at_peak"][part]))
+    t.add_row("total (each part at its largest)", size(mem["total"]), "")
+    t.add_row("[bold]peak[/bold]", "", f"[bold]{size(mem['peak'])}[/bold]")
     out.print(t)
+    out.print(f"peak: {mem['peak_at']}")
 
 
 def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
@@ -79,14 +93,18 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
         t.add_row(r["source"], r["kind"], r["mesh_dim"], str(r["count"]), size(r["bytes"]),
                   size(r["wire_bytes"]))
     out.print(t)
+    style = f"a Megatron-style {mini['style']} plan"
     if mini["at_minimum"]:
-        out.print(f"[green]TP at the minimum[/green]: a Megatron-style {mini['style']} plan "
-                  f"moves {size(mini['wire_bytes'])} per rank per step over tp too")
+        out.print(f"[green]TP at the minimum[/green]: {style} moves "
+                  f"{size(mini['wire_bytes'])} per rank per step over tp too")
         return
-    out.print(f"[yellow]TP above the minimum[/yellow]: {size(mini['measured_wire_bytes'])}"
-              f" per rank per step over tp, a Megatron-style {mini['style']} plan needs "
+    colour = {"above": "yellow", "below": "cyan"}.get(mini["verdict"], "yellow")
+    out.print(f"[{colour}]TP {mini['verdict']} the minimum[/{colour}]: "
+              f"{size(mini['measured_wire_bytes'])} per rank per step over tp, {style} needs "
               f"{size(mini['wire_bytes'])}")
     for e in mini["extra"]:
-        out.print(Text(f"  +{e['count']} {e['kind']} in {e['pass']} (+{size(e['bytes'])})"))
+        sign = "+" if e["bytes"] >= 0 else "-"
+        out.print(Text(f"  {e['count']:+d} {e['kind']} in {e['pass']} "
+                       f"({sign}{size(abs(e['bytes']))})"))
     for r in mini["reasons"]:
         out.print(Text(f"  why: {r['reason']}"))
