@@ -30,7 +30,7 @@ def analyze_memory(result: DryRun) -> None:
     """``memory_per_rank``: bytes per rank by part and the step's peak, from the trainer's
     step run on fake tensors (docs/dry-run.md)."""
     spec = result.plan.spec
-    found = identical_blocks(result.model, result.report.resolution.rule_of)
+    found = identical_blocks(result.model, result.resolution.rule_of)
     blocks = found[2] if found else None
     n_blocks = len(result.model.get_submodule(blocks)) if blocks else 0
     mem = memory_per_rank(spec, result.mesh, lambda: build_model(spec.model, "meta"),

@@ -19,7 +19,37 @@ def register(sub) -> None:
     add_plan_args(p)
     p.add_argument("--world-size", type=int, required=True, help="number of ranks to check at")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--device", metavar="NAME",
+                   help="check memory per rank against a device preset (h100, h200, a100-80gb, "
+                        "a100-40gb, l40s) and, if it does not fit, changes that make it fit")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="the same against a capacity, e.g. 80GiB or 85520809984")
     p.set_defaults(run=run)
+
+
+def _device(args: argparse.Namespace):
+    """The device to check against, or None; SystemExit(2) with the reason for a bad one."""
+    from ..plan.devices import DEVICES, Device, parse_bytes
+    from ..plan.errors import nearest
+
+    if args.device and args.device_memory:
+        print("error: --device and --device-memory: give one", file=sys.stderr)
+        raise SystemExit(2)
+    if args.device:
+        name = args.device.lower()
+        if name not in DEVICES:
+            print(f"error: --device {args.device}: no such preset{nearest(name, DEVICES)}; "
+                  f"presets: {', '.join(DEVICES)} (or --device-memory SIZE)", file=sys.stderr)
+            raise SystemExit(2)
+        return DEVICES[name]
+    if args.device_memory:
+        try:
+            memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            print(f"error: --device-memory {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return Device(f"{args.device_memory} device", memory, description="--device-memory")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,7 +59,12 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         print("error: --world-size must be at least 1", file=sys.stderr)
         return 2
+    device = _device(args)
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
+    if device is not None and "peak" in result.extra.get("memory_per_rank", {}):
+        from ..analysis.fit import fit
+
+        result.extra["fit"] = fit(result, device, args.plan, args.overrides)
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
         return 0 if result.ok else 1
@@ -43,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
+    if "fit" in result.extra:
+        render_fit(out, result.extra["fit"])
     for e in result.analysis_errors:
         what = TITLES.get(e.analysis, e.analysis)
         print(f"error: {what} could not be computed for this model: {e.message}", file=sys.stderr)
@@ -108,3 +145,34 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
                        f"({sign}{size(abs(e['bytes']))})"))
     for r in mini["reasons"]:
         out.print(Text(f"  why: {r['reason']}"))
+
+
+def render_fit(out, f: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    a = f["assumptions"]
+    d = f["device"]
+    out.print(Text(f"fit on {d['name']} ({size(f['capacity'])} per GPU): peak {size(f['peak'])} "
+                   f"+ {a['allocator_overhead']:.0%} allocator overhead + "
+                   f"{size(a['runtime_reserve'])} CUDA context and NCCL (assumed) = "
+                   f"{size(f['needed'])} per rank"))
+    if f["fits"]:
+        out.print(f"[green]fits[/green]: {size(f['headroom'])} free per rank")
+        return
+    out.print(f"[red]does not fit[/red]: {size(-f['headroom'])} short per rank")
+    t = Table(title="changes, each checked by dry-running the plan again", header_style="bold")
+    for col in ("change", "--set", "peak", "needs", ""):
+        t.add_column(col, justify="right" if col in ("peak", "needs") else "left")
+    for c in f["changes"]:
+        verdict = ("[green]fits[/green]" if c["fits"] else "[red]does not fit[/red]") \
+            if c["error"] is None else f"[yellow]not possible[/yellow]: {c['error']}"
+        t.add_row(c["change"], " ".join(c["set"]), size(c["peak"]), size(c["needed"]), verdict)
+    out.print(t)
+    if f["fitting"]:
+        sets = " ".join(f"--set '{s}'" for s in f["fitting"]["set"])
+        out.print(Text(f"fits with {f['fitting']['change']}: {sets} "
+                       f"({size(f['capacity'] - f['fitting']['needed'])} free per rank)"))
+    else:
+        out.print("none of these fits; pipeline stages (not in tpplan yet) would divide the "
+                  "blocks' memory further, or more ranks per model replica (a larger tp)")
