@@ -18,7 +18,7 @@ from .plan.errors import PlanErrors
 
 __all__ = ["main"]
 
-COMMANDS = ("validate", "verify", "train", "suggest", "import-hf", "export")
+COMMANDS = ("validate", "verify", "train", "report", "suggest", "import-hf", "export")
 
 
 def parser() -> argparse.ArgumentParser:

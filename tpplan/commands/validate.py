@@ -24,6 +24,9 @@ def register(sub) -> None:
                         "a100-40gb, l40s) and, if it does not fit, changes that make it fit")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="the same against a capacity, e.g. 80GiB or 85520809984")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the result as one self-contained page (mesh, modules, "
+                        "memory, communication), drawn from the --json data")
     p.set_defaults(run=run)
 
 
@@ -65,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
         from ..analysis.fit import fit
 
         result.extra["fit"] = fit(result, device, args.plan, args.overrides)
+    if args.html:
+        from .page import write_page
+
+        write_page(args.html, "plan", result.to_json(), f"tpplan validate: {args.plan}",
+                   f"world size {args.world_size}" + "".join(f", --set {o}" for o in args.overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
         return 0 if result.ok else 1
