@@ -23,9 +23,11 @@ be found at several depths (:mod:`tpplan.analysis.memory`).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import sys
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -160,6 +162,30 @@ class _Where:
         return f"{self.stage}/forward/{where}"
 
 
+@contextlib.contextmanager
+def _as_the_real_run_decides(model: nn.Module) -> Iterator[None]:
+    """Where a model's code reads tensor values, fake tensors have none: answer as the real
+    run does. HuggingFace's mask code treats a fake tensor as a sign of tracing and then
+    builds a (seq x seq) mask for every layer, which the real run skips (SDPA's
+    ``is_causal``): the trainer passes token ids only, so there is no padding, no cache
+    offset, and the positions are the model's own 0..s-1, never packed sequences."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("is_tracing", "find_packed_sequence_indices")
+    # FSDP2 subclasses the model's class: look through its bases.
+    hf = any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+    if masking is None or not all(hasattr(masking, n) for n in names) or not hf:
+        yield
+        return
+    saved = {n: getattr(masking, n) for n in names}
+    masking.is_tracing = lambda tensor=None: saved["is_tracing"]()  # compile/jit still count
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(masking, n, f)
+
+
 def _local(t: torch.Tensor | None):
     from torch.distributed.tensor import DTensor
 
@@ -187,7 +213,7 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_plan(spec, model, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), _as_the_real_run_decides(model):
             model.to_empty(device="cpu")
             return _run(spec, model, blocks, shape)
 
