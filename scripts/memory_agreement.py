@@ -23,12 +23,14 @@ from tpplan.analysis import ANALYSES  # noqa: E402
 from tpplan.analysis.dryrun import dry_run  # noqa: E402
 from tpplan.parallel.runtime import spawn  # noqa: E402
 
+MEMORY = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+
 
 def main() -> int:
     print("| case | part | predicted | measured | ratio |")
     print("|---|---|---:|---:|---:|")
     for name, (plan, world, overrides) in CASES.items():
-        predicted = dry_run(str(ROOT / "plans" / plan), world, overrides, ANALYSES[:1])
+        predicted = dry_run(str(ROOT / "plans" / plan), world, overrides, MEMORY)
         with tempfile.TemporaryDirectory() as tmp:
             spawn(measure_worker, world, str(ROOT / "plans" / plan), overrides, tmp)
             measured = json.loads((Path(tmp) / "measured.json").read_text())

@@ -131,11 +131,7 @@ class MemoryTracker(TorchDispatchMode):
         for st in _storages(t):
             e = self._entry(st)
             if e is None:
-                key = id(st)
-                ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
-                n = st.nbytes()
-                self._info[key] = [ref, part, n]
-                self.live[part] += n
+                self._add(st, part)
             elif retag and e[1] != part and (retag is True or e[1] in retag):
                 self.live[e[1]] -= e[2]
                 self.live[part] += e[2]
@@ -177,20 +173,19 @@ class MemoryTracker(TorchDispatchMode):
             if v > pm.get(p, -1):
                 pm[p] = int(v)
 
+    def _add(self, st: torch.UntypedStorage, part: str) -> list:
+        key = id(st)
+        ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
+        e = self._info[key] = [ref, part, st.nbytes()]
+        self.live[part] += e[2]
+        return e
+
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
-        e = self._entry(st)
-        if e is None:
-            self.track_storage(st, "fsdp_unsharded")
-            e = self._entry(st)
+        # Only FSDP2 resizes storages here: one it made before we looked is its unsharded data.
+        e = self._entry(st) or self._add(st, "fsdp_unsharded")
         self.live[e[1]] += size - e[2]
         e[2] = size
         self.observe()
-
-    def track_storage(self, st: torch.UntypedStorage, part: str) -> None:
-        key = id(st)
-        ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
-        self._info[key] = [ref, part, st.nbytes()]
-        self.live[part] += st.nbytes()
 
     def __enter__(self):
         original = torch.UntypedStorage.resize_

@@ -4,8 +4,10 @@ The plan is applied in full (TP, activation checkpointing, FSDP2) to the model b
 the meta device, on the dry run's fake process group; the parameters are then made fake
 tensors (``FakeTensorMode``: shapes, dtypes and storages, no bytes), so FSDP2 runs for real
 — all-gathers, resharding, reduce-scatters, gradient sync switched off between
-micro-batches — and so does AdamW. One warm-up step creates the optimizer state; the next
-one is followed by a :class:`~tpplan.analysis.memtrace.MemoryTracker`.
+micro-batches — and so does AdamW. A warm-up forward and an optimizer step on zero
+gradients leave what earlier steps leave (FSDP2 initialized, AdamW's state, the last
+logits still held); the step after it is followed by a
+:class:`~tpplan.analysis.memtrace.MemoryTracker`.
 
 The step is the trainer's (``tpplan/train/loop.py``): for each micro-batch, gradient sync
 on only for the last when FSDP2 runs and there is accumulation, forward, the loss
@@ -264,8 +266,19 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
         tracker.settle(_local(p.grad) for p in model.parameters())
         mark("end_backward")
 
-    # Warm-up: FSDP2's lazy init and AdamW's state, as the trainer's first step makes them.
-    step(1)
+    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward),
+    # the last logits and loss still held (their graph freed, as backward frees it) and
+    # AdamW's state (one step on zero gradients: the state's shapes are all that counts).
+    with loss_context(spec):
+        x = batch[:micro]
+        logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()) / accum
+    held.update(logits=logits.detach(), loss=loss.detach())
+    del logits, loss
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     tracker.register(model.parameters(), "parameters")
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
     tracker.register(held.values(), "activations")

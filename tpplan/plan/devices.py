@@ -45,7 +45,7 @@ DEVICES: dict[str, Device] = {d.name: d for d in (
            "NVIDIA A100 SXM4 80GB, NVLink 3, 200 Gb/s HDR per GPU"),
     Device("a100-40gb", 40960 * MiB, 312e12, 600e9, 25e9,
            "NVIDIA A100 SXM4 40GB, NVLink 3, 200 Gb/s HDR per GPU"),
-    Device("l40s", 46068 * MiB, 362e12, 64e9, 25e9,
+    Device("l40s", 46068 * MiB, 362e12, 64e9, None,
            "NVIDIA L40S 48GB, PCIe Gen4 x16 (no NVLink)"),
 )}
 
