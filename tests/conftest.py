@@ -29,3 +29,14 @@ def write_plan(tmp_path):
         return str(path)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> Path:
+    """``tpplan train`` of the tiny Llama in one process, no parallelism: the curve every
+    mesh shape, restart and resume must reproduce (tests/trainrun.py)."""
+    from trainrun import ok, tpplan_train
+
+    d = tmp_path_factory.mktemp("reference") / "single"
+    ok(tpplan_train(d, sets=["mesh.tp=1"]))
+    return d

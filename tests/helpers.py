@@ -12,15 +12,38 @@ PLANS = ROOT / "plans"
 TEST_PLANS = ROOT / "tests" / "plans"
 
 
+def cli_env(env: dict | None = None) -> dict:
+    """The environment a user's shell gives ``tpplan``: CPU, one thread per rank."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TPPLAN_DEVICE": "cpu",
+                "PYTHONPATH": str(ROOT), **(env or {})}
+    for key in ("RANK", "TORCHELASTIC_RUN_ID"):  # a test under torchrun must not look like a rank
+        full_env.pop(key, None)
+    return full_env
+
+
+def start_cli(*args, env: dict | None = None, **popen) -> subprocess.Popen:
+    """``python -m tpplan ARGS`` started in the background (stdout and stderr together)."""
+    return subprocess.Popen([sys.executable, "-m", "tpplan", *map(str, args)], cwd=ROOT,
+                            env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **popen)
+
+
 def tpplan_cli(*args, cwd=None, env: dict | None = None, timeout: int = 300,
                check: bool = False) -> subprocess.CompletedProcess:
     """``python -m tpplan ARGS`` in a fresh process, as a user runs it (CPU, one thread per
     rank); ``check`` asserts exit 0 and shows the output's tail when it is not."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TPPLAN_DEVICE": "cpu",
-                "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("RANK", None)  # a test under torchrun must not look like a rank
     proc = subprocess.run([sys.executable, "-m", "tpplan", *map(str, args)], cwd=cwd or ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=cli_env(env), capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def run_main(capsys, *args) -> tuple[int, str]:
+    """``tpplan ARGS`` in this process: its exit code and everything it printed. An exception
+    escaping ``main`` fails the test, as the traceback would reach a user."""
+    from tpplan.cli import main
+
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out + out.err

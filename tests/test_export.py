@@ -2,6 +2,8 @@
 loads into transformers (HF models) or tpplan (the reference Llama) with the same logits as
 the trained model."""
 
+import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PLANS, ROOT, TEST_PLANS, tpplan_cli
+from helpers import PLANS, ROOT, TEST_PLANS, run_main, tpplan_cli
 
 SHORT = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
          "train.micro_batch_size=1", "data.max_bytes=100000", "checkpoint.interval=3"]
@@ -81,3 +83,119 @@ def test_export_without_checkpoint_is_a_clear_error(tmp_path):
     proc = tpplan_cli("export", "--checkpoint", tmp_path, "-o", tmp_path / "out", timeout=60)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "no complete checkpoint" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory) -> Path:
+    """A real run folder with one checkpoint: one process, one step, a tiny Llama."""
+    run = tmp_path_factory.mktemp("export") / "run"
+    args = ["train", "--plan", PLANS / "llama.yaml", "--set", "mesh.tp=1", "--set",
+            f"metrics.run_dir={run}"]
+    for s in ["train.steps=1", "train.seq_len=16", "train.global_batch_size=1",
+              "model.kwargs.n_layers=1", "model.kwargs.dim=32", "data.max_bytes=20000"]:
+        args += ["--set", s]
+    tpplan_cli(*args, check=True)
+    return run
+
+
+def _damaged(run: Path, tmp: Path) -> tuple[Path, Path, Path]:
+    """A copy of ``run``: (the copy, its checkpoint, its model shard)."""
+    copy = tmp / "run"
+    shutil.copytree(run, copy)
+    ckpt = next((copy / "checkpoints").iterdir())
+    return copy, ckpt, next(ckpt.glob("*.distcp"))
+
+
+def _export_error(capsys, run: Path, out: Path) -> str:
+    rc, printed = run_main(capsys, "export", "--checkpoint", run, "-o", out)
+    assert rc == 1 and len(printed.strip().splitlines()) == 1, printed
+    assert not out.exists() or not list(out.iterdir())  # nothing half-written
+    return printed.strip()
+
+
+def test_export_of_a_truncated_shard_names_the_file(one_process_run, tmp_path):
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    proc = tpplan_cli("export", "--checkpoint", run, "-o", tmp_path / "out", timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: checkpoint {ckpt} cannot be read: {shard}: is 1,000 "
+                                  "bytes, the manifest says ")
+    assert proc.stderr.strip().endswith("(truncated)")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_export_of_a_missing_shard_or_garbage_metadata_names_the_file(capsys, one_process_run,
+                                                                      tmp_path):
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    shard.unlink()
+    assert _export_error(capsys, run, tmp_path / "out") == (
+        f"error: checkpoint {ckpt} cannot be read: {shard}: is missing")
+    shutil.rmtree(run)
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    (ckpt / ".metadata").write_bytes(b"\xff" * 64)
+    assert _export_error(capsys, run, tmp_path / "out").startswith(
+        f"error: checkpoint {ckpt} cannot be read: {ckpt / '.metadata'}: is 64 bytes")
+
+
+def test_export_of_flipped_shard_bytes_names_the_file(capsys, one_process_run, tmp_path):
+    """Same size, other bytes: only the manifest's SHA-256 can tell, and export checks it."""
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4] = bytes(255 - x for x in data[len(data) // 2:len(data) // 2 + 4])
+    shard.write_bytes(bytes(data))
+    assert _export_error(capsys, run, tmp_path / "out") == (
+        f"error: checkpoint {ckpt} is damaged: {shard}: contents do not match the manifest's "
+        "SHA-256 (corrupted on disk)")
+
+
+def test_export_of_a_shard_the_manifest_does_not_cover_still_names_the_file(
+        capsys, one_process_run, tmp_path):
+    """A checkpoint whose manifest leaves a shard out (as one written before tpplan kept
+    manifests leaves every shard out): the failing read is traced to the file all the same."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run, ckpt, shard = _damaged(one_process_run, tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    del manifest["files"][shard.name]
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    entries = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    start = min(info.offset for index, info in entries.items() if index.fqn.startswith("model."))
+    data = bytearray(shard.read_bytes())
+    data[start:start + 64] = b"\0" * 64  # the header of the first weight's record
+    shard.write_bytes(bytes(data))
+    assert _export_error(capsys, run, tmp_path / "out").startswith(
+        f"error: checkpoint {ckpt} cannot be read: {shard}: corrupt or unreadable (")
+    with open(shard, "r+b") as f:
+        f.truncate(start + 100)
+    assert _export_error(capsys, run, tmp_path / "out").startswith(
+        f"error: checkpoint {ckpt} cannot be read: {shard}: truncated ({start + 100:,} bytes; "
+        "the checkpoint's metadata needs at least ")
+
+
+def test_export_refuses_an_output_that_is_a_file_or_an_input(capsys, one_process_run, tmp_path):
+    rc, printed = run_main(capsys, "export", "--checkpoint", one_process_run, "-o",
+                           one_process_run / "plan.yaml")
+    assert rc == 1 and printed.strip() == (f"error: cannot write to '{one_process_run / 'plan.yaml'}'"
+                                           ": it is a file; -o names a folder")
+    # A plan whose hf_config is the config.json export would write: refused, nothing written.
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama"}')
+    plan = tmp_path / "hf-plan.yaml"
+    plan.write_text("model: {hf_config: hf/config.json}\n")
+    rc, printed = run_main(capsys, "export", "--checkpoint", one_process_run, "--plan", plan,
+                           "-o", out)
+    assert rc == 1 and printed.strip() == (
+        f"error: refusing to write '{out / 'config.json'}': it is the model's hf_config "
+        f"({out / 'config.json'}), which this command reads; choose another output")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert (out / "config.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_export_with_a_missing_plan_names_it(capsys, one_process_run, tmp_path):
+    rc, printed = run_main(capsys, "export", "--checkpoint", one_process_run, "--plan",
+                           tmp_path / "missing.yaml", "-o", tmp_path / "out")
+    assert rc == 1 and printed.strip() == (f"{tmp_path / 'missing.yaml'}: error: cannot read "
+                                           "plan: No such file or directory")

@@ -4,7 +4,7 @@ One test per error class the plan language promises; each checks the message and
 """
 
 import pytest
-from helpers import tpplan_cli
+from helpers import run_main, tpplan_cli
 
 import tpplan
 from tpplan.analysis.dryrun import dry_run
@@ -269,3 +269,61 @@ def test_activation_checkpointing_every_only_with_selective(write_plan):
     assert (e.loc.line, e.loc.column) == (4, 47)
     e = one_error(write_plan(BASE + "activation_checkpointing: ful\n", name="typo.yaml"))
     assert "mode must be one of none, full, selective, got 'ful' (did you mean 'full'?)" in e.message
+
+
+OPTIMIZER_MISTAKES = [  # (train section, line and column of the value, message)
+    ("  eps: -1\n", "5:8", "'train.eps' must be positive, got -1.0"),
+    ("  betas: [2, 3]\n", "5:11", "'train.betas' must each be in [0, 1) (AdamW's moment decay), "
+                                  "got 2.0 as beta1"),
+    ("  betas: [0.9, .nan]\n", "5:16", "'train.betas' must each be in [0, 1) (AdamW's moment "
+                                       "decay), got nan as beta2"),
+    ("  lr: .inf\n", "5:7", "'train.lr' must be a finite number, got inf"),
+    ("  grad_clip: .nan\n", "5:14", "'train.grad_clip' must be a finite number, got nan"),
+    ("  lr: 1.0e-3\n  min_lr: 1.0e-2\n", "6:11", "'train.min_lr' (0.01) is above 'train.lr' "
+                                               "(0.001): the cosine would raise the learning rate "
+                                               "instead of decaying it"),
+    ("  lr: 0.1\n  weight_decay: 20\n", "6:17", "'train.lr' × 'train.weight_decay' = 0.1 × 20.0 "
+                                               "= 2, at least 1: AdamW's decoupled decay "
+                                               "(w -= lr·wd·w) would zero or flip every weight "
+                                               "each step"),
+]
+
+
+@pytest.mark.parametrize("train, where, message", OPTIMIZER_MISTAKES)
+def test_optimizer_numbers_that_make_a_run_meaningless_are_validate_errors(
+        capsys, write_plan, train, where, message):
+    plan = write_plan(BASE + "train:\n" + train)
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1
+    assert out.splitlines()[0] == f"{plan}:{where}: error: {message}"
+
+
+@pytest.mark.parametrize("train, where, message", OPTIMIZER_MISTAKES[:5])
+def test_train_refuses_optimizer_numbers_before_the_process_group(write_plan, tmp_path, train,
+                                                                  where, message):
+    plan = write_plan(BASE.replace("tp: 2", "tp: 1") + "train:\n" + train)
+    proc = tpplan_cli("train", "--plan", plan, "--set", f"metrics.run_dir={tmp_path / 'run'}",
+                      timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[0] == f"{plan}:{where}: error: {message}"
+    assert not (tmp_path / "run").exists()  # rank 0 makes it once the process group is up
+
+
+def test_train_on_several_ranks_refuses_eps_and_betas_once_before_any_collective(write_plan,
+                                                                                tmp_path):
+    plan = write_plan(BASE + "train:\n  eps: -1\n  betas: [2, 3]\n")
+    proc = tpplan_cli("train", "--plan", plan, "--nproc", "2", "--set", "mesh.tp=1", "--set",
+                      f"metrics.run_dir={tmp_path / 'run'}", timeout=180)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert errors == [f"{plan}:5:8: error: 'train.eps' must be positive, got -1.0",
+                      f"{plan}:6:11: error: 'train.betas' must each be in [0, 1) (AdamW's moment "
+                      "decay), got 2.0 as beta1",
+                      f"{plan}:6:14: error: 'train.betas' must each be in [0, 1) (AdamW's moment "
+                      "decay), got 3.0 as beta2"]  # once, from rank 0
+    assert not (tmp_path / "run").exists()
+
+
+def test_warmup_longer_than_the_run_and_min_lr_equal_to_lr_are_fine(write_plan):
+    assert errors_of(write_plan(BASE + "train: {steps: 10, warmup_steps: 100, lr: 1.0e-3, "
+                                       "min_lr: 1.0e-3}\n")) == []

@@ -8,48 +8,11 @@ so launching, checks before the process group and exit codes are tested as users
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import PLANS, tpplan_cli
-
-PLAN = str(PLANS / "llama.yaml")
-STEPS = 12
-# Tiny but real: 2 layers, all four plan features (TP, SP, loss parallel, FSDP2) active.
-TINY = ["model.kwargs.n_layers=2", "model.kwargs.dim=64", f"train.steps={STEPS}",
-        "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
-        "train.lr=0.003", "train.warmup_steps=2", "train.grad_clip=1.0",
-        "data.max_bytes=200000", "checkpoint.interval=5"]
-TIMEOUT = 240
-
-
-def tpplan_train(run_dir: Path, *extra: str, nproc: int | None = None, sets=(),
-                 env: dict | None = None, timeout: int = TIMEOUT,
-                 plan: str = PLAN) -> subprocess.CompletedProcess:
-    args = ["train", "--plan", plan]
-    for s in [*TINY, f"metrics.run_dir={run_dir}", *sets]:
-        args += ["--set", s]
-    if nproc:
-        args += ["--nproc", str(nproc)]
-    return tpplan_cli(*args, *extra, env=env, timeout=timeout)
-
-
-def ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def metrics(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}
-
-
-def assert_same_curve(got: dict[int, dict], ref: dict[int, dict], steps, rel: float = 1e-4):
-    for s in steps:
-        for key in ("loss", "grad_norm"):
-            a, b = got[s][key], ref[s][key]
-            assert abs(a - b) <= rel * abs(b), f"step {s} {key}: {a} vs reference {b}"
+from trainrun import PLAN, STEPS, assert_same_curve, fails, metrics, ok, tpplan_train
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +20,9 @@ def runs(tmp_path_factory):
     return tmp_path_factory.mktemp("runs")
 
 
-@pytest.fixture(scope="module")
-def reference(runs) -> Path:
-    """One process, no parallelism: the curve every mesh shape must reproduce."""
-    d = runs / "single"
-    ok(tpplan_train(d, sets=["mesh.tp=1"]))
-    return d
+@pytest.fixture
+def reference(reference_run) -> Path:
+    return reference_run
 
 
 @pytest.fixture(scope="module")
@@ -152,52 +112,43 @@ def test_stop_and_resume_same_mesh(reference, runs):
     assert_same_curve(metrics(d), metrics(reference), range(1, STEPS + 1), rel=1e-6)
 
 
-def _fails(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-2000:]
-    for n in needles:
-        assert n in out, out[-2000:]
-    assert "Traceback" not in out, out[-3000:]
-    return out
-
-
 # Checks before the process group read WORLD_SIZE from torchrun's environment; setting it
 # directly tests them in one cheap process (the torchrun case below shows all ranks exit).
 AS_RANK0_OF_4 = {"WORLD_SIZE": "4", "LOCAL_RANK": "0"}
 
 
 def test_missing_data_path(runs):
-    _fails(tpplan_train(runs / "bad", sets=["data.path=/no/such/corpus"]),
+    fails(tpplan_train(runs / "bad", sets=["data.path=/no/such/corpus"]),
            "--set data.path=/no/such/corpus:1:11: error: data.path '/no/such/corpus' does not exist")
 
 
 def test_unknown_keys_are_located_with_suggestion(runs, tmp_path):
     plan = tmp_path / "typo.yaml"
     plan.write_text(f"extends: {PLAN}\ntrain:\n  stepz: 3\ncheckpoint: {{intervl: 2}}\n")
-    _fails(tpplan_train(runs / "bad", plan=str(plan), sets=["metrics.log_every=1"]),
+    fails(tpplan_train(runs / "bad", plan=str(plan), sets=["metrics.log_every=1"]),
            f"{plan}:3:3: error: unknown key 'stepz' in 'train' (did you mean 'steps'?)",
            f"{plan}:4:14: error: unknown key 'intervl' in 'checkpoint' (did you mean 'interval'?)",
            "error: unknown key 'log_every' in 'metrics'")
 
 
 def test_seq_len_not_divisible_by_tp_under_sp(runs):
-    _fails(tpplan_train(runs / "bad", sets=["train.seq_len=33"], env=AS_RANK0_OF_4),
+    fails(tpplan_train(runs / "bad", sets=["train.seq_len=33"], env=AS_RANK0_OF_4),
            "train.seq_len=33 is not divisible by tp=2")
 
 
 def test_batch_not_divisible_by_dp(runs):
-    _fails(tpplan_train(runs / "bad", sets=["mesh.tp=1", "train.global_batch_size=6"],
+    fails(tpplan_train(runs / "bad", sets=["mesh.tp=1", "train.global_batch_size=6"],
                         env=AS_RANK0_OF_4),
            "global_batch_size=6 is not divisible by the data-parallel size 4")
 
 
 def test_world_size_mesh_does_not_fit_exits_on_all_ranks(runs):
     proc = tpplan_train(runs / "bad", nproc=3, sets=["mesh.tp=2"], timeout=120)
-    out = _fails(proc, "does not fit world size 3")
+    out = fails(proc, "does not fit world size 3")
     assert out.count("does not fit world size 3") == 1  # said once, by rank 0
 
 
 def test_checkpoint_from_a_different_model(reference, runs):
-    _fails(tpplan_train(runs / "bad", "--resume", str(reference),
+    fails(tpplan_train(runs / "bad", "--resume", str(reference),
                         sets=["mesh.tp=1", "model.kwargs.n_layers=1"]),
            "is from a different model")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -43,6 +45,44 @@ def test_text_folder_and_bin_sources(tmp_path):
     np.arange(1000, 1100, dtype=np.uint16).tofile(tmp_path / "t.bin")
     c = load_corpus(str(tmp_path / "t.bin"), 1000)
     assert c.tokens[0] == 1000 and len(c) == 100 and c.vocab_size == 1100
+
+
+def _bytes_read() -> int:
+    """What this process has read through read() so far (Linux's /proc/self/io rchar)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's /proc/self/io")
+def test_a_big_text_file_is_read_only_up_to_max_bytes(tmp_path):
+    """A 600 MB text file under the default 4 MB cap: about 4 MB read and held, not 600."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.write(b"the quick brown fox jumps over the lazy dog\n" * 200)
+        f.truncate(600 * 2**20)  # sparse: the rest reads as NULs, past the binary probe
+    (tmp_path / "z.txt").write_bytes(b"never reached")
+    cap = 4_000_000
+    tracemalloc.start()
+    before = _bytes_read()
+    corpus = load_corpus(str(tmp_path), cap)
+    read = _bytes_read() - before
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(corpus) == cap
+    assert bytes(corpus.tokens[:9].to(torch.uint8).tolist()) == b"the quick"
+    assert cap <= read < cap + 64 * 1024  # the cap, and a little for the reads around it
+    assert peak < 16 * cap  # the bytes, their int64 tokens and a copy; not 600 MB
+
+
+def test_binary_files_in_a_text_folder_are_skipped_without_reading_them(tmp_path):
+    with open(tmp_path / "a.bin.dat", "wb") as f:
+        f.write(b"\0binary")
+        f.truncate(200 * 2**20)
+    (tmp_path / "b.txt").write_bytes(b"text")
+    before = _bytes_read() if os.path.exists("/proc/self/io") else None
+    assert bytes(load_corpus(str(tmp_path), 1000).tokens.to(torch.uint8).tolist()) == b"text"
+    if before is not None:
+        assert _bytes_read() - before < 64 * 1024
 
 
 def test_warmup_then_cosine_to_min_lr():

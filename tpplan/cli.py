@@ -1,7 +1,8 @@
 """``tpplan`` command line: one subcommand per module in :mod:`tpplan.commands`.
 
 A mistake in a plan prints ``file:line:col: error: message`` lines and exits 1, never a
-Python traceback.
+Python traceback; so does any other mistake in what a command was given (a path that
+cannot be read or written, a checkpoint that does not load): one ``error:`` line, exit 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Sequence
 
 from . import __version__
 from .commands._common import print_errors
-from .plan.errors import PlanErrors
+from .plan.errors import CommandError, PlanError, PlanErrors
 
 __all__ = ["main"]
 
@@ -34,12 +35,21 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         return int(args.run(args) or 0)
-    except PlanErrors as e:
+    except (PlanErrors, PlanError) as e:
         # Under torchrun every rank finds the same mistake; one copy of it is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print_errors(e)
+        if rank0:
+            print_errors(e.errors if isinstance(e, PlanErrors) else [e])
+        return 1
+    except CommandError as e:
+        if rank0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file the user named or the machine refused: no traceback for it
+        what = f"{e.filename}: " if e.filename else ""
+        print(f"error: {what}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -17,10 +17,17 @@ from typing import Any, Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from ..api import Plan, load
+from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
-__all__ = ["Analysis", "AnalysisError", "DryRun", "dry_run", "fake_process_group"]
+__all__ = ["Analysis", "AnalysisError", "DryRun", "MAX_WORLD_SIZE", "dry_run",
+           "fake_process_group", "world_size_problem"]
+
+MAX_WORLD_SIZE = 2**31 - 1  # c10d's ProcessGroup keeps its size in a C int
+# What the fake process group and the DeviceMesh hold per rank (a rank map and the mesh's
+# rank tensor): about 800 bytes measured at 1M and 4M ranks, rounded up.
+BYTES_PER_RANK = 1024
 
 
 @dataclass
@@ -51,6 +58,9 @@ class DryRun:
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # each analysis's figures, by name
     tp_trace: Any = None  # the TP collectives of one micro-batch (TPTrace), when traced
+    # One training checkpoint on disk, all ranks together: what `tpplan train`'s preflight
+    # checks free space against (parameters + AdamW's two moments, from global shapes).
+    checkpoint_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -74,6 +84,7 @@ class DryRun:
             "world_size": self.world_size,
             "mesh": dims.as_dict() if dims else None,
             "step": self.step.to_json() if self.step else None,
+            "checkpoint_bytes": self.checkpoint_bytes,
             "modules": [m.to_json() for m in self.report.modules] if self.report else [],
         }
         out.update(self.extra)
@@ -97,6 +108,35 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux's MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def world_size_problem(world_size: int) -> str | None:
+    """Why the dry run cannot simulate ``world_size`` ranks (to follow "world size N ..."),
+    or None. The limits are PyTorch's process group size, a C int, and this machine's
+    memory: the fake group and the mesh hold about a kilobyte per rank."""
+    if world_size < 1:
+        return f"must be at least 1, got {world_size}"
+    if world_size > MAX_WORLD_SIZE:
+        return (f"{world_size:,} is more than a PyTorch process group can hold: at most "
+                f"{MAX_WORLD_SIZE:,} ranks")
+    need, free = world_size * BYTES_PER_RANK, _available_memory()
+    if free is not None and need > free:
+        return (f"{world_size:,} needs about {need / 2**30:,.1f} GiB of memory for the dry "
+                f"run's fake process group and mesh (~{BYTES_PER_RANK} bytes per rank), and "
+                f"this machine has {free / 2**30:,.1f} GiB available")
+    return None
+
+
 def _run(result: DryRun, name: str, analysis: Callable[[DryRun], None]) -> None:
     try:
         analysis(result)
@@ -115,11 +155,15 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
     with its reason, and the others still run. ``apply=False`` checks without applying
     (no module table): enough for the memory analysis, which applies the plan itself.
     """
+    problem = world_size_problem(world_size)
+    if problem:
+        raise ValueError(f"world size {problem}")
     start = time.perf_counter()
     result = DryRun(world_size)
     try:
         plan = result.plan = load(plan_path, overrides)
         model = build_model(plan.model, device="meta")
+        result.checkpoint_bytes = checkpoint_bytes(model)
         res = result.resolution = plan.resolve(model, world_size)
         errs = ErrorList(res.errors)
         if res.dims is not None:

@@ -13,18 +13,25 @@ built-in or factory model (so :func:`load_exported` rebuilds it).
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import load
-from ..checkpoint import find_checkpoint, read_model_state
+from ..checkpoint import (
+    Damaged, check_contents, check_structure, find_checkpoint, read_model_state,
+)
+from ..checkpoint.integrity import SafeReader
 from ..models import build_model
 from ..models.hf import hf_config
-from ..plan.errors import PlanError, PlanErrors
+from ..plan.errors import CommandError, PlanError, PlanErrors
 from ..plan.specs import ModelSpec
+from .outputs import atomic_output, model_inputs, refuse_inputs, write_text
 
 __all__ = ["export_checkpoint", "load_exported", "find_plan"]
 
@@ -35,8 +42,62 @@ def _checkpoint(path: Path) -> Path:
     found = find_checkpoint(path)
     if found is None:
         raise PlanErrors([PlanError(f"no complete checkpoint at '{path}' (a step-NNNNNN folder "
-                                    "with .metadata and trainer.pt, or a run folder holding one)")])
+                                    "with .metadata, trainer.json and manifest.json, or a run "
+                                    "folder holding one)")])
     return found
+
+
+def _read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of ``checkpoint``, checked first against its manifest (sizes, then
+    every file's SHA-256, as ``--resume`` does); a damaged or unreadable file is one error
+    naming it and the problem."""
+    try:
+        check_structure(checkpoint)
+        problems = check_contents(checkpoint)  # no process group: this process hashes all
+    except Damaged as e:
+        raise CommandError(f"checkpoint {checkpoint} cannot be read: {e}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CommandError(f"checkpoint {checkpoint} is damaged: {problems[0]}{more}")
+    try:
+        return read_model_state(checkpoint)
+    except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
+        raise CommandError(f"checkpoint {checkpoint} cannot be read: "
+                           f"{_diagnose(checkpoint, e)}") from None
+
+
+def _diagnose(checkpoint: Path, error: BaseException) -> str:
+    """For a checkpoint without a manifest (written before tpplan kept one) that passed the
+    checks but does not read: which file is broken and how (a shard missing or shorter than
+    the metadata says), else the reader's own error."""
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]  # (exception, traceback) of a rank
+    if isinstance(error, Damaged):
+        return str(error)
+    # The first sentence only: torch's advice to retry with weights_only=False is not one
+    # to pass on about a file that does not parse.
+    text = str(error).strip().splitlines()[0].split(". ")[0] if str(error).strip() else ""
+    reason = f"corrupt or unreadable ({type(error).__name__}{': ' + text if text else ''})"
+    try:
+        meta = SafeReader(str(checkpoint)).read_metadata()  # never plain pickle: runs no code
+    except Damaged as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - any way it fails to read
+        return f"{checkpoint / '.metadata'}: cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for index, info in (meta.storage_data or {}).items():
+        if index.fqn.startswith("model."):
+            end = info.offset + info.length
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = checkpoint / name
+        if not file.is_file():
+            return f"{file}: missing (the checkpoint's metadata lists it)"
+        size = file.stat().st_size
+        if size < end:
+            return (f"{file}: truncated ({size:,} bytes; the checkpoint's metadata needs at "
+                    f"least {end:,})")
+    return f"{checkpoint / next(iter(needed))}: {reason}" if len(needed) == 1 else reason
 
 
 def find_plan(checkpoint: Path) -> Path:
@@ -55,25 +116,34 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
 
     checkpoint = _checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
-    state = read_model_state(checkpoint)
+    state = _read_weights(checkpoint)
     if not state:
         raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
     if dtype:
         state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
                  for k, v in state.items()}
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
-    spec = plan.model
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"cannot write to '{out}': it is a file; -o names a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CommandError(f"cannot create the folder '{out}': {e.strerror}") from None
+    spec, inputs = plan.model, model_inputs(plan.document, plan.model)
+    for name in ("model.safetensors", "config.json" if spec.is_hf else SPEC_FILE):
+        refuse_inputs(out / name, inputs)  # before anything is written
+    with atomic_output(out / "model.safetensors") as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     if spec.is_hf:
         config = hf_config(spec)
         if spec.hf:
             config.architectures = [spec.hf]
-        config.save_pretrained(str(out))
+        with atomic_output(out / "config.json") as tmp, \
+                tempfile.TemporaryDirectory(dir=out) as folder:
+            config.save_pretrained(folder)  # transformers' own checks and format
+            os.replace(Path(folder) / "config.json", tmp)
     else:
-        (out / SPEC_FILE).write_text(json.dumps(
+        write_text(out / SPEC_FILE, json.dumps(
             {"name": spec.name, "config": spec.config, "factory": spec.factory,
              "kwargs": spec.kwargs}, indent=1) + "\n")
     return {"checkpoint": str(checkpoint), "out": str(out), "tensors": len(state),

@@ -12,11 +12,13 @@ disagreement is written into the plan as a note.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..models.hf import hf_config, require_transformers
+from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
 from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import ModelSpec
@@ -35,25 +37,62 @@ class ImportedPlan:
     source: str
 
 
+def _config_file(target: str) -> Path | None:
+    """The config.json ``target`` names (a file or its folder), None when it names no path;
+    a path that cannot be read as JSON is an error naming it."""
+    path = Path(target)
+    if not path.exists():
+        if target.endswith(".json") or os.sep in target:
+            _fail(f"cannot read '{target}': No such file or directory")
+        return None
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        _fail(f"'{target}' is a folder without a config.json")
+    try:
+        data = json.loads(file.read_text())
+    except OSError as e:
+        _fail(f"cannot read '{file}': {e.strerror}")
+    except ValueError as e:
+        _fail(f"'{file}' is not a JSON config: {e}")
+    if not isinstance(data, dict) or "model_type" not in data:
+        _fail(f"'{file}' has no 'model_type'; a transformers config.json names its architecture")
+    return file
+
+
+def _fail(message: str):
+    raise PlanErrors([PlanError(message)])
+
+
+def _causal_lm(config: Any, what: str) -> type:
+    cls = causal_lm_for(type(config))
+    if cls is None:
+        _fail(f"transformers has no causal language model for {what} ({type(config).__name__}); "
+              "tpplan trains next-token prediction (a *ForCausalLM class)")
+    return cls
+
+
 def _resolve(target: str) -> tuple[ModelSpec, dict[str, Any], Any]:
     """ARCH_OR_CONFIG -> (ModelSpec, the plan's model section, config object)."""
     transformers = require_transformers()
-    path = Path(target)
-    if path.exists():
-        spec = ModelSpec(hf_config=str(path), base_dir=".")
+    file = _config_file(target)
+    if file is not None:
+        spec = ModelSpec(hf_config=str(target), base_dir=".")
         config = hf_config(spec)
-        return spec, {"hf_config": str(path)}, config
-    cls = getattr(transformers, target, None)
-    if isinstance(cls, type) and hasattr(cls, "config_class"):
-        spec = ModelSpec(hf=target)
-        return spec, {"hf": target, "config": {}}, cls.config_class()
+        _causal_lm(config, f"'{file}'")
+        return spec, {"hf_config": str(target)}, config
+    if getattr(transformers, target, None) is not None:
+        try:
+            cls = causal_lm_class(target)
+        except ValueError as e:
+            _fail(str(e))
+        return ModelSpec(hf=target), {"hf": target, "config": {}}, cls.config_class()
     try:
         config = transformers.AutoConfig.for_model(target)
     except ValueError:
         names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
-        raise PlanErrors([PlanError(f"'{target}' is not a config.json, a transformers model class "
-                                    f"or a model type{nearest(target, names)}")]) from None
-    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        _fail(f"'{target}' is not a config.json, a transformers model class or a model type"
+              f"{nearest(target, names)}")
+    cls = _causal_lm(config, f"model type '{target}'")
     return ModelSpec(hf=cls.__name__), {"hf": cls.__name__, "config": {}}, config
 
 
@@ -71,8 +110,7 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
         raise PlanErrors([PlanError(f"transformers ships no base_model_tp_plan for "
                                     f"{type(config).__name__}; try 'tpplan suggest' on it")])
     transformers = require_transformers()
-    cls = getattr(transformers, model_section.get("hf", ""), None) or \
-        transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    cls = getattr(transformers, model_section.get("hf", ""), None) or causal_lm_for(type(config))
     prefix = cls.base_model_prefix
     if model_section.get("hf"):
         spec.hf_kwargs = {}

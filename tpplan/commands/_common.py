@@ -9,20 +9,30 @@ import sys
 import tempfile
 from typing import TextIO
 
-from ..plan.errors import PlanError, PlanErrors
+from ..plan.errors import UNKNOWN, Loc, PlanError, PlanErrors
 
 __all__ = ["add_plan_args", "console", "emit", "print_errors", "size"]
 
 
 def print_errors(errors: PlanErrors | list[PlanError], stream: TextIO | None = None) -> None:
-    """``file:line:col: error: message`` per mistake, then how many."""
+    """``file:line:col: error: message`` per mistake, then how many.
+
+    An error about a whole file (it cannot be read) reads ``file: error: message``, one about
+    no file ``error: message``; the count follows only a list of errors at lines of a plan."""
     stream = stream or sys.stderr
     errors = errors.errors if isinstance(errors, PlanErrors) else errors
     for e in errors:
-        where = f"{e.loc}: " if e.loc.line else ""  # errors about no line of a plan
-        print(f"{where}error: {e.message}", file=stream)
+        print(f"{where(e.loc)}error: {e.message}", file=stream)
     n = len(errors)
-    print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
+    if any(e.loc.line for e in errors):
+        print(f"{n} error{'s' if n != 1 else ''} in the plan", file=stream)
+
+
+def where(loc: Loc) -> str:
+    """``file:line:col: ``, ``file: `` for a whole file, or nothing for no file at all."""
+    if loc.line:
+        return f"{loc}: "
+    return f"{loc.file}: " if loc != UNKNOWN else ""
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
@@ -53,13 +63,17 @@ def size(n: float | None) -> str:
     return str(n)
 
 
-def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextIO) -> int:
-    """Write ``text`` (or print it), then dry-run it at world size ``tp``; 1 if invalid."""
+def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextIO,
+         inputs: list = ()) -> int:
+    """Write ``text`` (or print it), then dry-run it at world size ``tp``; 1 if invalid.
+
+    ``output`` is written atomically, and refused when it is one of ``inputs`` (the files
+    the command read: ``byom.outputs.model_inputs``)."""
     from ..analysis.dryrun import dry_run
+    from ..byom.outputs import write_text
 
     if output:
-        with open(output, "w") as f:
-            f.write(text)
+        write_text(output, text, inputs)
         path = output
     else:
         sys.stdout.write(text)

@@ -24,8 +24,15 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..analysis.dryrun import world_size_problem
     from ..byom.import_hf import import_hf
+    from ..models.hf import hf_config_path
+    from ..plan.specs import ModelSpec
 
+    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
+    if problem:
+        print(f"error: --tp {problem}", file=sys.stderr)
+        return 2
     imported = import_hf(args.target, args.sequence_parallel)
     s = imported.suggestion
     header = [f"Imported from {imported.source}",
@@ -36,4 +43,6 @@ def run(args: argparse.Namespace) -> int:
     model = relocate(imported.model, os.getcwd(), args.output)
     text = render_plan(header, model, s.rules, tp=args.tp, loss_parallel=s.loss_parallel,
                        divide_by_tp=s.divide_by_tp, units=s.units, notes=s.notes)
-    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr)
+    inputs = [("the imported config", hf_config_path(ModelSpec(hf_config=args.target)))] \
+        if os.path.exists(args.target) else []
+    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr, inputs=inputs)

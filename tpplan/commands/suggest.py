@@ -26,8 +26,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..analysis.dryrun import world_size_problem
+    from ..byom.outputs import model_inputs
     from ..byom.suggest import suggest_plan
 
+    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
+    if problem:
+        print(f"error: --tp {problem}", file=sys.stderr)
+        return 2
     doc = read_document(args.model)
     errs = ErrorList()
     spec = parse_model(doc, errs)
@@ -42,4 +48,5 @@ def run(args: argparse.Namespace) -> int:
     text = render_plan(header, model, s.rules, tp=args.tp,
                        loss_parallel=s.loss_parallel, divide_by_tp=s.divide_by_tp, units=s.units,
                        notes=s.notes)
-    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr)
+    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr,
+                inputs=model_inputs(doc, spec))

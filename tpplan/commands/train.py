@@ -3,6 +3,10 @@
     torchrun --standalone --nproc-per-node 4 -m tpplan train --plan plans/llama.yaml
     tpplan train --plan plans/llama.yaml --nproc 4     # the same, launched for you
     tpplan train --plan plans/llama.yaml               # one process
+    tpplan train --plan plans/llama.yaml --nproc 4 --max-restarts 2   # restart on a failure
+
+Exit codes: 0 done; 1 an error (one line says which); 75 stopped by SIGTERM/SIGINT after
+saving a checkpoint (run it again with --resume).
 """
 
 from __future__ import annotations
@@ -13,6 +17,9 @@ import sys
 
 from ._common import add_plan_args
 
+SHUTDOWN_S = 300  # how long torchrun waits for workers to save after a signal
+EXIT_STOPPED = 75  # tpplan.train.signals.EXIT_STOPPED (not imported: it would load torch)
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train the plan's model (TP + FSDP2, DCP checkpoints)",
@@ -20,6 +27,9 @@ def register(sub) -> None:
     add_plan_args(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="launch N local processes through torch.distributed.run (torchrun)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --nproc: restart all workers up to N times after a failure; "
+                        "each restart resumes from the last intact checkpoint")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from the latest complete checkpoint of the run folder, or "
                         "from PATH (a step-N checkpoint or a folder holding them)")
@@ -32,11 +42,18 @@ def register(sub) -> None:
 
 def _relaunch(args: argparse.Namespace) -> int:
     """Re-run this command under torchrun with ``--nproc`` local workers."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "tpplan", "train",
-            "--plan", args.plan]
+    # --standalone, with a launch id we know, so a stop by a signal can be told from a crash.
+    launch = f"tpplan-{uuid.uuid4().hex[:12]}"
+    argv = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id={launch}", f"--nproc-per-node={args.nproc}",
+            f"--max-restarts={args.max_restarts}", f"--shutdown-timeout={SHUTDOWN_S}",
+            "-m", "tpplan", "train", "--plan", args.plan]
     for o in args.overrides:
         argv += ["--set", o]
     if args.resume is not None:
@@ -48,13 +65,31 @@ def _relaunch(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         torchrun(argv)
-    except ChildFailedError:  # the failing rank already printed why
-        print(f"error: training failed on {args.nproc} processes", file=sys.stderr)
+    except ChildFailedError:  # the failing rank already printed why, as "error: ..."
+        print(f"tpplan train: the run on {args.nproc} processes did not finish (the reason is "
+              f"above)", file=sys.stderr)
         return 1
+    except SignalException as e:  # the workers had SHUTDOWN_S to finish a step and save
+        return EXIT_STOPPED if _stopped_cleanly(args, launch) else 128 + int(e.sigval)
     return 0
 
 
+def _stopped_cleanly(args: argparse.Namespace, launch: str) -> bool:
+    """Did this launch's rank 0 record a stop with a checkpoint (not a kill mid-save)?"""
+    from ..api import load
+    from ..train.runfolder import read_launch
+    from ..train.setup import run_folders
+
+    run_dir, _ = run_folders(load(args.plan, args.overrides), args.plan)
+    record = read_launch(run_dir)
+    return record.get("launch") == launch and "stopped" in record
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.max_restarts and args.nproc is None:
+        print("error: --max-restarts needs --nproc (under your own torchrun, pass "
+              "--max-restarts to torchrun)", file=sys.stderr)
+        return 2
     if args.nproc is not None:
         if args.nproc < 1:
             print("error: --nproc must be at least 1", file=sys.stderr)
@@ -67,10 +102,20 @@ def run(args: argparse.Namespace) -> int:
 
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        train(args.plan, args.overrides, args.resume, args.overwrite, args.device)
+        summary = train(args.plan, args.overrides, args.resume, args.overwrite, args.device)
     except TrainError as e:
-        # Raised before the process group on every rank alike: say it once, fail everywhere.
-        if rank0:
+        # Raised on every rank alike (before the process group, or agreed on after it):
+        # say it once, fail everywhere.
+        if rank0 or e.every_rank:
             print(f"error: {e}", file=sys.stderr)
         return 1
-    return 0
+    code = EXIT_STOPPED if summary.get("stopped") else 0
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # The run is complete and its process group destroyed. Gloo's worker threads can
+        # still abort the interpreter's teardown ("terminate called without an active
+        # exception", pytorch/pytorch#190489), which torchrun would report as a failed
+        # run; a worker that has finished skips that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

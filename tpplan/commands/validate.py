@@ -57,10 +57,11 @@ def _device(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import ANALYSES
-    from ..analysis.dryrun import dry_run
+    from ..analysis.dryrun import dry_run, world_size_problem
 
-    if args.world_size < 1:
-        print("error: --world-size must be at least 1", file=sys.stderr)
+    problem = world_size_problem(args.world_size)
+    if problem:
+        print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
     device = _device(args)
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
@@ -88,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
     if "fit" in result.extra:
         render_fit(out, result.extra["fit"])
+    if result.checkpoint_bytes:
+        out.print(f"one training checkpoint (model + AdamW state, all ranks): "
+                  f"{size(result.checkpoint_bytes)} on disk", highlight=False)
     for e in result.analysis_errors:
         what = TITLES.get(e.analysis, e.analysis)
         print(f"error: {what} could not be computed for this model: {e.message}", file=sys.stderr)

@@ -4,13 +4,18 @@ or a HuggingFace configuration; on the meta device or for real."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import os
+import re
+import sysconfig
+import traceback
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-from ..plan.errors import PlanError, PlanErrors, nearest
+from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 from . import llama
 
@@ -27,14 +32,96 @@ def _factory(spec: ModelSpec) -> Callable[..., nn.Module]:
     loc = spec.locs.get("factory", spec.loc)
     try:
         module = importlib.import_module(module_name)
+    except SyntaxError as e:  # the user's source does not parse: say where, as Python would
+        where = f"{_short(e.filename)}:{e.lineno}:{e.offset}" if e.filename else "?"
+        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e.msg} at "
+                                    f"{where}", loc)]) from None
     except ImportError as e:
-        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}", loc)]) from None
+        raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}"
+                                    f"{_user_frame(e)}", loc)]) from None
+    except Exception as e:  # noqa: BLE001 - the module's own code failed on import
+        raise PlanErrors([PlanError(f"model.factory: importing '{module_name}' raised "
+                                    f"{_one_line(e)}{_user_frame(e)}", loc)]) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
         raise PlanErrors([PlanError(f"model.factory: '{module_name}' has no function "
                                     f"'{fn_name}'{nearest(fn_name, names)}", loc)])
     return fn
+
+
+def _short(path: str) -> str:
+    """``path`` relative to the working folder when it is under it."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if rel.startswith("..") else rel
+
+
+def _one_line(e: BaseException) -> str:
+    """``ValueError: first line of the message`` (at most 300 characters)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _user_frame(e: BaseException) -> str:
+    """`` (at file:line)``: the innermost frame of the traceback in the user's own code, not
+    in tpplan, the standard library or an installed package (torch, transformers); empty
+    when there is none."""
+    skip = (os.path.dirname(os.path.dirname(__file__)), sysconfig.get_paths()["stdlib"], "<")
+    installed = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(skip) and not any(d in f.filename for d in installed)]
+    return f" (at {_short(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+
+
+def _builtin_kwargs(spec: ModelSpec, name: str, sizes: dict[str, Any]) -> None:
+    """Every ``model.kwargs`` key a field of the built-in's configuration, every size valid:
+    located errors, before building."""
+    base = sizes[spec.config or "debug"]
+    fields = [f.name for f in dataclasses.fields(base)]
+    errs = ErrorList()
+    for key in spec.kwargs:
+        if key not in fields:
+            errs.add(f"unknown key '{key}' in 'model.kwargs' for {name}{nearest(key, fields)}; "
+                     f"its fields: {', '.join(fields)}", spec.locs.get(f"kwargs.{key}", spec.loc))
+    errs.raise_if_any()
+    for at_fault, reason in dataclasses.replace(base, **spec.kwargs).problems():
+        given = [f for f in at_fault if f in spec.kwargs]
+        loc = spec.locs.get(f"kwargs.{given[0]}") if given else None
+        what = f"'model.kwargs.{at_fault[0]}' " if len(at_fault) == 1 else f"{name}: "
+        errs.add(f"{what}{reason}", loc or spec.locs.get("config", spec.loc))
+    errs.raise_if_any()
+
+
+def _build_failed(spec: ModelSpec, e: Exception) -> PlanError:
+    """A builder's exception as an error at the plan line that chose the builder (an
+    unexpected keyword argument: at that kwarg)."""
+    if spec.factory:
+        what, loc = f"model.factory '{spec.factory}' raised", spec.locs.get("factory")
+    elif spec.is_hf:
+        what = f"building transformers' {spec.hf or 'model'} raised"
+        loc = spec.locs.get("config") or spec.locs.get("hf") or spec.locs.get("hf_config")
+    else:
+        what = f"building {spec.name} (config {spec.config or 'debug'}) raised"
+        loc = spec.locs.get("kwargs") or spec.locs.get("config") or spec.locs.get("name")
+    bad = re.search(r"unexpected keyword argument '(\w+)'", str(e)) if isinstance(e, TypeError) else None
+    if bad and f"kwargs.{bad.group(1)}" in spec.locs:
+        loc = spec.locs[f"kwargs.{bad.group(1)}"]
+    return PlanError(f"{what} {_one_line(e)}{_user_frame(e)}", loc or spec.loc)
+
+
+def _check_built(spec: ModelSpec, model: Any) -> nn.Module:
+    what = f"model.factory '{spec.factory}'" if spec.factory else f"the {spec.name} builder"
+    loc = spec.locs.get("factory", spec.loc)
+    if not isinstance(model, nn.Module):
+        kind = type(model).__name__
+        got = "None" if model is None else \
+            f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind} ({model!r:.60})"
+        raise PlanErrors([PlanError(f"{what} returned {got}, not a torch.nn.Module", loc)])
+    if type(model).forward is nn.Module.forward:
+        raise PlanErrors([PlanError(f"{what} returned a {type(model).__name__}, which has no "
+                                    "forward of its own; return the model that runs it", loc)])
+    return model
 
 
 @contextlib.contextmanager
@@ -63,7 +150,9 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
     a trainer that materializes the parameters with ``to_empty`` keeps them, and so needs
     no model-specific code to recompute them.
 
-    Mistakes in the ``model`` section raise :class:`PlanErrors` located in the plan.
+    Mistakes in the ``model`` section raise :class:`PlanErrors` located in the plan: so does
+    anything a factory or builder raises (at the ``factory`` line, the kwarg it rejects, or
+    ``model.config``), and a factory that returns no runnable ``nn.Module``.
     """
     if real_buffers and str(device) == "meta":
         with _parameters_on_meta():
@@ -87,10 +176,13 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
             raise PlanErrors([PlanError(f"unknown config '{config}' for {spec.name}"
                                         f"{nearest(config, sizes)}; sizes: {', '.join(sizes)}",
                                         spec.locs.get("config", spec.loc))])
+        _builtin_kwargs(spec, spec.name, sizes)
         fn, kwargs = builder, {"config": config, **spec.kwargs}
     try:
         with torch.device(device):
-            return fn(**kwargs)
-    except TypeError as e:
-        raise PlanErrors([PlanError(f"model: building the model failed: {e}",
-                                    spec.locs.get("kwargs", spec.loc))]) from None
+            model = fn(**kwargs)
+    except PlanErrors:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code or sizes: located, no traceback
+        raise PlanErrors([_build_failed(spec, e)]) from None
+    return _check_built(spec, model)

@@ -9,17 +9,24 @@ model: tokens in, logits out.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
 
-from ..plan.errors import PlanError, PlanErrors, nearest
+from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 
-__all__ = ["build_hf", "require_transformers", "hf_config"]
+__all__ = ["build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
+           "require_transformers"]
 
 EXTRA_HINT = "HuggingFace models need the 'hf' extra: pip install 'tpplan[hf]'"
+# HF config fields every decoder needs at least 1 of; other sizes may be 0, never negative.
+POSITIVE_FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim",
+                   "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions"}
+SIZE_FIELD = re.compile(r"^num_|^n_|_size$|_dim$|_heads$|_layers$")
 
 
 def require_transformers(loc=None):
@@ -48,22 +55,30 @@ def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
 
 
+def hf_config_path(spec: ModelSpec) -> Path:
+    """The config.json a plan's ``hf_config`` names: a relative path is looked for next to
+    the plan first, a folder means its ``config.json``."""
+    path = Path(spec.hf_config)
+    base_dir = Path(spec.base_dir) if spec.base_dir else None
+    if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
+        path = base_dir / path
+    return path / "config.json" if path.is_dir() else path
+
+
 def hf_config(spec: ModelSpec):
     """The ``transformers`` config object the plan describes (``hf_config`` or ``hf`` + ``config``);
     a relative ``hf_config`` is looked for next to the plan first."""
     transformers = require_transformers(spec.loc)
-    base_dir = Path(spec.base_dir) if spec.base_dir else None
     if spec.hf_config:
         loc = spec.locs.get("hf_config", spec.loc)
-        path = Path(spec.hf_config)
-        if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
-            path = base_dir / path
-        if path.is_dir():
-            path = path / "config.json"
+        path = hf_config_path(spec)
         try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e}", loc)]) from None
+        except OSError as e:
+            raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e.strerror}",
+                                        loc)]) from None
+        except ValueError as e:
+            raise PlanErrors([PlanError(f"model.hf_config: '{path}' is not JSON: {e}", loc)]) from None
         model_type = data.pop("model_type", None)
         data.update(spec.hf_kwargs)  # the plan's model.config overrides the file
         try:
@@ -75,19 +90,78 @@ def hf_config(spec: ModelSpec):
 
 
 def _model_class(spec: ModelSpec):
-    transformers = require_transformers(spec.loc)
-    cls = getattr(transformers, spec.hf, None)
-    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
-        names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
-        raise PlanErrors([PlanError(f"model.hf: transformers has no model class '{spec.hf}'"
-                                    f"{nearest(spec.hf, names)}", spec.locs.get("hf", spec.loc))])
-    return cls
+    try:
+        return causal_lm_class(spec.hf)
+    except ValueError as e:
+        raise PlanErrors([PlanError(f"model.hf: {e}", spec.locs.get("hf", spec.loc))]) from None
+
+
+def causal_lm_for(config_class: type | None) -> type | None:
+    """transformers' causal-LM class for a configuration class, if it has one."""
+    transformers = require_transformers()
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[config_class]
+    except (KeyError, TypeError):
+        return None
+
+
+def causal_lm_class(name: str) -> type:
+    """The transformers causal-LM class called ``name``. ``ValueError`` says why another
+    name is not one (an abstract base, a configuration, a function, a model without a
+    language-model head) and which class to use instead."""
+    transformers = require_transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()))
+    obj = getattr(transformers, name, None)
+    config_class = obj if isinstance(obj, type) and issubclass(
+        obj, transformers.PretrainedConfig) else getattr(obj, "config_class", None)
+    lm = causal_lm_for(config_class) if isinstance(config_class, type) else None
+    concrete = (isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel)
+                and isinstance(config_class, type) and obj.forward is not nn.Module.forward)
+    if concrete and (obj is lm or name in known or name.endswith(("ForCausalLM", "LMHeadModel"))):
+        return obj
+    hint = (f"try '{lm.__name__}'" if lm is not None else nearest(name, known, 0.85).strip(" ()")
+            or "name a causal language model class such as 'LlamaForCausalLM'")
+    if obj is None:
+        return _fail(f"transformers has no model class '{name}'", hint)
+    if not isinstance(obj, type):
+        return _fail(f"'{name}' is a {type(obj).__name__} in transformers, not a model class", hint)
+    if config_class is obj:
+        return _fail(f"'{name}' is a configuration class, not a model class", hint)
+    if not issubclass(obj, transformers.PreTrainedModel):
+        return _fail(f"'{name}' is not a model class", hint)
+    if not concrete:
+        return _fail(f"'{name}' is not a concrete model class (an abstract base without a "
+                     "configuration or a forward)", hint)
+    return _fail(f"'{name}' is not a causal language model (tpplan trains next-token "
+                 "prediction: a *ForCausalLM class)", hint)
+
+
+def _fail(what: str, hint: str):
+    raise ValueError(f"{what}; {hint}")
+
+
+def _check_sizes(spec: ModelSpec) -> None:
+    """The plan's sizes among the HF config fields: positive where every architecture needs
+    them, never negative where the name says size; located, before transformers divides by
+    them (a zero head count is a ZeroDivisionError deep inside its config)."""
+    errs = ErrorList()
+    for key, v in spec.hf_kwargs.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            continue
+        low = 1 if key in POSITIVE_FIELDS else 0 if SIZE_FIELD.search(key) else None
+        if low is not None and v < low:
+            errs.add(f"'model.config.{key}' must be at least {low}, got {v}",
+                     spec.locs.get(f"config.{key}", spec.loc))
+    errs.raise_if_any()
 
 
 def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     """Construct the model on the current default device (``meta`` in the dry run), from
     ``config`` when given (a shrunk copy, say), else from the plan's."""
     transformers = require_transformers(spec.loc)
+    _check_sizes(spec)
     config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
     if spec.hf:

@@ -33,6 +33,35 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
 
+    def problems(self) -> list[tuple[tuple[str, ...], str]]:
+        """What makes this configuration unbuildable: ``(fields at fault, reason)`` pairs,
+        empty when it is fine. Checked before building, so a zero or negative size is named
+        instead of surfacing as a division by zero or a negative dimension inside torch."""
+        out = []
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                     "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(((name,), f"must be a positive integer, got {v!r}"))
+        for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+            v = getattr(self, name)
+            if v is None and name == "ffn_dim_multiplier":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 \
+                    or v == float("inf"):
+                out.append(((name,), f"must be a positive number, got {v!r}"))
+        if out:
+            return out
+        if self.n_heads % self.n_kv_heads:
+            out.append((("n_kv_heads", "n_heads"), f"n_heads={self.n_heads} is not a multiple of "
+                        f"n_kv_heads={self.n_kv_heads} (each kv head serves the same number of "
+                        "query heads)"))
+        if self.head_dim < 2 or self.head_dim % 2:
+            out.append((("n_heads", "dim"), f"head_dim = dim // n_heads = {self.dim} // "
+                        f"{self.n_heads} = {self.head_dim}, which must be even (RoPE rotates "
+                        "pairs of dimensions)"))
+        return out
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads

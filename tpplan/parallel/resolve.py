@@ -141,7 +141,26 @@ def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 found.append((path, value))
 
 
-def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], params: set[str]) -> None:
+def _no_forward(pattern: str, paths: list[str], modules: dict, what: str) -> str | None:
+    """The error for a pattern that matches a container without a ``forward`` of its own (a
+    ``ModuleList``): its parent calls the children one by one, so hooks or a wrapped forward
+    on the container never run."""
+    bare = [p for p in paths if type(modules[p]).forward is nn.Module.forward]
+    if not bare:
+        return None
+    path = bare[0]
+    return (f"{what} '{pattern}' matches '{path or '<root>'}', a {type(modules[path]).__name__} "
+            f"with no forward of its own (its parent calls each child), so {NO_FORWARD[what]}; "
+            f"write '{pattern}.*' for each child")
+
+
+NO_FORWARD = {"FSDP unit pattern": "FSDP2 cannot shard it",
+              "activation checkpointing blocks": "checkpointing it would never run",
+              "compile blocks": "compiling it would never run"}
+
+
+def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict,
+                   params: set[str]) -> None:
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.fsdp.units):
         hits: list[str] = []
@@ -149,6 +168,9 @@ def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], params: se
             got = _match(pattern, paths)
             if not got:
                 res.errors.add(_no_match(pattern, "FSDP unit pattern", paths, params), unit.loc)
+            bare = _no_forward(pattern, got, modules, "FSDP unit pattern")
+            if bare:
+                res.errors.add(bare, unit.loc)
             hits += [p for p in got if p not in hits]
         for path in hits:
             if path in owner:
@@ -180,18 +202,22 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
     _resolve_rules(plan, res, paths, modules, params, tp)
     _resolve_attrs(plan, res, paths, modules, params, tp)
     if plan.fsdp is not None:
-        _resolve_units(plan, res, paths, params)
+        _resolve_units(plan, res, paths, modules, params)
     elif dims is not None and dims.dp > 1:
         errs.add(f"the mesh has {dims.dp} data-parallel ranks but the plan has no 'fsdp' section, "
                  "so gradients would never be averaged; add 'fsdp: {units: [...]}' (or 'fsdp: {}' "
                  "to shard at the root only)", plan.mesh.loc)
-    for blocks, target in ((plan.activation_checkpointing, res.ac_blocks),
-                           (plan.compile, res.compile_blocks)):
+    for blocks, target, what in (
+            (plan.activation_checkpointing, res.ac_blocks, "activation checkpointing blocks"),
+            (plan.compile, res.compile_blocks, "compile blocks")):
         if not blocks.enabled:
             continue
         hits = _match(blocks.blocks, paths)
         if not hits:
             errs.add(_no_match(blocks.blocks, "blocks pattern", paths, params), blocks.loc)
+        bare = _no_forward(blocks.blocks, hits, modules, what)
+        if bare:
+            errs.add(bare, blocks.loc)
         target += hits
     res.errors = _collapse_repeats(errs)
     return res

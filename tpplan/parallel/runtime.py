@@ -1,5 +1,14 @@
 """Process group start-up: torchrun's environment, a single process on its own, or N local
-processes spawned for a test or ``tpplan verify``."""
+processes spawned for a test or ``tpplan verify``.
+
+Restarts under ``torchrun --max-restarts``: by default torchrun's workers share the agent's
+TCPStore, and a restarted round finds the previous round's keys still there -- gloo then
+connects to the dead workers' addresses (``connectFullMesh failed ... Connection refused``).
+On one node every worker sees the same ``TORCHELASTIC_RESTART_COUNT``, so each round gets
+its own key prefix. Across nodes the count differs per node (only the failed node's agent
+counts a restart), so there the launch must give every round a fresh store:
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in torchrun's environment (docs/training.md).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device_type", "ensure_process_group", "free_port", "spawn"]
+__all__ = ["default_device_type", "ensure_process_group", "free_port", "restart_problem", "spawn"]
 
 
 def default_device_type() -> str:
@@ -39,8 +48,42 @@ def ensure_process_group(device_type: str) -> int:
                           MASTER_PORT=str(free_port()))
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    store = _restart_round_store()
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     return dist.get_world_size()
+
+
+def _restart_round_store():
+    """torchrun's shared agent store under a prefix of its own for a restarted round on a
+    single node; None where the default ``env://`` start is right."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or count == "0"
+            or os.environ.get("GROUP_WORLD_SIZE", "1") != "1"):
+        return None
+    from datetime import timedelta
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"tpplan/restart-round-{count}/", store)
+
+
+def restart_problem() -> str | None:
+    """Why restarts of this torchrun launch would fail, before they are needed: several
+    nodes sharing the agent's store with ``--max-restarts`` > 0."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+            and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1):
+        return ("torchrun --max-restarts across several nodes needs "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (otherwise a "
+                "restarted round reuses the dead workers' addresses and gloo cannot connect; "
+                "see docs/training.md, 'Restarts')")
+    return None
 
 
 def spawn(fn, world_size: int, *args) -> None:

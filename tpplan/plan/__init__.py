@@ -13,13 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from .errors import ErrorList, Loc, PlanError, PlanErrors, nearest
+from .errors import CommandError, ErrorList, Loc, PlanError, PlanErrors, nearest
 from .loader import read_document
 from .sections import parse_plan
 from .specs import PlanSpec
 from .step import StepShape, step_shape
 
-__all__ = ["ErrorList", "Loc", "PlanError", "PlanErrors", "PlanSpec", "StepShape", "nearest",
+__all__ = ["CommandError", "ErrorList", "Loc", "PlanError", "PlanErrors", "PlanSpec", "StepShape", "nearest",
            "parse_plan", "read_document", "read_plan", "step_shape"]
 
 

@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable
 
-__all__ = ["Loc", "PlanError", "PlanErrors", "nearest"]
+__all__ = ["CommandError", "ErrorList", "Loc", "PlanError", "PlanErrors", "nearest"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class PlanErrors(Exception):
 
     def __str__(self) -> str:
         return "\n".join(str(e) for e in self.errors)
+
+
+class CommandError(Exception):
+    """A mistake in what a command was given outside any plan file: a path that cannot be
+    read, an output that would replace an input, a checkpoint that does not load. The
+    command line prints it as one ``error:`` line and exits 1."""
 
 
 class ErrorList(list):

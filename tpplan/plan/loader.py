@@ -55,6 +55,8 @@ def _read(path: Path, chain: tuple[str, ...]) -> LMap:
         raise PlanError(f"'extends' chain deeper than {MAX_EXTENDS} files", loc)
     if not target.exists():
         raise PlanError(f"'extends' names '{parent}', which does not exist ({target})", loc)
+    if not target.is_file():
+        raise PlanError(f"'extends' names '{parent}', which is a folder, not a plan ({target})", loc)
     return merge(_read(target, chain + (str(target),)), doc)
 
 

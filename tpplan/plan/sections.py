@@ -53,10 +53,14 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
                      hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
                      locs=r.locs(), base_dir=str(Path(doc.loc.file).parent))
     if hf or spec.hf_config:  # config: the HF config's fields (over hf_config's file)
-        spec.hf_kwargs = dict(r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields"))
+        fields = r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields")
+        spec.hf_kwargs = dict(fields)
+        spec.locs.update({f"config.{k}": fields.value_loc(k) for k in fields})
     else:
         spec.config = r.get("config", str, None, "a config name such as debug or 70b")
-    spec.kwargs = dict(r.get("kwargs", LMap, LMap(r.m.loc)))
+    kwargs = r.get("kwargs", LMap, LMap(r.m.loc))
+    spec.kwargs = dict(kwargs)
+    spec.locs.update({f"kwargs.{k}": kwargs.value_loc(k) for k in kwargs})  # builders' errors
     sources = [k for k in ("name", "factory", "hf", "hf_config") if getattr(spec, k)]
     if spec.hf and spec.hf_config:
         sources.remove("hf")  # hf_config says the shapes, hf the class to build

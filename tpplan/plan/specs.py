@@ -172,6 +172,8 @@ class CheckpointSpec:
     interval: int = 0  # every N steps; 0 = only at the end
     keep: int = 2  # complete checkpoints kept (older ones deleted); 0 = keep all
     dir: str | None = None
+    on_signal: bool = True  # SIGTERM/SIGINT: finish the step, save, exit 75
+    verify: bool = True  # check every file's SHA-256 before resuming from a checkpoint
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 

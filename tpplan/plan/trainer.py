@@ -48,6 +48,10 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
         if (isinstance(betas, LSeq) and len(betas) == 2
                 and all(isinstance(b, NUMBER) and not isinstance(b, bool) for b in betas)):
             spec.betas = (float(betas[0]), float(betas[1]))
+            for i, b in enumerate(spec.betas):
+                if not 0 <= b < 1:  # also nan and inf
+                    errs.add(f"'train.betas' must each be in [0, 1) (AdamW's moment decay), got "
+                             f"{b} as beta{i + 1}", betas.item_loc(i))
         else:
             errs.add(f"'train.betas' must be a list of two numbers, got {betas!r}", r.loc("betas"))
     for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
@@ -56,12 +60,27 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
         r.at_least(key, getattr(spec, key), 0)
     for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
         _finite(r, key, getattr(spec, key))
-    if spec.lr <= 0:
-        errs.add(f"'train.lr' must be positive, got {spec.lr}", r.loc("lr"))
+    for key in ("lr", "eps"):
+        if getattr(spec, key) <= 0:
+            errs.add(f"'train.{key}' must be positive, got {getattr(spec, key)}", r.loc(key))
     if spec.grad_clip is not None and spec.grad_clip <= 0:
         errs.add(f"'train.grad_clip' must be positive or null, got {spec.grad_clip}",
                  r.loc("grad_clip"))
+    _schedule(r, spec)
     return spec
+
+
+def _schedule(r: Reader, spec: TrainSpec) -> None:
+    """Settings each valid alone that together make the run meaningless."""
+    if spec.lr > 0 and spec.min_lr > spec.lr:
+        r.errs.add(f"'train.min_lr' ({spec.min_lr}) is above 'train.lr' ({spec.lr}): the cosine "
+                   "would raise the learning rate instead of decaying it", r.loc("min_lr"))
+    decay = spec.lr * spec.weight_decay
+    if math.isfinite(decay) and decay >= 1:
+        where = "weight_decay" if "weight_decay" in r.m else "lr"
+        r.errs.add(f"'train.lr' × 'train.weight_decay' = {spec.lr} × {spec.weight_decay} = "
+                   f"{decay:g}, at least 1: AdamW's decoupled decay (w -= lr·wd·w) would zero or "
+                   "flip every weight each step", r.loc(where))
 
 
 def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
@@ -79,6 +98,8 @@ def parse_checkpoint(doc: LMap, errs: ErrorList) -> CheckpointSpec:
     spec = CheckpointSpec(enabled=r.get("enabled", bool, d.enabled),
                           interval=r.get("interval", int, d.interval),
                           keep=r.get("keep", int, d.keep), dir=r.get("dir", str, None),
+                          on_signal=r.get("on_signal", bool, d.on_signal),
+                          verify=r.get("verify", bool, d.verify),
                           loc=r.m.loc, locs=r.locs())
     for key in ("interval", "keep"):
         r.at_least(key, getattr(spec, key), 0)

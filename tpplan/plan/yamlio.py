@@ -151,8 +151,13 @@ def load_file(path: str | Path) -> Any:
     if size > MAX_BYTES:
         raise PlanError(f"the file is {size} bytes; a plan is refused above {MAX_BYTES}",
                         Loc(str(path), 1, 1))
+    if p.is_dir():
+        raise PlanError("cannot read plan: it is a folder, not a YAML file", Loc(str(path), 0, 0))
     try:
         text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlanError(f"cannot read plan: {e}", Loc(str(path), 0, 0)) from None
+    except OSError as e:
+        raise PlanError(f"cannot read plan: {e.strerror}", Loc(str(path), 0, 0)) from None
+    except UnicodeDecodeError as e:
+        raise PlanError(f"cannot read plan: not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                        f"offset {e.start})", Loc(str(path), 0, 0)) from None
     return load_text(text, str(path))

@@ -52,17 +52,28 @@ def _text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
                 yield Path(root) / name
 
 
+BINARY_PROBE = 1024  # a NUL in a file's first KiB marks it binary
+
+
 def _read_bytes(files: Iterable[Path], max_bytes: int) -> bytes:
+    """Text of ``files`` in order, up to ``max_bytes`` in all; binary files skipped. Reads
+    no more of a file than the cap still needs (and its first KiB to tell binary from
+    text), so a 600 MB file under a 4 MB cap costs 4 MB, not 600."""
     chunks, total = [], 0
     for f in files:
+        left = max_bytes - total
         try:
-            data = f.read_bytes()
+            with open(f, "rb") as fh:
+                head = fh.read(BINARY_PROBE)
+                if b"\0" in head:  # binary file in a text folder
+                    continue
+                data = head[:left]
+                if len(head) < left:
+                    data += fh.read(left - len(head))
         except OSError:
             continue
-        if b"\0" in data[:1024]:  # binary file in a text folder
-            continue
-        chunks.append(data[: max_bytes - total])
-        total += len(chunks[-1])
+        chunks.append(data)
+        total += len(data)
         if total >= max_bytes:
             break
     return b"".join(chunks)

@@ -1,17 +1,15 @@
 """The training loop: a client of the public API (load, build_mesh, apply, loss_context).
 
-Order: check everything (no process group yet) -> mesh -> ``plan.apply`` on the meta
-model -> ``to_empty`` + seeded init -> AdamW + warmup/cosine -> resume -> steps with
-gradient accumulation and clipping -> DCP checkpoints.
+Order: check everything (no process group yet) -> mesh -> claim the run folder and choose
+an intact checkpoint (:mod:`.resume`) -> ``plan.apply`` on the meta model -> ``to_empty`` +
+seeded init -> AdamW + warmup/cosine -> resume -> steps with gradient accumulation and
+clipping -> DCP checkpoints. A non-finite loss or gradient norm stops the run before the
+optimizer step; SIGTERM/SIGINT stops it after the step, with a checkpoint (:mod:`.signals`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -27,13 +25,15 @@ from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
+from . import hooks
 from .data import local_batch
-from .progress import GPU_ONLY, Reporter, peak_flops
-from .setup import Prepared, prepare
+from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
+from .resume import Claim, claim
+from .runfolder import record_launch, remove_written, trim_metrics, write_plan
+from .setup import Prepared, TrainError, prepare
+from .signals import Preemption
 
 __all__ = ["clip_grad_norm", "lr_lambda", "train"]
-
-RECORD_BATCHES_ENV = "TPPLAN_RECORD_BATCHES"  # test hook: each rank logs a digest per batch
 
 
 def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
@@ -82,31 +82,48 @@ def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _flops_per_token(model: nn.Module, n_params: int, seq_len: int) -> float:
-    # 6N for the matmuls forward+backward, plus attention's 12·L·d·s (PaLM appendix B).
-    cfg = getattr(model, "config", None)
-    attn = 12 * cfg.n_layers * cfg.dim * seq_len if cfg is not None and hasattr(cfg, "dim") else 0
-    return 6 * n_params + attn
-
-
 def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = None,
           overwrite: bool = False, device_type: str | None = None) -> dict:
     """Run ``tpplan train`` in this process (one rank of torchrun, or a world of one).
 
     Raises :class:`~tpplan.plan.errors.PlanErrors` / :class:`~tpplan.train.setup.TrainError`
-    before any collective for a mistake in the plan, the data or the checkpoint. Returns
-    the summary shown at the end, plus ``losses`` and ``step_times`` per step.
+    for a mistake in the plan, the data or the run folder (before any collective where the
+    mistake can be found alone), a damaged checkpoint, a failed save or a diverged loss --
+    the same error on every rank. Returns the summary shown at the end, plus ``losses`` and
+    ``step_times`` per step, and ``stopped`` (a signal name) when a signal ended it early.
     """
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
     owned = not dist.is_initialized()  # a caller's own process group is left running
     mesh = prep.plan.build_mesh(device_type)
+    claimed: Claim | None = None
     try:
-        return _run(prep, mesh, device_type, overwrite)
+        claimed = claim(prep, prep.model)  # shapes of the model before it is parallelized
+        return _run(prep, claimed, mesh, device_type)
+    except ckpt.Damaged as e:
+        raise TrainError(f"cannot resume: {e}") from None
+    except RuntimeError as e:
+        if not _peer_lost(e):
+            raise
+        first = str(e).strip().splitlines()[0]
+        raise TrainError(f"rank {dist.get_rank()}: lost another rank, which crashed or was "
+                         f"killed ({first[first.rfind(']') + 1:].strip()[:160]}); under torchrun "
+                         f"--max-restarts the workers restart and resume from the last "
+                         f"checkpoint", every_rank=True) from None
     finally:
+        if claimed is not None:
+            claimed.lock.release()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _peer_lost(e: RuntimeError) -> bool:
+    """A collective failed because another rank's process is gone."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in (
+        "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+        "NCCL communicator was aborted", "remote process exited"))
 
 
 def _quiet_known_warnings() -> None:
@@ -120,18 +137,28 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
+def _start_folder(prep: Prepared, claimed: Claim, start: int) -> list[str]:
+    """Rank 0: the run folder as this run needs it; returns notes for the header."""
+    notes = list(prep.notes) + claimed.notes
+    if prep.overwrite:
+        remove_written(prep.run_dir, prep.ckpt_dir)
+    record_launch(prep.run_dir)
+    write_plan(prep.run_dir, prep.plan)
+    dropped = trim_metrics(prep.run_dir, start)
+    if dropped:
+        notes.append(f"metrics.jsonl: dropped {dropped} line(s) past step {start} "
+                     f"(steps the checkpoint does not hold, or a line cut off by a kill)")
+    return notes
+
+
+def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
     accum, micro_size = prep.step.grad_accum, prep.step.micro_batch
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, torch.cuda.current_device()) \
         if device_type == "cuda" else torch.device(device_type)
-    if rank == 0:
-        if overwrite and prep.resume_from is None:
-            shutil.rmtree(prep.ckpt_dir, ignore_errors=True)
-        prep.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_plan(prep)
-        _trim_metrics(prep.run_dir, _resume_step(prep))
+    start = claimed.state["step"] if claimed.state else 0
+    notes = _start_folder(prep, claimed, start) if rank == 0 else []
     dist.barrier()
 
     model = plan.apply(prep.model, mesh)
@@ -141,76 +168,97 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
                                   weight_decay=t.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr))
-    start = 0
-    if prep.resume_from is not None:
-        state = ckpt.load(prep.resume_from, model, optimizer)
+    if claimed.resume_from is not None:
+        state = ckpt.load(claimed.resume_from, model, optimizer)
         schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
-        start = state["step"]
 
     dp_rank, tp_rank = data_parallel_rank(mesh), mesh["tp"].get_local_rank()
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = t.global_batch_size * t.seq_len
     peak = peak_flops(device_type)
-    flops_token = _flops_per_token(model, n_params, t.seq_len)
+    flops_token = flops_per_token(model, n_params, t.seq_len)
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
               f"{n_params / 1e6:.2f}M params ({init_method} init) | data {prep.corpus.source}, "
               f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
               f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
               f"run folder {prep.run_dir}")
-    if prep.resume_from is not None:
-        header += f"\nresumed from {prep.resume_from} at step {start}"
+    if prep.restarted:
+        header += "\nrestarted by torchrun: " + (
+            "continuing from the last checkpoint" if start else "no checkpoint yet, from step 0")
+    if claimed.resume_from is not None:
+        header += f"\nresumed from {claimed.resume_from} at step {start}"
+    header += "".join(f"\n{n}" for n in notes)
     reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
-    record = _batch_recorder(prep, rank, dp_rank, tp_rank)
+    record = hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank)
     can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
-    times, losses, last_saved = [], [], None
+    times, losses, stopped = [], [], 0
+    last_saved = claimed.resume_from
 
-    for step in range(start + 1, t.steps + 1):
-        t0 = time.perf_counter()
-        batch = local_batch(prep.corpus, t.seed, step, t.global_batch_size, t.seq_len,
-                            dp_rank, dims.dp)
-        record(step, batch)
-        batch = batch.to(device)
-        loss_sum = torch.zeros((), device=device)
-        for m in range(accum):
-            micro = batch[m * micro_size:(m + 1) * micro_size]
-            if can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
-                model.set_requires_gradient_sync(m == accum - 1)
-            with plan.loss_context():
-                logits = model(micro[:, :-1])
-                # Mean over this micro-batch / accum: the sum over micro-batches is the mean
-                # over the rank's batch, and FSDP's average over dp ranks the global mean.
-                loss = F.cross_entropy(logits.flatten(0, 1).float(),
-                                       micro[:, 1:].flatten()) / accum
-                loss.backward()
-            loss_sum += _to_local_scalar(loss.detach())
-        grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
-        lr = schedule.get_last_lr()[0]
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        # TP peers hold the same loss, so the world mean is the mean over dp ranks.
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-        loss_value = loss_sum.item() / world
-        if device_type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        losses.append(loss_value)
-        row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-               "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "tokens_per_s_per_device": tokens_per_step / dt / world}
-        if device_type == "cuda":
-            row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-            row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
-        reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
-        interval = plan.checkpoint.interval
-        if plan.checkpoint.enabled and ((interval and step % interval == 0) or step == t.steps):
-            state = {"step": step, "schedule": schedule.state_dict(), "data_step": step,
-                     "rng": torch.get_rng_state(), "model_shapes": ckpt.model_shapes(model),
-                     "mesh": dims.as_dict(), "plan": plan.source}
-            last_saved = ckpt.save(prep.ckpt_dir, step, model, optimizer, state,
-                                   plan.checkpoint.keep)
+    def save(step: int, reason: str) -> Path:
+        state = {"step": step, "schedule": schedule.state_dict(), "data_step": step,
+                 "rng": torch.get_rng_state(), "model_shapes": ckpt.model_shapes(model),
+                 "mesh": dims.as_dict(), "plan": plan.source, "reason": reason}
+        try:
+            return ckpt.save(prep.ckpt_dir, step, model, optimizer, state, plan.checkpoint.keep)
+        except ckpt.SaveFailed as e:
+            kept = f"the previous checkpoint {last_saved} is intact" if last_saved else \
+                "no earlier checkpoint exists"
+            raise TrainError(f"{e}; {kept}") from None
+
+    with Preemption(plan.checkpoint.on_signal) as preemption:
+        for step in range(start + 1, t.steps + 1):
+            t0 = time.perf_counter()
+            batch = local_batch(prep.corpus, t.seed, step, t.global_batch_size, t.seq_len,
+                                dp_rank, dims.dp)
+            record(step, batch)
+            batch = batch.to(device)
+            loss_sum = torch.zeros((), device=device)
+            for m in range(accum):
+                micro = batch[m * micro_size:(m + 1) * micro_size]
+                if can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
+                    model.set_requires_gradient_sync(m == accum - 1)
+                with plan.loss_context():
+                    logits = model(micro[:, :-1])
+                    # Mean over this micro-batch / accum: the sum over micro-batches is the mean
+                    # over the rank's batch, and FSDP's average over dp ranks the global mean.
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(),
+                                           micro[:, 1:].flatten()) / accum
+                    loss.backward()
+                loss_sum += _to_local_scalar(loss.detach())
+            # TP peers hold the same loss, so the world mean is the mean over dp ranks.
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+            loss_value = loss_sum.item() / world
+            grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                raise TrainError(
+                    f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
+                    f"diverged; stopped before the optimizer step (last checkpoint: "
+                    f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
+            lr = schedule.get_last_lr()[0]
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            losses.append(loss_value)
+            row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
+                   "tokens_per_s_per_device": tokens_per_step / dt / world}
+            if device_type == "cuda":
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+                row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
+            reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
+            hooks.after_step(rank, step)
+            stopped = preemption.agreed(device)
+            interval = plan.checkpoint.interval
+            if plan.checkpoint.enabled and (stopped or step == t.steps
+                                            or (interval and step % interval == 0)):
+                last_saved = save(step, Preemption.name(stopped) if stopped else "interval")
+            if stopped:
+                break
 
     steady = times[1:] or times
     mean_dt = sum(steady) / max(len(steady), 1)
@@ -231,45 +279,14 @@ def _run(prep: Prepared, mesh, device_type: str, overwrite: bool) -> dict:
         "checkpoint": str(last_saved) if last_saved else "none",
     }
     reporter.close(summary)
+    if stopped:
+        done = start + len(times)
+        where = (f"checkpoint saved at {last_saved}; continue with --resume"
+                 if plan.checkpoint.enabled else "checkpoints are off: nothing saved")
+        reporter.note(f"tpplan train: stopped by {Preemption.name(stopped)} after step {done}; "
+                      f"{where}")
+        summary["stopped"] = Preemption.name(stopped)
+        if rank == 0:
+            record_launch(prep.run_dir, stopped=summary["stopped"], step=done)
     summary["losses"], summary["step_times"] = losses, times
     return summary
-
-
-def _resume_step(prep: Prepared) -> int:
-    if prep.resume_from is None:
-        return 0
-    return ckpt.read_trainer_state(prep.resume_from)["step"]
-
-
-def _write_plan(prep: Prepared) -> None:
-    import yaml
-
-    with open(prep.run_dir / "plan.yaml", "w") as f:
-        f.write(f"# resolved from {prep.plan.source}\n")
-        yaml.safe_dump(prep.plan.to_dict(), f, sort_keys=False)
-
-
-def _trim_metrics(run_dir: Path, keep_up_to: int) -> None:
-    """A fresh run starts the metrics over; a resumed one drops rows past its checkpoint
-    (a killed run may have logged steps it never saved), so the file is one curve."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= keep_up_to]
-    path.write_text("".join(r + "\n" for r in rows))
-
-
-def _batch_recorder(prep: Prepared, rank: int, dp_rank: int, tp_rank: int):
-    if os.environ.get(RECORD_BATCHES_ENV) != "1":
-        return lambda step, batch: None
-    folder = prep.run_dir / "batches"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"rank{rank}.jsonl"
-
-    def record(step: int, batch: torch.Tensor) -> None:
-        digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
-        with open(path, "a") as out:
-            out.write(json.dumps({"step": step, "dp_rank": dp_rank, "tp_rank": tp_rank,
-                                  "digest": digest}) + "\n")
-    return record

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-__all__ = ["GPU_ONLY", "Reporter", "peak_flops"]
+__all__ = ["GPU_ONLY", "Reporter", "flops_per_token", "peak_flops"]
 
 GPU_ONLY = "n/a on CPU (GPU only)"
 
@@ -29,6 +30,13 @@ def peak_flops(device_type: str) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def flops_per_token(model: nn.Module, n_params: int, seq_len: int) -> float:
+    # 6N for the matmuls forward+backward, plus attention's 12·L·d·s (PaLM appendix B).
+    cfg = getattr(model, "config", None)
+    attn = 12 * cfg.n_layers * cfg.dim * seq_len if cfg is not None and hasattr(cfg, "dim") else 0
+    return 6 * n_params + attn
 
 
 def _fmt(v: Any) -> str:
@@ -51,7 +59,7 @@ class Reporter:
             self.console.width = 160  # CI logs: one line per step, never wrapped at 80
         # Kept open for the run and flushed per row: a killed run keeps what it logged.
         self.metrics = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
-        self.console.print(header)
+        self.console.print(header, soft_wrap=True, highlight=False)
         self.progress = None
         if self.console.is_terminal:
             self.progress = Progress(
@@ -77,8 +85,9 @@ class Reporter:
             self.console.print(f"step {row['step']:>6}  {info}", highlight=False)
 
     def note(self, text: str) -> None:
-        if self.active:
-            (self.progress.console if self.progress else self.console).print(text)
+        if self.active:  # one line however long its paths: tools and people grep for it
+            (self.progress.console if self.progress else self.console).print(
+                text, soft_wrap=True, highlight=False)
 
     def close(self, summary: dict[str, Any]) -> None:
         if not self.active:

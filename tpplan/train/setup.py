@@ -1,14 +1,16 @@
 """Everything checked before ``init_process_group``, so a mistake fails every rank together.
 
-Every rank parses the same plan, reads the same corpus and looks at the same checkpoint
-folder; each finds the same mistake and exits non-zero before any collective could hang.
+Every rank parses the same plan, reads the same corpus and looks at the same run folder;
+each finds the same mistake and exits non-zero before any collective could hang. Which
+checkpoints a resumed run may start from is decided here too (newest first); which of them
+is intact is checked after the process group starts (:mod:`.resume`), by all ranks at once.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import nn
@@ -18,14 +20,22 @@ from ..api import Plan, load
 from ..models import build_model
 from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
+from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
 from .data import Corpus, load_corpus
+from .runfolder import launch_id, preflight, read_launch
 
-__all__ = ["Prepared", "TrainError", "prepare"]
+__all__ = ["Prepared", "TrainError", "prepare", "run_folders"]
 
 
 class TrainError(Exception):
-    """A mistake outside the plan file (command line, run folder, checkpoint)."""
+    """A mistake outside the plan file (command line, run folder, checkpoint), or a run that
+    cannot go on. Raised on every rank alike and said once, by rank 0 -- unless
+    ``every_rank``: a failure only some ranks see (another rank died), said by each."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 @dataclass
@@ -37,30 +47,37 @@ class Prepared:
     corpus: Corpus
     run_dir: Path
     ckpt_dir: Path
-    resume_from: Path | None
+    # Checkpoints to resume from, newest first; the first intact one is used. Empty: fresh.
+    candidates: list[Path] = field(default_factory=list)
+    explicit: bool = False  # --resume named one step folder: no falling back
+    restarted: bool = False  # torchrun restarted this launch's workers
+    overwrite: bool = False  # a fresh start that removes what an earlier run wrote
+    notes: list[str] = field(default_factory=list)  # shown under the header on rank 0
 
 
-def _resume_path(resume: str | None, ckpt_dir: Path) -> Path | None:
-    if resume is None:
-        return None
+def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
+    """(run folder, checkpoint folder) of a plan."""
+    run_dir = Path(plan.metrics.run_dir or Path("runs") / Path(plan_path).stem)
+    return run_dir, Path(plan.checkpoint.dir) if plan.checkpoint.dir else run_dir / "checkpoints"
+
+
+def _candidates(resume: str, ckpt_dir: Path) -> tuple[list[Path], bool]:
+    """Checkpoints ``--resume`` may start from, newest first, and whether it named one."""
     if resume == "latest":
-        return ckpt.latest(ckpt_dir)  # None: nothing saved yet, start fresh
-    found = ckpt.find_checkpoint(Path(resume))
-    if found is None:
+        return ckpt.complete_checkpoints(ckpt_dir), False  # empty: nothing saved, start fresh
+    path = Path(resume)
+    if ckpt.is_step_folder(path) and path.is_dir():
+        if not ckpt.is_complete(path):
+            raise TrainError(f"--resume {resume}: an incomplete checkpoint (a save that did "
+                             f"not finish); resume from the folder holding it to use the "
+                             f"newest complete one")
+        return [path], True
+    found = ckpt.complete_checkpoints(path) or ckpt.complete_checkpoints(path / "checkpoints")
+    if not found:
         raise TrainError(f"--resume {resume}: not a complete checkpoint, and no complete "
-                         f"checkpoint (step-N/ with .metadata and {ckpt.TRAINER_FILE}) inside")
-    return found
-
-
-def _check_same_model(path: Path, model: nn.Module) -> None:
-    saved = ckpt.read_trainer_state(path).get("model_shapes", {})
-    now = ckpt.model_shapes(model)
-    if saved == now:
-        return
-    diff = [n for n in sorted(saved.keys() | now.keys()) if saved.get(n) != now.get(n)]
-    shown = ", ".join(f"{n}: saved {saved.get(n)} vs now {now.get(n)}" for n in diff[:4])
-    raise TrainError(f"checkpoint {path} is from a different model ({len(diff)} parameters "
-                     f"differ: {shown}{' ...' if len(diff) > 4 else ''})")
+                         f"checkpoint (step-N/ with .metadata, {ckpt.TRAINER_FILE} and "
+                         f"manifest.json) inside")
+    return found, False
 
 
 def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
@@ -96,13 +113,26 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         errs.add(f"the data has {len(corpus)} tokens, fewer than one sequence of "
                  f"{t.seq_len} + 1", where)
     errs.raise_if_any()
-    run_dir = Path(plan.metrics.run_dir or Path("runs") / Path(plan_path).stem)
-    ckpt_dir = Path(plan.checkpoint.dir) if plan.checkpoint.dir else run_dir / "checkpoints"
-    resume_from = _resume_path(resume, ckpt_dir)
-    if resume_from is not None:
-        _check_same_model(resume_from, model)
-    elif resume is None and not overwrite and ckpt.latest(ckpt_dir) is not None:
+    run_dir, ckpt_dir = run_folders(plan, plan_path)
+    if problem := restart_problem():
+        raise TrainError(problem)
+    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir)
+    if plan.checkpoint.enabled:
+        problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
+        if problem:
+            raise TrainError(problem)
+        prep.notes += [warning] if warning else []
+    # torchrun restarting this launch's workers: resume by itself, never wipe (--overwrite
+    # applied to the first round only).
+    prep.restarted = launch_id() is not None and read_launch(run_dir).get("launch") == launch_id()
+    if prep.restarted:
+        prep.candidates = ckpt.complete_checkpoints(ckpt_dir)
+    elif resume is not None:
+        prep.candidates, prep.explicit = _candidates(resume, ckpt_dir)
+    elif overwrite:
+        prep.overwrite = True
+    elif ckpt.latest(ckpt_dir) is not None:
         raise TrainError(f"{ckpt_dir} already holds checkpoints of an earlier run: pass --resume "
                          f"to continue it, --overwrite to start over, or "
                          f"--set metrics.run_dir=<new folder>")
-    return Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, resume_from)
+    return prep
