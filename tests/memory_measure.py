@@ -43,6 +43,8 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
     accum = len(measured["end_backward"])
     pairs = {
         "parameters": (predicted["parameters"], measured["parameters"]),
+        "buffers": (predicted["buffers"],  # rotary tables and the batch: steady
+                    measured["peak"]["Buffer"] + measured["peak"]["Inputs"]),
         "optimizer": (predicted["optimizer"], measured["optimizer"]),
         "gradients": (predicted["gradients"], measured["gradients"]),
         "fsdp_unsharded": (predicted["fsdp_unsharded"], measured["fsdp_unsharded_max"]),

@@ -40,8 +40,9 @@ def test_memory_per_part_and_peak_match_a_real_step(name, tmp_path):
     off = [r for r in rows if abs(r["ratio"] - 1) > TOLERANCE]
     assert not off, "\n".join(f"{r['part']}: predicted {r['predicted']}, measured "
                               f"{r['measured']}" for r in off)
-    assert {r["part"] for r in rows} >= {"parameters", "optimizer", "gradients", "activations",
-                                         "fsdp_unsharded", "peak"}
+    assert {r["part"] for r in rows} >= {"parameters", "buffers", "optimizer", "gradients",
+                                         "fsdp_unsharded", "accumulated_gradients",
+                                         "activations", "peak"}
 
 
 @pytest.mark.parametrize("extra", [

@@ -75,3 +75,32 @@ def main_exit(argv) -> int:
         return main(argv)
     except SystemExit as e:
         return int(e.code)
+
+
+def test_405b_on_4096_h100s_does_not_fit_and_a_checked_change_makes_it_fit(capsys):
+    """The case the docs walk through: Llama 3.1 405B, tp 8, 4,096 ranks, one 8,192-token
+    sequence per rank in fp32, against an H100."""
+    from rich.console import Console
+
+    from tpplan.commands.validate import render_fit
+
+    argv = ["validate", "--plan", PLAN, "--world-size", "4096", "--set", "model.config=405b",
+            "--set", "mesh.tp=8", "--set", "train.seq_len=8192",
+            "--set", "train.global_batch_size=512", "--device", "h100", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    f = data["fit"]
+    assert data["mesh"]["tp"] == 8 and data["world_size"] == 4096
+    assert not f["fits"] and f["headroom"] == f["capacity"] - f["needed"] < 0
+    assert f["needed"] == needed(data["memory_per_rank"]["peak"])
+    fitting = f["fitting"]
+    assert fitting is not None and fitting["fits"] and fitting["error"] is None
+    assert fitting["needed"] <= DEVICES["h100"].memory
+    # tp 16 cannot split 8 KV heads: said, not proposed.
+    tp16 = next(c for c in f["changes"] if c["set"] == ["mesh.tp=16"])
+    assert tp16["error"] and "n_kv_heads" in tp16["error"] and not tp16["fits"]
+    out = Console(record=True, width=200)
+    render_fit(out, f)
+    text = out.export_text()
+    assert "does not fit" in text and "short per rank" in text
+    assert f"fits with {fitting['change']}" in text
