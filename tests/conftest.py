@@ -40,3 +40,33 @@ def reference_run(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("reference") / "single"
     ok(tpplan_train(d, sets=["mesh.tp=1"]))
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """``tiny_hf("llama")`` / ``tiny_hf("qwen2", dtype="bfloat16")``: a HF model folder made by
+    scripts/make_tiny_hf.py (weights, tokenizer, chat.jsonl), once per session per kind."""
+    import subprocess
+
+    from helpers import cli_env
+
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", dtype: str = "float32") -> Path:
+        key = (family, dtype)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"),
+                            "--family", family, "--dtype", dtype, "--out", str(out)],
+                           check=True, capture_output=True, env=cli_env())
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_hf) -> Path:
+    """``scripts/make_tiny_hf.py --family llama``: config, weights, tokenizer with a chat
+    template marking assistant turns, chat.jsonl and chat-eval.jsonl (once per session)."""
+    return tiny_hf("llama")

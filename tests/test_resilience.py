@@ -201,14 +201,15 @@ def test_a_crafted_legacy_trainer_state_cannot_run_code(reference_run, tmp_path)
 
 def test_a_second_run_in_the_same_folder_is_refused_and_the_first_loses_nothing(tmp_path):
     d = tmp_path / "busy"
-    first = start_train(d, sets=["mesh.tp=1"], env={SLOW: "0.4"})
+    steps = 30  # 14 s still to go at step 2: the second run starts well inside it, even on a busy machine
+    first = start_train(d, sets=["mesh.tp=1", f"train.steps={steps}"], env={SLOW: "0.5"})
     wait_for_step(d, 2, first)
-    second = tpplan_train(d, "--overwrite", sets=["mesh.tp=1"])
+    second = tpplan_train(d, "--overwrite", sets=["mesh.tp=1", f"train.steps={steps}"])
     fails(second, f"error: {d} is in use by another run: process {first.pid} on "
                   f"{socket.gethostname()}", "is still running")
     out = finish(first)
     assert first.returncode == 0, out[-2000:]
-    assert steps_logged(d) == list(range(1, STEPS + 1))  # one curve, not interleaved
+    assert steps_logged(d) == list(range(1, steps + 1))  # one curve, not interleaved
     assert not (d / LOCK_FILE).exists()  # released on exit
 
 

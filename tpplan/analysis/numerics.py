@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
+from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import spawn
 
@@ -50,6 +51,7 @@ def reference_step(plan: Plan, tokens: torch.Tensor, seed: int) -> StepResult:
     """Forward and backward of the plan's model on one device, no parallelism."""
     torch.manual_seed(seed)
     model = build_model(plan.model, device="cpu").eval()  # eval: dropout off on both sides
+    apply_freeze(plan.freeze, model)  # what the plan freezes has no gradient on either side
     logits = model(tokens[:, :-1])
     loss = _loss(logits, tokens[:, 1:])
     loss.backward()

@@ -33,24 +33,22 @@ from ..plan.errors import CommandError, PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 from .outputs import atomic_output, model_inputs, refuse_inputs, write_text
 
-__all__ = ["export_checkpoint", "load_exported", "find_plan"]
+__all__ = ["checked_checkpoint", "export_checkpoint", "find_plan", "load_exported", "read_failure",
+           "read_weights"]
 
 SPEC_FILE = "tpplan-model.json"
 
 
-def _checkpoint(path: Path) -> Path:
-    found = find_checkpoint(path)
-    if found is None:
+def checked_checkpoint(path: Path) -> Path:
+    """The checkpoint ``path`` names (a step folder, or the latest complete one of a run or
+    ``checkpoints`` folder), checked against its manifest first (sizes, then every file's
+    SHA-256, as ``--resume`` does): a missing, damaged or unreadable one is one error naming
+    the file and the problem."""
+    checkpoint = find_checkpoint(Path(path))
+    if checkpoint is None:
         raise PlanErrors([PlanError(f"no complete checkpoint at '{path}' (a step-NNNNNN folder "
                                     "with .metadata, trainer.json and manifest.json, or a run "
                                     "folder holding one)")])
-    return found
-
-
-def _read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of ``checkpoint``, checked first against its manifest (sizes, then
-    every file's SHA-256, as ``--resume`` does); a damaged or unreadable file is one error
-    naming it and the problem."""
     try:
         check_structure(checkpoint)
         problems = check_contents(checkpoint)  # no process group: this process hashes all
@@ -59,11 +57,20 @@ def _read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CommandError(f"checkpoint {checkpoint} is damaged: {problems[0]}{more}")
+    return checkpoint
+
+
+def read_failure(checkpoint: Path, error: BaseException) -> CommandError:
+    """A checkpoint that passed the checks but does not read, as one line."""
+    return CommandError(f"checkpoint {checkpoint} cannot be read: {_diagnose(checkpoint, error)}")
+
+
+def read_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a :func:`checked_checkpoint`, all at once."""
     try:
         return read_model_state(checkpoint)
     except (Exception, CheckpointException) as e:  # DCP's own exception is a BaseException
-        raise CommandError(f"checkpoint {checkpoint} cannot be read: "
-                           f"{_diagnose(checkpoint, e)}") from None
+        raise read_failure(checkpoint, e) from None
 
 
 def _diagnose(checkpoint: Path, error: BaseException) -> str:
@@ -114,9 +121,9 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
     """Write ``out/model.safetensors`` and the model's description; return a summary."""
     from safetensors.torch import save_file
 
-    checkpoint = _checkpoint(Path(checkpoint))
+    checkpoint = checked_checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
-    state = _read_weights(checkpoint)
+    state = read_weights(checkpoint)
     if not state:
         raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
     if dtype:

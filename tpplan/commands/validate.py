@@ -64,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
     device = _device(args)
+    from ..train.pretrained import plan_problems
+
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
+    if not result.errors:  # the HF checkpoint a plan starts from, against its model
+        result.errors.extend(plan_problems(args.plan, args.overrides))
     if device is not None and "peak" in result.extra.get("memory_per_rank", {}):
         from ..analysis.fit import fit
 

@@ -178,6 +178,10 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
                                         spec.locs.get("config", spec.loc))])
         _builtin_kwargs(spec, spec.name, sizes)
         fn, kwargs = builder, {"config": config, **spec.kwargs}
+        if spec.pretrained and spec.name == "llama3":  # HF Llama weights: the folder's shapes
+            from .pretrained import builtin_llama
+
+            fn, kwargs = llama.Transformer, {"cfg": builtin_llama(spec)}
     try:
         with torch.device(device):
             model = fn(**kwargs)

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
@@ -164,10 +165,13 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     _check_sizes(spec)
     config = config or hf_config(spec)
     config.use_cache = False  # training: no KV cache
+    # fp32 parameters whatever dtype the config (or a bf16 checkpoint) names: the trainer's
+    # master weights; lower precision is the plan's mixed-precision setting.
+    options = dict(attn_implementation="sdpa", dtype=torch.float32)
     if spec.hf:
-        model = _model_class(spec)._from_config(config, attn_implementation="sdpa")
+        model = _model_class(spec)._from_config(config, **options)
     else:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, **options)
     model.register_forward_hook(_logits_only)
     model.init_std = _init_std_for(model, getattr(config, "initializer_range", 0.02))
     return model

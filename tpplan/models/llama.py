@@ -32,6 +32,14 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
+    # "interleaved": RoPE rotates consecutive pairs (Meta's layout); "half": it rotates
+    # dimension i with i + head_dim/2 (HuggingFace's rotate_half). The two differ only by a
+    # permutation of wq/wk rows within each head; weights loaded from HF use "half".
+    rope_layout: str = "interleaved"
+    # Llama 3.1's long-context frequency scaling: {factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings}; None: plain RoPE.
+    rope_scaling: dict | None = None
+    ffn_hidden: int | None = None  # the SwiGLU width as given (HF intermediate_size)
 
     def problems(self) -> list[tuple[tuple[str, ...], str]]:
         """What makes this configuration unbuildable: ``(fields at fault, reason)`` pairs,
@@ -50,6 +58,8 @@ class LlamaConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 \
                     or v == float("inf"):
                 out.append(((name,), f"must be a positive number, got {v!r}"))
+        if self.rope_layout not in ("interleaved", "half"):
+            out.append((("rope_layout",), f"must be 'interleaved' or 'half', got {self.rope_layout!r}"))
         if out:
             return out
         if self.n_heads % self.n_kv_heads:
@@ -68,6 +78,8 @@ class LlamaConfig:
 
     @property
     def hidden_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
         # Llama's rule: 2/3 of 4d, scaled, rounded up to multiple_of.
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
@@ -93,18 +105,38 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+def _scaled(freqs: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: long wavelengths divided by ``factor``, short ones
+    kept, a smooth blend between (as Meta's reference code and transformers do)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelen > old_len / low, freqs / factor, freqs)
+    middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(middle, blended, out)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None,
+               scaling: dict | None = None) -> torch.Tensor:
     """(s, hd/2, 2): cos and sin of each position times each rotary frequency."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling:
+        freqs = _scaled(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device).float(), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of ``x`` (bs, s, h, hd) by the angles in ``rope`` (s, hd/2, 2)."""
+def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
+    """Rotate pairs of ``x`` (bs, s, h, hd) by the angles in ``rope`` (s, hd/2, 2): pairs of
+    consecutive dimensions (``interleaved``) or dimension i with i + hd/2 (``half``)."""
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    if layout == "half":
+        a, b = x.float().chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).type_as(x)
     pairs = x.float().unflatten(-1, (-1, 2))  # (bs, s, h, hd/2, 2)
     a, b = pairs[..., 0], pairs[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
     out = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -113,6 +145,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rope_layout = cfg.rope_layout
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -124,7 +157,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, s, -1, self.head_dim)
         k = self.wk(x).view(bs, s, -1, self.head_dim)
         v = self.wv(x).view(bs, s, -1, self.head_dim)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
         # (bs, h, s, hd); kv heads are shared by h / kv query heads (the ratio survives TP)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True, enable_gqa=True)
@@ -166,12 +199,13 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: derived from the config, rebuilt by init_buffers after to_empty().
-        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta),
-                             persistent=False)
+        self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
+                                                scaling=cfg.rope_scaling), persistent=False)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         cfg = self.config
-        self.rope = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+        self.rope = rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device,
+                               scaling=cfg.rope_scaling)
 
     def init_std(self, name: str) -> float | None:
         """Initial std of parameter ``name`` (None: a norm weight, initialized to ones).

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
+from .freeze import apply_freeze
 from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
 from .report import ApplyReport
@@ -110,6 +111,8 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh) -> ApplyRepor
     if plan.fsdp is not None:
         apply_fsdp(model, dp_mesh(mesh), plan.fsdp, res)
         log.info("applied FSDP2: %d units + root on dp=%d", len(res.units), dims.dp)
+    if plan.freeze:  # last: SequenceParallel turns requires_grad on for the norms it shards
+        log.info("froze %d parameters", apply_freeze(plan.freeze, model))
     return ApplyReport(res, seconds=time.perf_counter() - start, model=model)
 
 

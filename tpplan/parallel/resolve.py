@@ -14,6 +14,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
+from .freeze import check_freeze
 from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
@@ -219,6 +220,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
         if bare:
             errs.add(bare, blocks.loc)
         target += hits
+    check_freeze(plan.freeze, model, errs)
     res.errors = _collapse_repeats(errs)
     return res
 

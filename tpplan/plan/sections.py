@@ -14,17 +14,19 @@ from .patterns import compile_pattern
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
-    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FSDPSpec, MeshSpec, ModelSpec,
+    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
-from .trainer import TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_metrics, parse_train
+from .trainer import (
+    TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_eval, parse_metrics, parse_train,
+)
 from .yamlio import LMap, LSeq
 
 __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
@@ -47,11 +49,15 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
     if doc.get("model") is None:
         return None
     r = Reader(errs, "model", doc["model"], doc.value_loc("model"),
-               ("name", "config", "factory", "kwargs", "hf", "hf_config"))
+               ("name", "config", "factory", "kwargs", "hf", "hf_config", "pretrained"))
     hf = r.get("hf", str, None)
     spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
                      hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
-                     locs=r.locs(), base_dir=str(Path(doc.loc.file).parent))
+                     locs=r.locs(), base_dir=str(Path(doc.loc.file).parent),
+                     pretrained=r.get("pretrained", str, None, "an HF checkpoint folder"))
+    if spec.pretrained and not (spec.name or spec.factory or spec.hf_config):
+        spec.hf_config = spec.pretrained  # an HF model: its config.json is in the folder
+        spec.locs.setdefault("hf_config", spec.locs["pretrained"])
     if hf or spec.hf_config:  # config: the HF config's fields (over hf_config's file)
         fields = r.get("config", LMap, LMap(r.m.loc), "a mapping of HF config fields")
         spec.hf_kwargs = dict(fields)
@@ -78,27 +84,37 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
 
 
 def parse_divide_by_tp(doc: LMap, errs: ErrorList) -> list[AttrRule]:
-    value = doc.get("divide_by_tp")
-    if value is None:
-        return []
-    if not isinstance(value, LSeq):
-        errs.add("'divide_by_tp' is a list of attribute paths such as "
-                 "layers.*.attention.n_heads", doc.value_loc("divide_by_tp"))
-        return []
     out = []
-    for i, item in enumerate(value):
-        loc = value.item_loc(i)
+    for item, loc in _items(doc, "divide_by_tp", errs, "'divide_by_tp' is a list of attribute "
+                            "paths such as layers.*.attention.n_heads"):
         if not isinstance(item, str) or "." not in item:
             errs.add(f"'{item}' is not an attribute path (module.path.attribute)", loc)
             continue
         module, _, attr = item.rpartition(".")
-        try:
-            compile_pattern(module)
-        except ValueError as e:
-            errs.add(f"bad pattern '{module}': {e}", loc)
-            continue
-        out.append(AttrRule(module, attr, loc))
+        if _pattern_ok(module, f"bad pattern '{module}'", loc, errs):
+            out.append(AttrRule(module, attr, loc))
     return out
+
+
+def _items(doc: LMap, key: str, errs: ErrorList, what: str):
+    """``(item, loc)`` of the list at ``key`` (nothing if absent; an error if not a list)."""
+    value = doc.get(key)
+    if value is None:
+        return
+    if not isinstance(value, LSeq):
+        errs.add(f"{what}, got {value!r}", doc.value_loc(key))
+        return
+    for i, item in enumerate(value):
+        yield item, value.item_loc(i)
+
+
+def _pattern_ok(pattern: str, what: str, loc, errs: ErrorList) -> bool:
+    try:
+        compile_pattern(pattern)
+        return True
+    except ValueError as e:
+        errs.add(f"{what}: {e}", loc)
+        return False
 
 
 def _dtype(r: Reader, key: str) -> str | None:
@@ -216,8 +232,25 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         compile=parse_compile(doc, errs),
         train=parse_train(doc, errs),
         data=parse_data(doc, errs),
+        eval=parse_eval(doc, errs),
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
+        freeze=parse_freeze(doc, errs),
     )
     errs.raise_if_any()
     return spec
+
+
+def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
+    """``freeze: [pattern, '!pattern', ...]``: parameter or module paths, ``!`` to exempt."""
+    out = []
+    for item, loc in _items(doc, "freeze", errs, "'freeze' must be a list of parameter or "
+                            "module patterns"):
+        if not isinstance(item, str):
+            errs.add(f"'freeze' entries are patterns (strings), got {item!r}", loc)
+            continue
+        frozen = not item.startswith("!")
+        pattern = item if frozen else item[1:]
+        if _pattern_ok(pattern, f"'freeze' pattern '{item}'", loc, errs):
+            out.append(FreezeRule(pattern, frozen, loc))
+    return out

@@ -10,21 +10,36 @@ No torch needed: dtypes are names (:func:`torch_dtype` turns one into a ``torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import Loc
 from .styles import StyleSpec
 
 __all__ = [
-    "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "FSDPSpec",
-    "MeshSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule", "TrainSpec", "Unit",
-    "DEFAULT_BLOCKS", "torch_dtype",
+    "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
+    "FreezeRule", "FSDPSpec", "MeshSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
+    "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
 ]
 
 # Names a plan may use for a dtype -> the canonical name (also torch's attribute name).
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 DEFAULT_BLOCKS = "layers.*"
+# How ``data.path`` is read with a tokenizer; ``auto`` goes by each file's suffix (and a
+# ``.jsonl`` whose first record holds ``messages`` is chat).
+DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "chat")
+
+
+def plan_relative(path: str, base_dir: str | None) -> str:
+    """A path written in a plan: a relative one is looked for next to the plan first, then
+    as given (from the working folder), as ``model.hf_config`` is."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).exists():
+        return str(Path(base_dir) / p)
+    return path
 
 
 def torch_dtype(name: str | None, default: str = "float32"):
@@ -56,6 +71,7 @@ class ModelSpec:
     hf: str | None = None
     hf_config: str | None = None
     hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
+    pretrained: str | None = None  # an HF checkpoint folder the weights start from
     base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
@@ -63,6 +79,14 @@ class ModelSpec:
     @property
     def is_hf(self) -> bool:
         return bool(self.hf or self.hf_config)
+
+    def path(self, given: str) -> Path:
+        """A path the model section names: relative ones next to the plan first, then from
+        the working folder."""
+        path = Path(given)
+        if not path.is_absolute() and self.base_dir and (Path(self.base_dir) / path).exists():
+            return Path(self.base_dir) / path
+        return path
 
 
 @dataclass
@@ -83,6 +107,17 @@ class AttrRule:
 
     pattern: str
     attribute: str
+    loc: Loc
+
+
+@dataclass
+class FreezeRule:
+    """One ``freeze`` entry: parameters (or modules: every parameter under them) whose path
+    the pattern matches stop training; ``!pattern`` trains them again. The last entry that
+    matches a parameter decides."""
+
+    pattern: str
+    frozen: bool  # False for a '!pattern' exception
     loc: Loc
 
 
@@ -156,12 +191,38 @@ class TrainSpec:
 
 @dataclass
 class DataSpec:
-    """``data:`` — null ``path`` reads the Python standard library's own sources."""
+    """``data:`` — null ``path`` reads the Python standard library's own sources; without a
+    ``tokenizer`` every file is bytes (vocabulary 256) or a ``.bin`` of uint16 tokens."""
 
     path: str | None = None
-    max_bytes: int = 4_000_000  # cap on the text read (the stdlib default stays fast)
+    max_bytes: int = 4_000_000  # cap on the source bytes read (the stdlib default stays fast)
+    tokenizer: str | None = None  # a tokenizer.json or a HF model/tokenizer folder
+    format: str = "auto"  # one of DATA_FORMATS
+    text_field: str = "text"  # the field of a .jsonl / .parquet record that holds the text
+    separator: str | None = None  # token between packed documents; null: the tokenizer's eos
+    base_dir: str | None = None  # the plan's folder: relative paths are looked for there first
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
+
+    def resolved(self, path: str | None) -> str | None:
+        return None if path is None else plan_relative(path, self.base_dir)
+
+
+@dataclass
+class EvalSpec:
+    """``eval:`` — validation loss on a held-out ``path`` (read like ``data.path``) or the
+    last ``fraction`` of the training data, every ``interval`` steps and at the end."""
+
+    path: str | None = None
+    fraction: float | None = None
+    interval: int = 0  # 0: only after the last step
+    batches: int | None = None  # global batches per evaluation; null: all the held-out data
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None or self.fraction is not None
 
 
 @dataclass
@@ -203,8 +264,10 @@ class PlanSpec:
     compile: CompileSpec = field(default_factory=CompileSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     data: DataSpec = field(default_factory=DataSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
+    freeze: list[FreezeRule] = field(default_factory=list)
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -1,4 +1,4 @@
-"""The trainer's sections of a plan: ``train``, ``data``, ``checkpoint``, ``metrics``.
+"""The trainer's sections of a plan: ``train``, ``data``, ``eval``, ``checkpoint``, ``metrics``.
 
 Parsed with every other section when a plan is loaded, so ``tpplan validate`` rejects
 exactly the keys and values ``tpplan train`` would: an unknown key, a boolean where a number
@@ -9,15 +9,17 @@ Checks that need the machine (does ``data.path`` exist?) are the trainer's own p
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from .errors import ErrorList
+from .errors import ErrorList, nearest
 from .reader import NUMBER, Reader
-from .specs import CheckpointSpec, DataSpec, MetricsSpec, TrainSpec
+from .specs import DATA_FORMATS, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec, TrainSpec
 from .yamlio import LMap, LSeq
 
-__all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_metrics", "parse_train"]
+__all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_eval", "parse_metrics",
+           "parse_train"]
 
-TRAINER_SECTIONS = ("train", "data", "checkpoint", "metrics")
+TRAINER_SECTIONS = ("train", "data", "eval", "checkpoint", "metrics")
 
 
 def _fields(cls: type) -> tuple[str, ...]:
@@ -87,8 +89,40 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
     d = DataSpec()
     r = Reader.section(errs, doc, "data", _fields(DataSpec))
     spec = DataSpec(path=r.get("path", str, None), max_bytes=r.get("max_bytes", int, d.max_bytes),
-                    loc=r.m.loc, locs=r.locs())
+                    tokenizer=r.get("tokenizer", str, None), format=r.get("format", str, d.format),
+                    text_field=r.get("text_field", str, d.text_field),
+                    separator=r.get("separator", str, None),
+                    base_dir=str(Path(doc.loc.file).parent), loc=r.m.loc, locs=r.locs())
     r.at_least("max_bytes", spec.max_bytes, 1)
+    if spec.format not in DATA_FORMATS:
+        errs.add(f"'data.format' must be one of {', '.join(DATA_FORMATS)}, got "
+                 f"'{spec.format}'{nearest(spec.format, DATA_FORMATS)}", r.loc("format"))
+        spec.format = d.format
+    if spec.tokenizer is None:
+        needs = [k for k in ("format", "separator", "text_field") if k in r.m
+                 and not (k == "format" and spec.format in ("auto", "text"))]
+        for key in needs:
+            errs.add(f"'data.{key}' needs 'data.tokenizer' (without one the data is read as "
+                     f"bytes)", r.loc(key))
+    return spec
+
+
+def parse_eval(doc: LMap, errs: ErrorList) -> EvalSpec:
+    r = Reader.section(errs, doc, "eval", _fields(EvalSpec))
+    spec = EvalSpec(path=r.get("path", str, None), fraction=r.number("fraction", None),
+                    interval=r.get("interval", int, 0), batches=r.get("batches", int, None),
+                    loc=r.m.loc, locs=r.locs())
+    r.at_least("interval", spec.interval, 0)
+    r.at_least("batches", spec.batches, 1)
+    if spec.fraction is not None and not 0 < spec.fraction < 1:
+        errs.add(f"'eval.fraction' must be between 0 and 1 (the share of the training data "
+                 f"held out), got {spec.fraction}", r.loc("fraction"))
+    if spec.path is not None and spec.fraction is not None:
+        errs.add("'eval' takes 'path' (a held-out file) or 'fraction' (of the training data), "
+                 "not both", r.loc("fraction"))
+    elif not spec.enabled and len(r.m):
+        errs.add("'eval' needs 'path' (a held-out file or folder, read like data.path) or "
+                 "'fraction' (e.g. 0.05 of the training data)", doc.key_loc("eval"))
     return spec
 
 

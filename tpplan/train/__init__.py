@@ -4,7 +4,8 @@ Built only on the public API (:func:`tpplan.load`, ``plan.build_mesh``, ``plan.a
 ``plan.loss_context``), so a user's own loop can do everything this one does.
 """
 
-from .loop import clip_grad_norm, lr_lambda, train
+from .loop import train
+from .optim import clip_grad_norm, lr_lambda
 from .setup import TrainError
 
 __all__ = ["TrainError", "clip_grad_norm", "lr_lambda", "train"]

@@ -1,13 +1,21 @@
-"""Tokens for training: byte-level text (vocabulary 256) or pre-tokenized uint16 ``.bin``.
+"""Tokens for training: byte-level text (vocabulary 256), pre-tokenized uint16 ``.bin``, or
+text and chats tokenized with a real tokenizer (:mod:`.corpora`).
 
 The default corpus needs no download and exists wherever Python does: the standard
 library's own ``.py`` sources, read in sorted order up to ``data.max_bytes``.
 
 Batches are a pure function of ``(seed, step, dp_rank)``: the global batch of a step is
-``global_batch_size`` windows at offsets drawn from a generator seeded by the run seed and
-the step, and each data-parallel rank takes its contiguous slice. So every TP peer (same
-dp rank) gets the identical batch, any mesh shape sees the same global batch, and the data
-position in a checkpoint is just the number of steps consumed.
+``global_batch_size`` windows chosen by a generator seeded by the run seed and the step,
+and each data-parallel rank takes its contiguous slice. So every TP peer (same dp rank)
+gets the identical batch, any mesh shape sees the same global batch, and the data position
+in a checkpoint is just the number of steps consumed.
+
+Bytes and ``.bin`` draw windows at random offsets. Tokenized data is *packed*: documents
+end to end, a separator token between them, cut into consecutive windows of ``seq_len``
+inputs (each window's last target is the next window's first input); every epoch visits
+each window once, in an order drawn from the seed and the epoch. There is no padding: the
+tokens after the last whole window are left out, so no window ever runs past the data.
+A tokenized corpus may carry a loss mask (chat: only the assistant's tokens count).
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Corpus", "global_batch", "load_corpus", "local_batch", "stdlib_dir"]
+__all__ = ["Batch", "Corpus", "DataError", "eval_batch", "global_batch", "load_corpus",
+           "local_batch", "step_batch", "stdlib_dir"]
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
 
@@ -32,14 +41,50 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+class DataError(Exception):
+    """A mistake in a data file (``file:line: ...``) or in what it holds; one line."""
+
+
 @dataclass
 class Corpus:
-    tokens: torch.Tensor  # 1-D int64
+    tokens: torch.Tensor  # 1-D integer (int64, or int32 memory-mapped from the cache)
     vocab_size: int  # smallest vocabulary that covers the tokens' alphabet
     source: str
+    # 1-D bool: token i counts in the loss as a target (chat: the assistant's); None: all do
+    mask: torch.Tensor | None = None
+    packed: bool = False  # consecutive windows (tokenized data), not random offsets
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    def windows(self, seq_len: int) -> int:
+        """How many whole packed windows of ``seq_len`` inputs (+1 target) it holds."""
+        return max((len(self) - 1) // seq_len, 0)
+
+    def split(self, fraction: float, seq_len: int) -> tuple["Corpus", "Corpus"]:
+        """(training, held-out): the last ``fraction`` of the windows held out, cut at a
+        window boundary so no window is in both."""
+        n = self.windows(seq_len)
+        held = max(1, round(n * fraction)) if n else 0
+        cut = (n - held) * seq_len
+        part = (lambda lo, hi: None) if self.mask is None else (lambda lo, hi: self.mask[lo:hi])
+        train = Corpus(self.tokens[:cut + 1], self.vocab_size, self.source, part(0, cut + 1),
+                       self.packed)
+        held_out = Corpus(self.tokens[cut:], self.vocab_size,
+                          f"last {fraction:g} of {self.source}", part(cut, None), True)
+        return train, held_out
+
+
+@dataclass
+class Batch:
+    """One data-parallel rank's share of a global batch."""
+
+    tokens: torch.Tensor  # (local batch, seq_len + 1) int64: inputs [:, :-1], targets [:, 1:]
+    mask: torch.Tensor | None  # (local batch, seq_len) bool over the targets; None: all count
+    count: int  # targets the loss counts in the *global* batch (its normaliser)
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.tokens.to(device), None if self.mask is None else self.mask.to(device)
 
 
 def _text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
@@ -99,13 +144,29 @@ def _bytes_to_tokens(raw: bytes) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
 
 
+def _starts(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int) -> torch.Tensor:
+    """First token of each window of step ``step``'s global batch."""
+    if not corpus.packed:
+        span = len(corpus) - seq_len - 1
+        g = torch.Generator().manual_seed(_mix(seed, step))
+        return torch.randint(0, span + 1, (batch,), generator=g)
+    n = corpus.windows(seq_len)
+    k = (step - 1) * batch + torch.arange(batch)  # window draws so far, over all epochs
+    epoch, pos = k // n, k % n
+    order = {int(e): torch.randperm(n, generator=torch.Generator().manual_seed(
+        _mix(seed, -1 - int(e)))) for e in epoch.unique()}
+    return torch.stack([order[int(e)][int(p)] for e, p in zip(epoch, pos)]) * seq_len
+
+
+def _take(corpus: Corpus, starts: torch.Tensor, seq_len: int):
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    mask = None if corpus.mask is None else corpus.mask[idx[:, 1:]]
+    return corpus.tokens[idx].long(), mask
+
+
 def global_batch(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int) -> torch.Tensor:
     """(batch, seq_len + 1) windows of step ``step``: inputs ``[:, :-1]``, targets ``[:, 1:]``."""
-    span = len(corpus) - seq_len - 1
-    g = torch.Generator().manual_seed(_mix(seed, step))
-    starts = torch.randint(0, span + 1, (batch,), generator=g)
-    idx = starts[:, None] + torch.arange(seq_len + 1)
-    return corpus.tokens[idx]
+    return _take(corpus, _starts(corpus, seed, step, batch, seq_len), seq_len)[0]
 
 
 def local_batch(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int,
@@ -114,6 +175,29 @@ def local_batch(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int,
     full = global_batch(corpus, seed, step, batch, seq_len)
     per = batch // dp
     return full[dp_rank * per:(dp_rank + 1) * per]
+
+
+def _share(corpus: Corpus, starts: torch.Tensor, seq_len: int, dp_rank: int, dp: int) -> Batch:
+    tokens, mask = _take(corpus, starts, seq_len)
+    count = tokens[:, 1:].numel() if mask is None else int(mask.sum())
+    per = len(starts) // dp
+    part = slice(dp_rank * per, (dp_rank + 1) * per)
+    return Batch(tokens[part], None if mask is None else mask[part], count)
+
+
+def step_batch(corpus: Corpus, seed: int, step: int, batch: int, seq_len: int,
+               dp_rank: int, dp: int) -> Batch:
+    """This rank's slice of step ``step``'s global batch, with its loss mask and the global
+    batch's count of loss targets (the same on every rank: no collective needed)."""
+    return _share(corpus, _starts(corpus, seed, step, batch, seq_len), seq_len, dp_rank, dp)
+
+
+def eval_batch(corpus: Corpus, index: int, batch: int, seq_len: int, dp_rank: int,
+               dp: int) -> Batch:
+    """The ``index``-th global batch of held-out windows, in order (every evaluation sees the
+    same ones)."""
+    starts = (index * batch + torch.arange(batch)) * seq_len
+    return _share(corpus, starts, seq_len, dp_rank, dp)
 
 
 def _mix(seed: int, step: int) -> int:

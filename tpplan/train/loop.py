@@ -5,20 +5,18 @@ an intact checkpoint (:mod:`.resume`) -> ``plan.apply`` on the meta model -> ``t
 seeded init -> AdamW + warmup/cosine -> resume -> steps with gradient accumulation and
 clipping -> DCP checkpoints. A non-finite loss or gradient norm stops the run before the
 optimizer step; SIGTERM/SIGINT stops it after the step, with a checkpoint (:mod:`.signals`).
+The loss is the mean over the global batch's counted targets (:mod:`.evaluate`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import checkpoint as ckpt
@@ -26,56 +24,17 @@ from ..models import init_weights, materialize
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
-from .data import local_batch
+from .data import step_batch
+from .evaluate import Evaluation, summed_loss
+from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
+from .pretrained import load as load_pretrained
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 
-__all__ = ["clip_grad_norm", "lr_lambda", "train"]
-
-
-def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
-    """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warmup, then cosine
-    from ``lr`` down to ``min_lr`` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    span = max(total - warmup, 1)
-    progress = min((step - warmup) / span, 1.0)
-    floor = min_lr / lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (clipped to ``max_norm`` if given), correct for
-    DTensor gradients on any mix of meshes and placements.
-
-    Norms are computed per (mesh, placements) group -- a group's norm of sharded DTensors is
-    a Partial DTensor and ``full_tensor()`` reduces it over exactly the ranks that hold
-    shards -- then combined as the root of the sum of squares. One ``get_total_norm`` over
-    mixed groups would fail or double-count.
-    """
-    params = [p for p in params if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = p.grad
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
-        groups[key].append(g)
-    squares = []
-    for grads in groups.values():
-        n = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(n, DTensor):
-            n = n.full_tensor()
-        squares.append(n.float() ** 2)
-    total = torch.stack([s.cpu() for s in squares]).sum().sqrt() if squares else torch.zeros(())
-    if max_norm is not None:
-        coef = min(max_norm / (float(total) + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-    return float(total)
+__all__ = ["train"]
 
 
 def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
@@ -163,9 +122,13 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
 
     model = plan.apply(prep.model, mesh)
     materialize(model, device)
-    init_method = init_weights(model, t.seed, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
-                                  weight_decay=t.weight_decay)
+    if claimed.resume_from is not None:  # the checkpoint's weights replace these below
+        init_method = f"{init_weights(model, t.seed, device)} init, then the checkpoint's"
+    elif prep.pretrained is not None:
+        init_method = load_pretrained(prep.pretrained, model)
+    else:
+        init_method = init_weights(model, t.seed, device) + " init"
+    optimizer, trained = make_optimizer(model, t)  # over what `freeze` leaves training
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr))
     if claimed.resume_from is not None:
@@ -179,7 +142,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     peak = peak_flops(device_type)
     flops_token = flops_per_token(model, n_params, t.seq_len)
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
-              f"{n_params / 1e6:.2f}M params ({init_method} init) | data {prep.corpus.source}, "
+              f"{n_params / 1e6:.2f}M params{trained_summary(trained, n_params)} "
+              f"({init_method}) | data {prep.corpus.source}, "
               f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
               f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
               f"run folder {prep.run_dir}")
@@ -192,6 +156,9 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
     record = hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank)
     can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
+    # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
+    dp_scale = dims.dp if plan.fsdp is not None else 1
+    evaluation = Evaluation(prep, model, micro_size, dp_rank, device)
     times, losses, stopped = [], [], 0
     last_saved = claimed.resume_from
 
@@ -209,26 +176,24 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     with Preemption(plan.checkpoint.on_signal) as preemption:
         for step in range(start + 1, t.steps + 1):
             t0 = time.perf_counter()
-            batch = local_batch(prep.corpus, t.seed, step, t.global_batch_size, t.seq_len,
-                                dp_rank, dims.dp)
-            record(step, batch)
-            batch = batch.to(device)
+            batch = step_batch(prep.corpus, t.seed, step, t.global_batch_size, t.seq_len,
+                               dp_rank, dims.dp)
+            record(step, batch.tokens)
+            tokens, mask = batch.to(device)
+            count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
             loss_sum = torch.zeros((), device=device)
             for m in range(accum):
-                micro = batch[m * micro_size:(m + 1) * micro_size]
+                part = slice(m * micro_size, (m + 1) * micro_size)
                 if can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
                     model.set_requires_gradient_sync(m == accum - 1)
                 with plan.loss_context():
-                    logits = model(micro[:, :-1])
-                    # Mean over this micro-batch / accum: the sum over micro-batches is the mean
-                    # over the rank's batch, and FSDP's average over dp ranks the global mean.
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(),
-                                           micro[:, 1:].flatten()) / accum
-                    loss.backward()
+                    loss = summed_loss(model(tokens[part, :-1]), tokens[part],
+                                       None if mask is None else mask[part]) / count
+                    (loss * dp_scale).backward()
                 loss_sum += _to_local_scalar(loss.detach())
-            # TP peers hold the same loss, so the world mean is the mean over dp ranks.
+            # TP peers hold the same partial sums: the world's total over tp is the global mean.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-            loss_value = loss_sum.item() / world
+            loss_value = loss_sum.item() / dims.tp
             grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 raise TrainError(
@@ -247,9 +212,12 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
             row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                    "tokens_per_s_per_device": tokens_per_step / dt / world}
+            if batch.mask is not None:
+                row["loss_tokens"] = batch.count
             if device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
+            row.update(evaluation.after(step))
             reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
             hooks.after_step(rank, step)
             stopped = preemption.agreed(device)
@@ -267,6 +235,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
         "mesh": str(dims), "device": f"{world} × {device_type}",
         "first loss": losses[0] if losses else float("nan"),
         "final loss": losses[-1] if losses else float("nan"),
+        **evaluation.summary(),
         "step time (s, excl. first)": mean_dt,
         "tokens/s (global)": tokens_per_step / mean_dt if mean_dt else 0.0,
         "tokens/s per device": tokens_per_step / mean_dt / world if mean_dt else 0.0,

@@ -1,7 +1,8 @@
 """What the user sees on rank 0, and the metrics every run keeps.
 
-On a terminal: a rich progress bar with step, loss, grad norm, lr and tokens/s (and on
-GPU MFU and peak memory). Not on a terminal (CI logs, pipes): one plain line per log step.
+On a terminal: a rich progress bar with step, loss, grad norm, lr and tokens/s (with an
+``eval`` section, the validation loss and perplexity on the steps it runs; on GPU, MFU and
+peak memory). Not on a terminal (CI logs, pipes): one plain line per log step.
 Always: ``metrics.jsonl`` in the run folder and a summary table at the end.
 """
 
@@ -77,6 +78,8 @@ class Reporter:
         self.metrics.flush()
         info = (f"loss {row['loss']:.4f}  gnorm {row['grad_norm']:.3g}  lr {row['lr']:.3g}  "
                 f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_device']:,.0f}/dev)")
+        if "eval_loss" in row:
+            info += f"  val {row['eval_loss']:.4f} (ppl {row['eval_ppl']:.4g})"
         if row.get("mfu") is not None:
             info += f"  mfu {row['mfu']:.1%}  mem {row['peak_mem_gib']:.1f} GiB"
         if self.progress is not None:

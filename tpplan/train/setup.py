@@ -22,7 +22,9 @@ from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
 from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
-from .data import Corpus, load_corpus
+from . import pretrained
+from .corpora import load_corpora
+from .data import Corpus, DataError
 from .runfolder import launch_id, preflight, read_launch
 
 __all__ = ["Prepared", "TrainError", "prepare", "run_folders"]
@@ -53,6 +55,8 @@ class Prepared:
     restarted: bool = False  # torchrun restarted this launch's workers
     overwrite: bool = False  # a fresh start that removes what an earlier run wrote
     notes: list[str] = field(default_factory=list)  # shown under the header on rank 0
+    pretrained: pretrained.Pretrained | None = None  # model.pretrained, checked
+    eval_corpus: Corpus | None = None  # held-out data (the eval section), None: no eval
 
 
 def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
@@ -88,7 +92,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     t, data = plan.train, plan.data
     errs = ErrorList()
     where = data.locs.get("path", data.loc)
-    if data.path is not None and not Path(data.path).exists():
+    if data.path is not None and not Path(data.resolved(data.path)).exists():
         errs.add(f"data.path '{data.path}' does not exist (a text file, a folder of text files, "
                  f"or a .bin of uint16 tokens; null = the Python standard library)", where)
     try:  # reported together with the data path: every mistake at once
@@ -99,24 +103,38 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     errs.raise_if_any()
     model = build_model(plan.model, device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
+    source = pretrained.check(plan.model, model) if plan.model.pretrained else None
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is not None and t.seq_len > max_len:
         errs.add(f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={max_len}",
                  t.locs.get("seq_len", t.loc))
     errs.raise_if_any()
-    corpus = load_corpus(data.path, data.max_bytes)
     vocab = vocab_size(model)
+    run_dir, ckpt_dir = run_folders(plan, plan_path)
+    try:
+        corpora = load_corpora(data, plan.eval, run_dir, vocab, t.seq_len)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    corpus = corpora.train
     if vocab is not None and corpus.vocab_size > vocab:
         errs.add(f"the data has tokens up to {corpus.vocab_size - 1} but the model's vocabulary "
                  f"is {vocab}", where)
     if len(corpus) < t.seq_len + 2:
         errs.add(f"the data has {len(corpus)} tokens, fewer than one sequence of "
                  f"{t.seq_len} + 1", where)
+    elif corpus.packed and corpus.windows(t.seq_len) < t.global_batch_size:
+        errs.add(f"the data packs into {corpus.windows(t.seq_len)} windows of {t.seq_len} "
+                 f"tokens, fewer than one global batch of {t.global_batch_size}", where)
+    ev = corpora.eval
+    if ev is not None and ev.windows(t.seq_len) < t.global_batch_size:
+        errs.add(f"the held-out data has {ev.windows(t.seq_len)} windows of {t.seq_len} tokens, "
+                 f"fewer than one global batch of {t.global_batch_size}",
+                 plan.eval.locs.get("path", plan.eval.locs.get("fraction", plan.eval.loc)))
     errs.raise_if_any()
-    run_dir, ckpt_dir = run_folders(plan, plan_path)
     if problem := restart_problem():
         raise TrainError(problem)
-    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir)
+    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, eval_corpus=ev,
+                    notes=list(corpora.notes), pretrained=source)
     if plan.checkpoint.enabled:
         problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
         if problem:

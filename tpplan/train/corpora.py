@@ -1,0 +1,131 @@
+"""The training and held-out corpora a plan asks for (``data`` and ``eval`` sections).
+
+Without ``data.tokenizer``: bytes or ``.bin``, as always. With one: the sources are read
+(:mod:`.sources`), tokenized (:mod:`.tokens`, chats by :mod:`.chat`) and packed -- each
+document followed by the separator token -- into the run folder's token cache
+(:mod:`.cache`), once. A chat's separator is not a loss target (the template's own end of
+turn is); a text's is (the model learns where documents end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..plan import ErrorList
+from ..plan.specs import DataSpec, EvalSpec
+from .cache import CACHE_DIR, Made, cached, file_digest
+from .chat import render_chat
+from .data import Corpus, DataError, load_corpus
+from .sources import read_documents, source_files
+from .tokens import TextTokenizer
+
+__all__ = ["Corpora", "load_corpora"]
+
+ENCODE_CHUNK = 256  # texts encoded together (the tokenizers library batches in Rust)
+
+
+@dataclass
+class Corpora:
+    train: Corpus
+    eval: Corpus | None = None
+    notes: list[str] = field(default_factory=list)  # for the header, rank 0
+
+
+def _tokenizer(data: DataSpec, model_vocab: int | None) -> TextTokenizer:
+    errs = ErrorList()
+    where = data.locs.get("tokenizer", data.loc)
+    path = Path(data.resolved(data.tokenizer))
+    if not path.exists():
+        errs.add(f"data.tokenizer '{data.tokenizer}' does not exist (a tokenizer.json, or a "
+                 f"HuggingFace model or tokenizer folder)", where)
+        errs.raise_if_any()
+    try:
+        tok = TextTokenizer(path)
+        vocab = tok.vocab_size
+    except DataError as e:
+        errs.add(str(e), where)
+        errs.raise_if_any()
+    if model_vocab is not None and vocab > model_vocab:
+        errs.add(f"data.tokenizer {path} has a vocabulary of {vocab} tokens, more than the "
+                 f"model's {model_vocab}: its ids past {model_vocab - 1} have no embedding",
+                 where)
+    errs.raise_if_any()
+    return tok
+
+
+def _tokenized(role: str, path: Path, data: DataSpec, tok: TextTokenizer,
+               cache_dir: Path) -> tuple[Corpus, str]:
+    files = source_files(path, data.format)
+    if not files:
+        raise DataError(f"{path}: no {data.format} files in this folder")
+    sep_name, sep = tok.separator(data.separator)
+    key = {"sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size,
+                        "sha256": file_digest(f)} for f in files],
+           "tokenizer": tok.identity(), "format": data.format, "text_field": data.text_field,
+           "separator": sep_name, "max_bytes": data.max_bytes}
+
+    def build(made: Made) -> None:
+        texts: list[str] = []
+
+        def flush() -> None:
+            for ids in tok.encode(texts):
+                made.add(ids + [sep], [True] * (len(ids) + 1))
+            texts.clear()
+
+        for doc in read_documents(files, data.format, data.text_field, data.max_bytes):
+            made.documents += 1
+            if doc.is_chat:
+                flush()  # keep the documents' order
+                ids, mask = render_chat(tok.hf, doc.value, doc.where)
+                made.add(ids + [sep], mask + [False])
+            else:
+                texts.append(doc.value)
+                if len(texts) >= ENCODE_CHUNK:
+                    flush()
+        flush()
+
+    tokens, mask, manifest, reused = cached(cache_dir, role, key, build)
+    source = f"{path} ({manifest['documents']} documents, tokenizer {tok.path})"
+    counted = (f", {manifest['loss_tokens']:,} of them assistant tokens (the loss)"
+               if manifest["masked"] else "")
+    note = (f"{role} tokens: {manifest['tokens']:,}{counted}; "
+            f"{'reused' if reused else 'made'} {cache_dir / role}.tokens")
+    return Corpus(tokens, manifest["max_token"] + 1, source, mask, packed=True), note
+
+
+def _read(role: str, path: str, data: DataSpec, tok: TextTokenizer | None,
+          cache_dir: Path) -> tuple[Corpus, list[str]]:
+    if tok is None:
+        return load_corpus(path, data.max_bytes), []
+    corpus, note = _tokenized(role, Path(path), data, tok, cache_dir)
+    return corpus, [note]
+
+
+def load_corpora(data: DataSpec, ev: EvalSpec, run_dir: Path, model_vocab: int | None,
+                 seq_len: int) -> Corpora:
+    """Read (or map from the cache) what the plan trains and evaluates on. Raises
+    PlanErrors for a mistake in the plan, DataError (one line) for one in the data."""
+    errs = ErrorList()
+    path = data.resolved(data.path)
+    if data.tokenizer is not None and path is not None and path.endswith(".bin"):
+        errs.add(f"data.path '{data.path}' is pre-tokenized (.bin): leave data.tokenizer out",
+                 data.locs.get("tokenizer", data.loc))
+    if data.tokenizer is not None and path is None:
+        errs.add("data.tokenizer needs data.path (the text or chats to tokenize)",
+                 data.locs.get("tokenizer", data.loc))
+    eval_path = ev.path and data.resolved(ev.path)
+    if eval_path is not None and not Path(eval_path).exists():
+        errs.add(f"eval.path '{ev.path}' does not exist", ev.locs.get("path", ev.loc))
+    errs.raise_if_any()
+    tok = _tokenizer(data, model_vocab) if data.tokenizer is not None else None
+    cache_dir = run_dir / CACHE_DIR
+    train, notes = _read("train", path, data, tok, cache_dir)
+    out = Corpora(train, notes=notes)
+    if eval_path is not None:
+        out.eval, more = _read("eval", eval_path, data, tok, cache_dir)
+        out.eval.packed = True
+        out.notes += more
+    elif ev.fraction is not None:
+        out.train, out.eval = train.split(ev.fraction, seq_len)
+    return out

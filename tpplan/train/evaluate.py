@@ -1,0 +1,103 @@
+"""The loss over the targets that count, and the held-out evaluation.
+
+One normalisation everywhere: the loss of a step is the *sum* of cross-entropy over the
+global batch's counted targets (every target, or a chat's assistant tokens only) divided
+by their global count, which every rank knows without a collective (:class:`.data.Batch`).
+So the loss does not depend on how the batch is cut into micro-batches or ranks: each
+micro-batch contributes ``sum / count``, and since FSDP2 *averages* gradients over the
+``dp`` data-parallel ranks, each rank scales its part by ``dp``. Ignored targets are
+``-100``, which PyTorch's ``loss_parallel`` cross-entropy honours like the plain one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .data import Batch, Corpus, eval_batch
+
+__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "summed_loss"]
+
+IGNORE_INDEX = -100
+
+
+def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+    """Sum of cross-entropy over the counted targets of ``tokens[:, 1:]`` (call it inside
+    ``plan.loss_context()``: ``logits`` may be vocabulary-sharded)."""
+    targets = tokens[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(~mask, IGNORE_INDEX)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -> int:
+    """Global batches one evaluation runs: ``wanted`` (all when None), at most what the
+    held-out data holds."""
+    whole = corpus.windows(seq_len) // batch
+    return whole if wanted is None else min(wanted, whole)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: int,
+             batch: int, seq_len: int, micro: int, dp_rank: int, dp: int,
+             device: torch.device) -> tuple[float, float]:
+    """(loss, perplexity) over ``batches`` global batches of held-out windows: the mean over
+    every counted target of all of them, the same on any mesh. Collective."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, targets)
+    for i in range(batches):
+        b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
+        tokens = b.tokens.to(device)
+        mask = None if b.mask is None else b.mask.to(device)
+        for m in range(0, len(tokens), micro):
+            part = None if mask is None else mask[m:m + micro]
+            with loss_context():
+                s = summed_loss(model(tokens[m:m + micro, :-1]), tokens[m:m + micro], part)
+            total[0] += _local(s).double()
+            total[1] += tokens[m:m + micro, 1:].numel() if part is None else part.sum()
+    # TP peers add the same sums as their dp rank: both totals grow alike, the ratio holds.
+    dist.all_reduce(total)
+    model.train(was_training)
+    loss = float(total[0] / total[1].clamp(min=1))
+    return loss, math.exp(min(loss, 700.0))
+
+
+class Evaluation:
+    """The ``eval`` section in a run: after which steps to evaluate, and the last result."""
+
+    def __init__(self, prep, model: nn.Module, micro: int, dp_rank: int, device: torch.device):
+        self.prep, self.model, self.micro, self.dp_rank, self.device = \
+            prep, model, micro, dp_rank, device
+        t, corpus = prep.plan.train, prep.eval_corpus
+        self.batches = 0 if corpus is None else eval_batches(
+            corpus, prep.plan.eval.batches, t.global_batch_size, t.seq_len)
+        self.last: dict[str, float] = {}
+
+    def after(self, step: int) -> dict[str, float]:
+        """``{eval_loss, eval_ppl}`` for the metrics row when ``step`` is due, else ``{}``.
+        Collective: every rank calls it after every step."""
+        plan = self.prep.plan
+        t, interval = plan.train, plan.eval.interval
+        if not self.batches or not (step == t.steps or (interval and step % interval == 0)):
+            return {}
+        loss, ppl = evaluate(self.model, plan.loss_context, self.prep.eval_corpus, self.batches,
+                             t.global_batch_size, t.seq_len, self.micro, self.dp_rank,
+                             self.prep.dims.dp, self.device)
+        self.last = {"eval loss": loss, "eval perplexity": ppl}
+        return {"eval_loss": loss, "eval_ppl": ppl}
+
+    def summary(self) -> dict[str, float]:
+        return dict(self.last)

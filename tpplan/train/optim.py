@@ -1,0 +1,70 @@
+"""The optimizer side of a step: AdamW over the trained parameters, its learning-rate
+schedule, and gradient clipping that is right for DTensor gradients on any mesh."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["clip_grad_norm", "lr_lambda", "make_optimizer", "trained_summary"]
+
+
+def make_optimizer(model: nn.Module, t) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    """AdamW over the parameters that train (``freeze`` sets the others' ``requires_grad``
+    off: no gradient, no optimizer state) and the list of them."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trained, lr=t.lr, betas=t.betas, eps=t.eps,
+                             weight_decay=t.weight_decay), trained
+
+
+def trained_summary(trained: list, n_params: int) -> str:
+    """``, 0.50M trained (the rest frozen)`` for the header; empty when everything trains."""
+    n = sum(p.numel() for p in trained)
+    return "" if n == n_params else f", {n / 1e6:.2f}M trained (the rest frozen)"
+
+
+def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
+    """Multiplier of ``lr`` at optimizer step ``step`` (0-based): linear warmup, then cosine
+    from ``lr`` down to ``min_lr`` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    floor = min_lr / lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:
+    """Global L2 norm of all gradients (clipped to ``max_norm`` if given), correct for
+    DTensor gradients on any mix of meshes and placements.
+
+    Norms are computed per (mesh, placements) group -- a group's norm of sharded DTensors is
+    a Partial DTensor and ``full_tensor()`` reduces it over exactly the ranks that hold
+    shards -- then combined as the root of the sum of squares. One ``get_total_norm`` over
+    mixed groups would fail or double-count.
+    """
+    params = [p for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
+        groups[key].append(g)
+    squares = []
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        squares.append(n.float() ** 2)
+    total = torch.stack([s.cpu() for s in squares]).sum().sqrt() if squares else torch.zeros(())
+    if max_norm is not None:
+        coef = min(max_norm / (float(total) + 1e-6), 1.0)
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return float(total)

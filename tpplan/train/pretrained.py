@@ -1,0 +1,138 @@
+"""Starting from HF weights (``model.pretrained``): checked before the process group starts,
+read slice by slice after the model is parallelized.
+
+:func:`check` compares the folder's tensors (headers only) with the model's, on every rank
+alike, and raises located errors naming every missing, unexpected and wrongly-shaped
+tensor and every missing shard. :func:`load` then reads each rank's own slices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..api import load as load_plan
+from ..checkpoint import hf_weights
+from ..models import build_model, materialize
+from ..models.pretrained import expected_tensors, hf_name_map, pretrained_dir
+from ..parallel.mesh import dp_rank
+from ..parallel.runtime import spawn
+from ..plan import ErrorList
+from ..plan.specs import ModelSpec
+
+__all__ = ["Pretrained", "check", "first_logits", "load"]
+
+DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
+          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+@dataclass
+class Pretrained:
+    folder: Path
+    names: set[str]  # checkpoint names to read
+    aliases: dict[str, str] = field(default_factory=dict)  # model tensor <- checkpoint tensor
+    dtypes: str = ""  # the checkpoint's dtypes, e.g. "bfloat16"
+
+    def describe(self) -> str:
+        return f"pretrained {self.folder} ({len(self.names)} tensors, {self.dtypes})"
+
+
+def _tied(folder: Path) -> bool:
+    try:
+        return bool(json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check(spec: ModelSpec, model: nn.Module) -> Pretrained:
+    """What ``model.pretrained`` holds against ``model`` (unparallelized, on meta): every
+    problem at once, located at the ``pretrained`` line."""
+    folder = pretrained_dir(spec)
+    loc = spec.locs.get("pretrained", spec.loc)
+    errs = ErrorList()
+    if not folder.is_dir():
+        errs.add(f"model.pretrained: '{folder}' is not a folder (an HF checkpoint: config.json "
+                 f"and *.safetensors)", loc)
+        errs.raise_if_any()
+    found, problems = hf_weights.read_index(folder)
+    expected = expected_tensors(model)
+    to_hf = hf_name_map(model)
+    everything = {to_hf(n) for n in model.state_dict()} - {None}
+    aliases = {}
+    if _tied(folder) and "lm_head.weight" in expected and "lm_head.weight" not in found:
+        aliases["lm_head.weight"] = "model.embed_tokens.weight"  # a tied head, held untied
+    for p in problems + (hf_weights.mismatches(expected, found, everything - set(expected),
+                                               aliases) if found else []):
+        errs.add(f"model.pretrained: {p}", loc)
+    errs.raise_if_any()
+    kinds = Counter(DTYPES.get(found[n].dtype, found[n].dtype) for n in expected if n in found)
+    return Pretrained(folder, set(expected), aliases, ", ".join(sorted(kinds)))
+
+
+def load(source: Pretrained, model: nn.Module) -> str:
+    """Read the checkpoint into the parallelized, materialized model; the header's word for it."""
+    hf_weights.load(source.folder, model, hf_name_map(model), source.names, source.aliases)
+    return source.describe()
+
+
+def _logits_worker(rank: int, world: int, port: int, plan_path: str, overrides: list[str],
+                   tokens: torch.Tensor, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    plan = load_plan(plan_path, overrides)
+    model = build_model(plan.model, device="meta", real_buffers=True)
+    source = check(plan.model, model)
+    mesh = plan.build_mesh("cpu")
+    try:
+        model = plan.apply(model, mesh)
+        materialize(model, "cpu")
+        load(source, model)
+        model.eval()
+        dims = plan.parallel_dims(world)
+        local = tokens.chunk(dims.dp)[dp_rank(mesh)]
+        with torch.no_grad(), plan.loss_context():
+            logits = model(local)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        if mesh["tp"].get_local_rank() == 0:
+            torch.save(logits, Path(out) / f"dp{dp_rank(mesh)}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def first_logits(plan_path: str, overrides: list[str], world_size: int,
+                 tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of ``tokens`` (batch, seq) from the plan's model as ``tpplan train`` starts it:
+    built on meta, parallelized on ``world_size`` gloo processes, pretrained weights read
+    slice by slice. The whole batch, gathered: to hold against transformers' own forward."""
+    with tempfile.TemporaryDirectory(prefix="tpplan-load-") as out:
+        spawn(_logits_worker, world_size, plan_path, list(overrides), tokens, out)
+        return torch.cat([torch.load(p) for p in sorted(Path(out).glob("dp*.pt"))])
+
+
+def plan_problems(plan_path: str, overrides) -> list:
+    """``model.pretrained`` of the plan at ``plan_path`` checked against its model, for
+    ``validate``: the located errors, or none (a plan that does not load, or has no
+    ``pretrained``, is the dry run's to report)."""
+    from ..plan import PlanErrors
+
+    try:
+        plan = load_plan(plan_path, overrides)
+        if not plan.model or not plan.model.pretrained:
+            return []
+        check(plan.model, build_model(plan.model, device="meta", real_buffers=True))
+    except PlanErrors as e:
+        return list(e.errors)
+    return []
