@@ -225,7 +225,8 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
     batch = torch.zeros(n * micro, shape.seq_len + 1, dtype=torch.long)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
+    trained = [p for p in model.parameters() if p.requires_grad]  # as the trainer: not `freeze`'s
+    optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.betas, eps=t.eps,
                                   weight_decay=t.weight_decay)
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ac = spec.activation_checkpointing
@@ -263,7 +264,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
         where.mark = None
 
     def settle() -> None:
-        tracker.settle(_local(p.grad) for p in model.parameters())
+        tracker.settle(_local(p.grad) for p in trained)
         mark("end_backward")
 
     # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward),
@@ -275,7 +276,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()) / accum
     held.update(logits=logits.detach(), loss=loss.detach())
     del logits, loss
-    for p in model.parameters():
+    for p in trained:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
