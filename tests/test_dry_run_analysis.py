@@ -6,7 +6,6 @@ is measured and explained."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from tpplan.analysis.tptrace import trace_tp
 from tpplan.cli import main
 from tpplan.models import build_model
 from tpplan.parallel.fsdp_units import unit_sizes
-from tpplan.parallel.runtime import spawn
+from tpplan.parallel.runtime import as_spawned_rank, spawn
 from tpplan.plan.specs import torch_dtype
 
 SMALL = ["train.seq_len=16", "train.micro_batch_size=2"]
@@ -32,8 +31,7 @@ COMM = [a for a in ANALYSES if a[0] == "comm_per_step"]
 def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: list[str],
                  micro: int, seq_len: int, out: str) -> None:
     """Apply the whole plan (TP + FSDP) on real CPU tensors and count one micro-batch."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    as_spawned_rank(rank, world, port)
     import warnings
 
     import torch.distributed as dist

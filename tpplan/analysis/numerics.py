@@ -10,7 +10,6 @@ the batch; FSDP averages gradients over them, which equals the reference's mean 
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..api import Plan, load
 from ..models import build_model
 from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
-from ..parallel.runtime import spawn
+from ..parallel.runtime import as_spawned_rank, spawn
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "compare", "Comparison",
            "rel_err"]
@@ -67,9 +66,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequence[str],
             tokens: torch.Tensor, seed: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_spawned_rank(rank, world, port)
     import logging
     import warnings
 
