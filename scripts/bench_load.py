@@ -64,12 +64,11 @@ class Sampler:
 
 
 def _worker(rank, world, port, plan_path, overrides, out):
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
     import tpplan
     from tpplan.models import build_model, materialize
     from tpplan.train.pretrained import check, load

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -114,9 +113,9 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
 
 
 def worker(rank: int, world: int, port: int, args, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
     import logging
     import warnings
 

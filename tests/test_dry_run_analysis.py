@@ -6,7 +6,6 @@ is measured and explained."""
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -21,17 +20,18 @@ from tpplan.analysis.tptrace import trace_tp
 from tpplan.cli import main
 from tpplan.models import build_model
 from tpplan.parallel.fsdp_units import unit_sizes
-from tpplan.parallel.runtime import spawn
+from tpplan.parallel.runtime import as_spawned_rank, spawn
 from tpplan.plan.specs import torch_dtype
 
 SMALL = ["train.seq_len=16", "train.micro_batch_size=2"]
+# Where only communication is asserted, only it runs (memory runs a whole step on fake tensors).
+COMM = [a for a in ANALYSES if a[0] == "comm_per_step"]
 
 
 def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: list[str],
                  micro: int, seq_len: int, out: str) -> None:
     """Apply the whole plan (TP + FSDP) on real CPU tensors and count one micro-batch."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    as_spawned_rank(rank, world, port)
     import warnings
 
     import torch.distributed as dist
@@ -122,7 +122,7 @@ def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_p
 
 @pytest.mark.parametrize("plan", ["llama.yaml", "llama-tp.yaml"])
 def test_reference_plans_sit_exactly_at_the_minimum(plan):
-    result = dry_run(str(PLANS / plan), 8, (), ANALYSES)
+    result = dry_run(str(PLANS / plan), 8, (), COMM)
     minimum = result.extra["comm_minimum"]
     assert minimum["at_minimum"], minimum["extra"]
     assert minimum["measured_wire_bytes"] == minimum["wire_bytes"]
@@ -130,7 +130,7 @@ def test_reference_plans_sit_exactly_at_the_minimum(plan):
 
 def test_siblings_without_a_shared_prepare_input_are_flagged_with_their_extra_count():
     path = str(TEST_PLANS / "wasteful-siblings.yaml")
-    result = dry_run(path, 4, (), ANALYSES)
+    result = dry_run(path, 4, (), COMM)
     minimum = result.extra["comm_minimum"]
     assert not minimum["at_minimum"]
 
@@ -163,24 +163,30 @@ def test_validate_prints_memory_and_communication_and_json_has_no_private_keys(c
     data = json.loads(capsys.readouterr().out)
     assert not [k for k in data if k.startswith("_")]
     mem = data["memory_per_rank"]
-    assert mem["total"] == sum(mem[k] for k in ("parameters", "gradients", "optimizer",
-                                                "fsdp_unsharded", "activations"))
+    parts = ("parameters", "buffers", "optimizer", "gradients", "fsdp_unsharded",
+             "accumulated_gradients", "activations", "transients")
+    assert mem["total"] == sum(mem[k] for k in parts)
+    # The peak is one moment of the step: its parts add up to it, none above its largest.
+    assert mem["peak"] == sum(mem["at_peak"].values()) <= mem["total"]
+    assert all(mem["at_peak"][k] <= mem[k] for k in parts if k != "activations")
     assert {r["source"] for r in data["comm_per_step"]["collectives"]} == {"tp", "fsdp"}
 
 
 def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
     path = str(TEST_PLANS / "colwise-chain.yaml")
-    result = dry_run(path, 4, ["train.global_batch_size=8"], ANALYSES)  # 1 micro-batch
+    result = dry_run(path, 4, ["train.global_batch_size=8"], COMM)  # 1 micro-batch
     minimum = result.extra["comm_minimum"]
     assert not minimum["at_minimum"]
     layers = len(result.model.layers)
     # Per block, w2 (colwise, input shard(-1), output replicate) replaces the rowwise
-    # layer's one all-reduce per pass by: an all-gather of its hidden-sharded input and one
-    # of its feature-sharded output in forward, a reduce-scatter of its input gradient back
-    # to hidden shards in backward. Kinds do not cancel, so the extras per kind are those.
+    # layer's all-reduce in forward by an all-gather of its hidden-sharded input and one of
+    # its feature-sharded output, and adds a reduce-scatter of its input gradient back to
+    # hidden shards in backward (the MLP's backward all-reduce, for w1/w3's input gradient,
+    # is there either way). Every kind that differs is listed, with its sign.
     extra = {(e["kind"], e["pass"]): e["count"] for e in minimum["extra"]}
-    assert extra == {("all_gather", "forward"): 2 * layers,
+    assert extra == {("all_gather", "forward"): 2 * layers, ("all_reduce", "forward"): -layers,
                      ("reduce_scatter", "backward"): layers}
+    assert minimum["verdict"] == "above"
     [reason] = minimum["reasons"]
     assert reason["where"] == "layers.*.feed_forward.w2"
     assert reason["extra_count"] == {"all_gather (forward)": 2 * layers,
@@ -200,7 +206,7 @@ def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan,
                                          extrapolate=False)
 
     overrides = ["model.kwargs.n_layers=12", f"activation_checkpointing={ac}"]
-    result = dry_run(str(PLANS / plan), 8, overrides, ANALYSES + [("whole", whole)])
+    result = dry_run(str(PLANS / plan), 8, overrides, COMM + [("whole", whole)])
     assert result.ok, (result.errors, result.analysis_errors)
     cut, every = result.tp_trace, result.extra["whole"]
     assert cut.depths and every.depths == []  # the fast path was taken, then every block
@@ -224,17 +230,50 @@ def test_fsdp_unit_sizes_are_what_fully_shard_gathers(plan, world, extra, tmp_pa
 
 
 def test_a_failing_analysis_is_an_error_with_its_reason(write_plan, capsys):
-    """A model whose forward does not take a batch of token ids cannot be traced: validate
-    says so, as an error, after the module table, and exits 1."""
+    """A model whose forward does not take a batch of token ids cannot be run as the
+    trainer runs it: validate says so for memory and communication, as errors, after the
+    module table, and exits 1."""
     path = write_plan("mesh: {tp: 2}\nmodel: {factory: 'toy_models:float_mlp'}\n"
                       "tensor_parallel: {'0': colwise, '1': rowwise}\n")
     assert main(["validate", "--plan", path, "--world-size", "2"]) == 1
     captured = capsys.readouterr()
+    assert "memory per rank could not be computed for this model" in captured.err
     assert "communication per step could not be computed for this model" in captured.err
-    assert "the plan is valid, but 1 of its analyses failed" in captured.out
+    assert "the plan is valid, but 2 of its analyses failed" in captured.out
     assert main(["validate", "--plan", path, "--world-size", "2", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert not data["ok"] and data["errors"] == []
-    [failure] = data["analysis_errors"]
-    assert failure["analysis"] == "comm_per_step" and failure["message"]
-    assert data["comm_per_step"] == {"error": failure["message"]}
+    failures = {f["analysis"]: f["message"] for f in data["analysis_errors"]}
+    assert set(failures) == {"memory_per_rank", "comm_per_step"} and all(failures.values())
+    assert data["comm_per_step"] == {"error": failures["comm_per_step"]}
+    assert data["memory_per_rank"] == {"error": failures["memory_per_rank"]}
+
+
+@pytest.mark.parametrize("factory", ["mini_gpt", "mini_gpt_double"])
+def test_the_minimum_follows_the_models_dtype(factory):
+    """A float64 model moves 8-byte activations: its minimum does too, so the reference
+    layout sits at it in either dtype."""
+    result = dry_run(str(TEST_PLANS / "minigpt.yaml"), 4,
+                     [f"model.factory=toy_models:{factory}", "train.seq_len=32"], ANALYSES)
+    assert result.ok, (result.errors, result.analysis_errors)
+    minimum = result.extra["comm_minimum"]
+    assert minimum["at_minimum"] and minimum["verdict"] == "at", minimum["extra"]
+    dtype = "float64" if factory.endswith("double") else "float32"
+    assert result.extra["memory_per_rank"]["batch"]["compute_dtype"] == dtype
+
+
+def test_differences_from_the_minimum_print_with_their_sign():
+    from rich.console import Console
+
+    from tpplan.commands.validate import render_comm
+
+    out = Console(record=True, width=200)
+    mini = {"at_minimum": False, "verdict": "below", "style": "tensor parallel",
+            "wire_bytes": 2048, "measured_wire_bytes": 1024, "reasons": [],
+            "extra": [{"kind": "all_reduce", "pass": "forward", "count": -3, "bytes": -1024},
+                      {"kind": "all_gather", "pass": "backward", "count": 0, "bytes": 512}]}
+    render_comm(out, {"grad_accum": 1, "collectives": []}, mini)
+    text = out.export_text()
+    assert "TP below the minimum" in text and "+-" not in text
+    assert "-3 all_reduce in forward (-1.00 KiB)" in text
+    assert "+0 all_gather in backward (+512 B)" in text

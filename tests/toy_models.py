@@ -101,3 +101,8 @@ def tied_gpt(**kwargs) -> MiniGPT:
     model = MiniGPT(**kwargs)
     model.lm_head.weight = model.wte.weight
     return model
+
+
+def mini_gpt_double(**kwargs) -> MiniGPT:
+    """The same in float64: a model whose dtype is not the float32 default."""
+    return MiniGPT(**kwargs).double()

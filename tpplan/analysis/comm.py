@@ -10,6 +10,7 @@ sequence parallelism is free in bandwidth. Formulas and sources: docs/dry-run.md
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch.nn as nn
@@ -18,11 +19,14 @@ from ..parallel.fsdp_units import ROOT, UnitSize
 from ..parallel.mesh import ParallelDims
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize, is_in_blocks
-from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
+from ..plan.specs import FSDPSpec, PlanSpec
 from ..plan.step import StepShape
 from .tptrace import TPTrace
 
-__all__ = ["fsdp_collectives", "megatron_minimum", "diagnose", "wire_bytes", "rows"]
+__all__ = ["fsdp_collectives", "megatron_minimum", "diagnose", "wire_bytes", "rows", "Accumulation",
+           "GRADIENTS"]
+
+FP32 = 4
 
 PREPARE = ("prepare_input", "prepare_input_output")
 
@@ -36,26 +40,28 @@ def wire_bytes(kind: str, nbytes: int, n: int) -> int:
 
 
 def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepShape,
-                     dims: ParallelDims) -> list[dict[str, Any]]:
-    """FSDP2 per micro-batch: all-gather each unit in forward (and again in backward when
-    ``reshard_after_forward``; never the root, FSDP2 keeps it unsharded), reduce-scatter its
-    gradients, and with HSDP all-reduce the gradient shard over ``dp_replicate``."""
-    p_size = torch_dtype(shape.param_dtype).itemsize
-    r_size = torch_dtype(shape.reduce_dtype).itemsize
+                     dims: ParallelDims, param_bytes: int, reduce_bytes: int) -> list[dict[str, Any]]:
+    """FSDP2 per optimizer step, as the trainer runs it: each micro-batch all-gathers each
+    unit in forward (and again in backward when ``reshard_after_forward``; never the root,
+    FSDP2 keeps it unsharded); gradients are reduce-scattered once per step (the trainer
+    turns gradient sync off until the last micro-batch) and, with HSDP, the gradient shard
+    all-reduced over ``dp_replicate`` once. ``param_bytes``/``reduce_bytes``: bytes per
+    element of the compute and reduce dtypes."""
     out: list[dict[str, Any]] = []
     if fsdp is None:
         return out
+    k = shape.grad_accum
     for unit in units:
         name, elems = unit.unit, unit.elements
-        gathers = 1 + (fsdp.reshard_after_forward and name != ROOT)
+        gathers = k * (1 + (fsdp.reshard_after_forward and name != ROOT))
         if dims.dp_shard > 1:
             out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=gathers,
-                            bytes=gathers * elems * p_size, unit=name))
+                            bytes=gathers * elems * param_bytes, unit=name))
             out.append(dict(kind="reduce_scatter", mesh_dim="dp_shard", count=1,
-                            bytes=elems * r_size, unit=name))
+                            bytes=elems * reduce_bytes, unit=name))
         if dims.dp_replicate > 1:
             out.append(dict(kind="all_reduce", mesh_dim="dp_replicate", count=1,
-                            bytes=elems * r_size // dims.dp_shard, unit=name))
+                            bytes=elems * reduce_bytes // dims.dp_shard, unit=name))
     return out
 
 
@@ -82,36 +88,40 @@ def _heads(model: nn.Module, res: Resolution) -> list[tuple[str, nn.Module]]:
             if isinstance(m, nn.Linear) and p not in chained and not is_in_blocks(p)]
 
 
-def megatron_minimum(model: nn.Module, res: Resolution, plan: PlanSpec, shape: StepShape) -> tuple[Counter, Counter]:
-    """What a Megatron-style plan needs for one micro-batch, as Counter[(kind, backward)] of
-    (count) and ``bytes`` Counter alongside: see docs/dry-run.md for the derivation.
+def megatron_minimum(model: nn.Module, res: Resolution, plan: PlanSpec, shape: StepShape,
+                     e: int, e_grad: int) -> tuple[Counter, Counter]:
+    """What a Megatron-style plan needs per optimizer step, as Counter[(kind, backward)] of
+    counts and one of bytes alongside; ``e``, ``e_grad``: bytes per element of the compute
+    dtype and of the gradients when they are reduced. See docs/dry-run.md for the
+    derivation.
 
-    Per sub-layer (a rowwise Linear closing a colwise group): without SP one all-reduce of
-    the residual activation in forward and one in backward; with SP an all-gather and a
-    reduce-scatter in each. A rowwise (vocab-parallel) embedding reduces its output in
-    forward (SP: reduce-scatter, then all-gather of its gradient). A colwise head reduces its
-    input gradient (SP: all-gather in forward, reduce-scatter in backward), and loss
-    parallelism adds three all-reduces of one fp32 per token (max, sum-exp, target logit;
-    torch/distributed/tensor/parallel/loss.py). With SP, every weight of a
-    sequence-parallel module (the norms) has its gradient all-reduced over tp once.
+    Per micro-batch, per sub-layer (a rowwise Linear closing a colwise group): without SP
+    one all-reduce of the residual activation in forward and one in backward; with SP an
+    all-gather and a reduce-scatter in each. A rowwise (vocab-parallel) embedding reduces
+    its output in forward (SP: reduce-scatter, then all-gather of its gradient). A colwise
+    head reduces its input gradient (SP: all-gather in forward, reduce-scatter in
+    backward), and loss parallelism adds three all-reduces of one fp32 per token (max,
+    sum-exp, target logit; torch/distributed/tensor/parallel/loss.py; the trainer's loss
+    is computed on ``logits.float()``). Once per step, with SP, every weight of a
+    sequence-parallel module (the norms) has its gradient all-reduced over tp.
     """
     counts: Counter = Counter()
     nbytes: Counter = Counter()
     if res.dims.tp == 1:
         return counts, nbytes
     sp = plan.uses_sequence_parallel
+    k = shape.grad_accum
     tokens = shape.micro_batch * shape.seq_len
-    e = torch_dtype(shape.param_dtype).itemsize
 
-    def add(kind: str, bw: bool, width: int) -> None:
-        counts[(kind, bw)] += 1
-        nbytes[(kind, bw)] += tokens * width * e
+    def add(kind: str, bw: bool, width: int, element: int = e) -> None:
+        counts[(kind, bw)] += k
+        nbytes[(kind, bw)] += k * tokens * width * element
 
     if sp:  # a sequence-parallel module's weights get partial gradients: one all-reduce each
         for _, m in _linears(model, res, "sequence_parallel"):
             for p in m.parameters(recurse=False):
                 counts[("all_reduce", True)] += 1
-                nbytes[("all_reduce", True)] += p.numel() * e
+                nbytes[("all_reduce", True)] += p.numel() * e_grad
     rowwise = _linears(model, res, "rowwise")
     for _, m in rowwise:
         if isinstance(m, nn.Embedding):
@@ -134,8 +144,7 @@ def megatron_minimum(model: nn.Module, res: Resolution, plan: PlanSpec, shape: S
             add("all_gather", False, m.in_features)
         add("reduce_scatter" if sp else "all_reduce", True, m.in_features)
         for _ in range(3):
-            counts[("all_reduce", False)] += 1
-            nbytes[("all_reduce", False)] += tokens * 4
+            add("all_reduce", False, 1, FP32)
     return counts, nbytes
 
 
@@ -196,12 +205,39 @@ def diagnose(model: nn.Module, res: Resolution, plan: PlanSpec) -> list[dict[str
     return reasons
 
 
-def rows(trace: TPTrace, fsdp: list[dict], shape: StepShape, dims: ParallelDims) -> list[dict[str, Any]]:
+GRADIENTS = "<gradients>"  # the TP trace's module for the reductions after backward
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How one traced micro-batch's TP collectives add up to an optimizer step.
+
+    The gradient reductions after backward (:data:`GRADIENTS`: a sequence-parallel norm's
+    partial gradient made whole) run once per step, when the gradient is reduced;
+    everything else once per micro-batch. With gradient accumulation under FSDP2's mixed
+    precision, FSDP2 keeps the accumulated gradient in ``reduce_dtype``, so those
+    reductions move ``grad_bytes`` bytes per element where the trace (in the compute
+    dtype) moved ``trace_bytes``."""
+
+    micro_batches: int
+    grad_bytes: int = 1
+    trace_bytes: int = 1
+
+    def count(self, module: str) -> int:
+        return 1 if module == GRADIENTS else self.micro_batches
+
+    def nbytes(self, module: str, nbytes: int) -> int:
+        return nbytes * self.grad_bytes // self.trace_bytes if module == GRADIENTS else nbytes
+
+
+def rows(trace: TPTrace, fsdp: list[dict], step: Accumulation, dims: ParallelDims) -> list[dict[str, Any]]:
     """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
     sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}
-    for (kind, dim, _bw, nbytes, _mod), n in trace.counts.items():
+    for (kind, dim, _bw, nbytes, module), n in trace.counts.items():
         a = acc[("tp", kind, dim)]
+        n *= step.count(module)
+        nbytes = step.nbytes(module, nbytes)
         a[0] += n
         a[1] += n * nbytes
         a[2] += n * wire_bytes(kind, nbytes, sizes.get(dim, 1))
@@ -210,6 +246,5 @@ def rows(trace: TPTrace, fsdp: list[dict], shape: StepShape, dims: ParallelDims)
         a[0] += c["count"]
         a[1] += c["bytes"]
         a[2] += wire_bytes(c["kind"], c["bytes"], sizes[c["mesh_dim"]])
-    k = shape.grad_accum
-    return [dict(source=s, kind=kind, mesh_dim=dim, count=v[0] * k, bytes=v[1] * k,
-                 wire_bytes=v[2] * k) for (s, kind, dim), v in sorted(acc.items())]
+    return [dict(source=s, kind=kind, mesh_dim=dim, count=v[0], bytes=v[1], wire_bytes=v[2])
+            for (s, kind, dim), v in sorted(acc.items())]

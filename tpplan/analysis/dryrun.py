@@ -51,7 +51,8 @@ class DryRun:
     errors: list[PlanError] = field(default_factory=list)
     analysis_errors: list[AnalysisError] = field(default_factory=list)
     report: Any = None  # ApplyReport
-    model: Any = None  # the parallelized meta model
+    resolution: Any = None  # the plan resolved against the model (Resolution)
+    model: Any = None  # the parallelized meta model (not parallelized with apply=False)
     mesh: Any = None
     step: StepShape | None = None
     seconds: float = 0.0
@@ -146,12 +147,13 @@ def _run(result: DryRun, name: str, analysis: Callable[[DryRun], None]) -> None:
 
 
 def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
-            analyses: Sequence[Analysis] = ()) -> DryRun:
+            analyses: Sequence[Analysis] = (), apply: bool = True) -> DryRun:
     """Load, check and apply a plan at ``world_size`` on meta tensors, then run ``analyses``.
 
     Errors in the plan (its sections, its patterns against the model, its batch against the
     mesh) end the run as ``errors``; an analysis that fails is an ``analysis_errors`` entry
-    with its reason, and the others still run.
+    with its reason, and the others still run. ``apply=False`` checks without applying
+    (no module table): enough for the memory analysis, which applies the plan itself.
     """
     problem = world_size_problem(world_size)
     if problem:
@@ -162,16 +164,18 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
         plan = result.plan = load(plan_path, overrides)
         model = build_model(plan.model, device="meta")
         result.checkpoint_bytes = checkpoint_bytes(model)
-        res = plan.resolve(model, world_size)
+        res = result.resolution = plan.resolve(model, world_size)
         errs = ErrorList(res.errors)
         if res.dims is not None:
             result.step = step_shape(plan.spec, res.dims.dp, res.dims.tp, errs)
         errs.raise_if_any()
         with fake_process_group(world_size):
             result.mesh = res.dims.build_mesh("cpu")
-            result.model = plan.apply(model, result.mesh)
-            result.report = plan.last_report
-            _ = result.report.modules  # rows while the mesh is alive
+            result.model = model
+            if apply:
+                plan.apply(model, result.mesh)
+                result.report = plan.last_report
+                _ = result.report.modules  # rows while the mesh is alive
             for name, analysis in analyses:
                 _run(result, name, analysis)
     except PlanErrors as e:

@@ -1,89 +1,127 @@
-"""Memory per rank: parameters, gradients, optimizer state, FSDP working set, activations.
+"""Memory per rank: the trainer's step run on fake tensors, its storages followed by part.
 
-Parameter bytes are read from the real local shards of the applied meta model (rank 0 of
-the fake mesh, which holds the largest shard when a dimension does not divide evenly).
-The rest are formulas, each written out with its source in docs/dry-run.md.
+Nothing here is a formula. :func:`tpplan.analysis.steptrace.trace_step` runs one optimizer
+step of the plan (TP, activation checkpointing, FSDP2, gradient accumulation with sync off
+until the last micro-batch, AdamW) on fake tensors at the plan's world size, and
+:class:`~tpplan.analysis.memtrace.MemoryTracker` follows every storage the step holds.
+
+Deep models (more than 15k blocks) are traced at depths 4k, 5k and 6k of their identical
+repeated blocks (k = 1, or the period of selective checkpointing). Every labelled moment (in
+one of the first or last 2k blocks, in a module outside the blocks, a mark) is then affine
+in depth, and is extrapolated to the model's depth when the three traces show it is (the
+same check as the TP trace); otherwise every block is traced. Moments in the blocks between
+are left out: there, where every neighbour is a block, a moment is linear in the block's
+index (per residue of k), so it is largest at the ends of that stretch, which are labelled.
+docs/dry-run.md explains each part.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..parallel.fsdp_units import UnitSize
-from ..parallel.resolve import Resolution
-from ..plan.specs import PlanSpec, torch_dtype
+from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
+from .memtrace import PARTS, Moment
+from .steptrace import micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "activation_bytes"]
-
-ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq, fp32, shaped like the local shard
-FP32 = 4
-
-
-def _local(p):
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+__all__ = ["memory_per_rank", "extrapolate", "describe_moment"]
 
 
-def activation_bytes(model: nn.Module, plan: PlanSpec, res: Resolution,
-                     shape: StepShape) -> int | None:
-    """Activations saved for backward in one micro-batch, for a Llama-shaped model.
+def _numbers(m: Moment) -> dict[str, int]:
+    out = {"total": m.total}
+    out.update({f"at:{p}": v for p, v in m.parts.items()})
+    out.update({f"max:{p}": v for p, v in m.part_max.items()})
+    return out
 
-    Korthikanti et al. 2022's per-layer count, redone for a Llama block (RMSNorm, GQA,
-    SwiGLU, fused attention, no dropout); returns None when the model has no ``config``
-    with ``dim``, ``n_heads``, ``n_kv_heads``, ``hidden_dim``, ``n_layers``, ``vocab_size``.
-    """
-    cfg = getattr(model, "config", None)
-    try:
-        h, heads, kv = cfg.dim, cfg.n_heads, cfg.n_kv_heads
-        f, layers, vocab = cfg.hidden_dim, cfg.n_layers, cfg.vocab_size
-    except AttributeError:
+
+def _moment(numbers: dict[str, int]) -> Moment:
+    m = Moment()
+    m.total = numbers["total"]
+    m.parts = {k[3:]: v for k, v in numbers.items() if k.startswith("at:")}
+    m.part_max = {k[4:]: v for k, v in numbers.items() if k.startswith("max:")}
+    return m
+
+
+def extrapolate(traces: list[dict[str, Moment]], depths: list[int], depth: int,
+                blocks: str) -> dict[str, Moment] | None:
+    """Moments at ``depth`` from moments at three equally spaced ``depths``; None when a
+    moment is not affine in depth (or not found at every depth)."""
+    middle = f"{blocks}.middle"
+    kept = [{k: _numbers(m) for k, m in t.items() if middle not in k} for t in traces]
+    if not (kept[0].keys() == kept[1].keys() == kept[2].keys()):
         return None
-    t = res.dims.tp
-    sp = t if plan.uses_sequence_parallel else 1
-    hk = kv * (h // heads)
-    sb = shape.seq_len * shape.micro_batch
-    e = torch_dtype(shape.param_dtype).itemsize
-    # Two norm inputs (sharded by SP), the two gathered inputs of the colwise groups
-    # (autograd saves the gathered tensor, so not divided), q/k/v and roped q/k, attention
-    # output, and the four SwiGLU intermediates (w1 out, w3 out, silu, product) on tp shards.
-    layer = sb * (2 * h / sp + 2 * h + (3 * h + 3 * hk + 4 * f) / t) * e
-    block_input = sb * h / sp * e
-    ac = plan.activation_checkpointing
-    checkpointed = math.ceil(len(res.ac_blocks) / ac.every) if ac.enabled else 0
-    stored = checkpointed * block_input + (layers - checkpointed) * layer
-    recompute = layer if checkpointed else 0  # one block re-runs its forward at a time
-    vocab_shard = t if plan.loss_parallel else 1
-    head = sb * (h / sp + h) * e  # final norm input, head input (gathered)
-    logits = sb * vocab / vocab_shard * (e + FP32 + FP32)  # logits, fp32 copy, log-softmax
-    return int(stored + recompute + head + logits)
+    step = depths[1] - depths[0]
+    out = {}
+    for label, v1 in kept[0].items():
+        v2, v3 = kept[1][label], kept[2][label]
+        if v1.keys() != v2.keys() or v2.keys() != v3.keys():
+            return None
+        numbers = {}
+        for key, a in v1.items():
+            d = v2[key] - a
+            if v3[key] - v2[key] != d:
+                return None
+            numbers[key] = a + (depth - depths[0]) // step * d
+        out[label] = _moment(numbers)
+    return out
 
 
-def memory_per_rank(model: nn.Module, plan: PlanSpec, res: Resolution, shape: StepShape,
-                    units: list[UnitSize]) -> dict[str, Any]:
-    """Bytes per rank, by part, and their ``total``; ``units`` are the plan's FSDP units."""
-    local_elems = 0  # trained (not frozen) parameters' elements: AdamW keeps state for these
-    params = grads = 0
-    for p in model.parameters():
-        t = _local(p)
-        params += t.numel() * t.element_size()
-        if p.requires_grad:
-            local_elems += t.numel()
-            grads += t.numel() * t.element_size()  # FSDP2: sharded, in the parameter's dtype
-    optimizer = ADAM_MOMENTS * FP32 * local_elems
-    working = 0
-    if plan.fsdp is not None:
-        largest = max((u.elements for u in units), default=0)
-        prefetch = 2 if len(units) > 1 else 1  # FSDP2 gathers the next unit in backward early
-        working = prefetch * largest * torch_dtype(shape.param_dtype).itemsize
-    acts = activation_bytes(model, plan, res, shape)
-    out = dict(parameters=params, gradients=grads, optimizer=optimizer,
-               fsdp_unsharded=working, activations=acts)
-    out["total"] = sum(v for v in out.values() if v is not None)
+def describe_moment(label: str, blocks: str | None = None, n_blocks: int = 0) -> str:
+    """``last/backward/layers.tail0`` -> ``backward of layers.31, last micro-batch``: the
+    moment in words, a block's place turned back into its index."""
+    stage, _, rest = label.partition("/")
+    if rest == "":
+        return {"optimizer": "the optimizer step", "setup": "the start of the step"}.get(stage, stage)
+    what, _, where = rest.partition("/")
+    micro = {"only": "", "first": ", first micro-batch", "middle": ", a middle micro-batch",
+             "last": ", last micro-batch"}.get(stage, f", {stage}")
+    if what == "mark":
+        return {"end_forward": "end of forward", "end_backward": "end of backward"}[where] + micro
+    if blocks and where.startswith(blocks + "."):
+        place, _, sub = where[len(blocks) + 1:].partition(".")
+        if place.startswith("head") and place[4:].isdigit():
+            place = place[4:]
+        elif place.startswith("tail") and place[4:].isdigit():
+            place = str(n_blocks - 1 - int(place[4:]))
+        where = f"{blocks}.{place}" + (f".{sub}" if sub else "")
+    return f"{what} of {where}{micro}"
+
+
+def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+           n_blocks: int, blocks: str | None, cut: bool) -> tuple[dict[str, Moment], list[int]]:
+    ac = spec.activation_checkpointing
+    k = ac.every if ac.enabled else 1
+    # Three shallow traces cost 15k blocks: deeper models are where they pay.
+    if cut and blocks is not None and n_blocks > 15 * k and n_blocks % k == 0:
+        depths = [4 * k, 5 * k, 6 * k]
+        traces = [trace_step(spec, mesh, build, shape, d) for d in depths]
+        moments = extrapolate(traces, depths, n_blocks, blocks)
+        if moments is not None:
+            return moments, depths
+    return trace_step(spec, mesh, build, shape), []
+
+
+def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                    n_blocks: int, blocks: str | None, cut: bool = True) -> dict[str, Any]:
+    """Bytes per rank by part, each at its own largest, their ``total``, and the ``peak``
+    of the step with its split by part (``at_peak``) and when it happens (``peak_at``).
+
+    ``blocks``: the path of identical repeated blocks (``n_blocks`` of them), or None;
+    ``cut=False`` traces every block even when three shallow traces would do."""
+    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut)
+    label, top = max(moments.items(), key=lambda kv: kv[1].total)
+    out: dict[str, Any] = {p: max(m.part_max.get(p, 0) for m in moments.values()) for p in PARTS}
+    # Activations: what forward leaves for backward (its temporaries are gone by then).
+    out["activations"] = max(m.parts["activations"] for k, m in moments.items()
+                             if k.endswith("/mark/end_forward"))
+    out["total"] = sum(out[p] for p in PARTS)
+    out["peak"] = top.total
+    out["at_peak"] = {p: top.parts.get(p, 0) for p in PARTS}
+    out["peak_at"] = describe_moment(label, blocks, n_blocks)
     out["batch"] = dict(seq_len=shape.seq_len, micro_batch_size=shape.micro_batch,
                         grad_accum=shape.grad_accum, compute_dtype=shape.param_dtype)
+    out["traced"] = dict(depths=depths, blocks=blocks if depths else None,
+                         micro_batches=micro_batches_traced(shape.grad_accum))
     return out

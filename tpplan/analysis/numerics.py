@@ -10,7 +10,6 @@ the batch; FSDP averages gradients over them, which equals the reference's mean 
 
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from ..api import Plan, load
 from ..models import build_model
 from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
-from ..parallel.runtime import spawn
+from ..parallel.runtime import as_spawned_rank, spawn
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
            "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep",
@@ -95,19 +94,13 @@ def _quiet() -> None:
     import logging
     import warnings
 
-    torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 
 
-def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
 def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequence[str],
             tokens: torch.Tensor, seed: int, out_dir: str) -> None:
-    _env(rank, world, port)
+    as_spawned_rank(rank, world, port)
     _quiet()
     try:
         _step(rank, world, plan_path, overrides, tokens, seed, Path(out_dir))
@@ -120,7 +113,7 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
 def _jobs_worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     """Every job in turn in this one process: a job that fails on a rank is recorded as
     that rank's error line and the next job starts after a barrier."""
-    _env(rank, world, port)
+    as_spawned_rank(rank, world, port)
     _quiet()
     from datetime import timedelta
 

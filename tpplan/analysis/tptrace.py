@@ -32,7 +32,7 @@ from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
 
-__all__ = ["TPTrace", "trace_tp", "Key"]
+__all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
 
 log = logging.getLogger("tpplan")
 
@@ -47,7 +47,7 @@ class TPTrace:
         self.counts, self.depths, self.blocks = counts, depths, blocks
 
 
-def _identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
+def identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
     """The repeated blocks (:func:`find_blocks`) as (parent, attribute, path), if there are
     ≥3 of them and they are identical: same module types, parameter shapes and plan rules."""
     path = find_blocks(model)
@@ -141,7 +141,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
         model = build()
-        found = _identical_blocks(model, res.rule_of) if extrapolate else None
+        found = identical_blocks(model, res.rule_of) if extrapolate else None
         if found is None:
             return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
         parent, attr, path = found

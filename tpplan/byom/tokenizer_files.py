@@ -12,12 +12,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "has_tokenizer", "tokenizer_source",
+from ..models.hf import TOKENIZER_FILES
+from ..plan.specs import plan_relative
+
+__all__ = ["copy_tokenizer_files", "has_tokenizer", "tokenizer_source",
            "tokenizer_vocab"]
 
 # What AutoTokenizer (and generation) reads from a model folder, where present.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "generation_config.json")
+COPIED = (*TOKENIZER_FILES, "generation_config.json")
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -27,10 +29,7 @@ def has_tokenizer(folder: Path) -> bool:
 def _path(value: Any, base: Path | None) -> Path | None:
     if not isinstance(value, str) or not value:
         return None
-    path = Path(value).expanduser()
-    if not path.is_absolute() and base is not None and (base / path).exists():
-        return base / path
-    return path
+    return Path(plan_relative(str(Path(value).expanduser()), str(base) if base else None))
 
 
 def tokenizer_source(plan_dict: dict[str, Any], base: Path | None = None) -> Path | None:
@@ -62,7 +61,7 @@ def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:
         folder, copied = source, []
     else:
         raise FileNotFoundError(2, "no such file or folder (the plan's tokenizer)", str(source))
-    for name in TOKENIZER_FILES:
+    for name in COPIED:
         if name not in copied and (folder / name).is_file():
             shutil.copyfile(folder / name, dest / name)
             copied.append(name)

@@ -19,7 +19,40 @@ def register(sub) -> None:
     add_plan_args(p)
     p.add_argument("--world-size", type=int, required=True, help="number of ranks to check at")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.add_argument("--device", metavar="NAME",
+                   help="check memory per rank against a device preset (h100, h200, a100-80gb, "
+                        "a100-40gb, l40s) and, if it does not fit, changes that make it fit")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="the same against a capacity, e.g. 80GiB or 85520809984")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the result as one self-contained page (mesh, modules, "
+                        "memory, communication), drawn from the --json data")
     p.set_defaults(run=run)
+
+
+def _device(args: argparse.Namespace):
+    """The device to check against, or None; SystemExit(2) with the reason for a bad one."""
+    from ..plan.devices import DEVICES, Device, parse_bytes
+    from ..plan.errors import nearest
+
+    if args.device and args.device_memory:
+        print("error: --device and --device-memory: give one", file=sys.stderr)
+        raise SystemExit(2)
+    if args.device:
+        name = args.device.lower()
+        if name not in DEVICES:
+            print(f"error: --device {args.device}: no such preset{nearest(name, DEVICES)}; "
+                  f"presets: {', '.join(DEVICES)} (or --device-memory SIZE)", file=sys.stderr)
+            raise SystemExit(2)
+        return DEVICES[name]
+    if args.device_memory:
+        try:
+            memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            print(f"error: --device-memory {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return Device(f"{args.device_memory} device", memory, description="--device-memory")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,11 +63,21 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
+    device = _device(args)
     from ..train.pretrained import plan_problems
 
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
     if not result.errors:  # the HF checkpoint a plan starts from, against its model
         result.errors.extend(plan_problems(args.plan, args.overrides))
+    if device is not None and "peak" in result.extra.get("memory_per_rank", {}):
+        from ..analysis.fit import fit
+
+        result.extra["fit"] = fit(result, device, args.plan, args.overrides)
+    if args.html:
+        from .page import write_page
+
+        write_page(args.html, "plan", result.to_json(), f"tpplan validate: {args.plan}",
+                   f"world size {args.world_size}" + "".join(f", --set {o}" for o in args.overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
         return 0 if result.ok else 1
@@ -48,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
+    if "fit" in result.extra:
+        render_fit(out, result.extra["fit"])
     if result.checkpoint_bytes:
         out.print(f"one training checkpoint (model + AdamW state, all ranks): "
                   f"{size(result.checkpoint_bytes)} on disk", highlight=False)
@@ -62,17 +107,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+PART_NAMES = {
+    "parameters": "parameters (local shards)", "buffers": "buffers and the batch",
+    "optimizer": "optimizer state", "gradients": "gradients (sharded)",
+    "fsdp_unsharded": "fsdp_unsharded (gathered params)",
+    "accumulated_gradients": "accumulated_gradients (unsharded)",
+    "activations": "activations (saved for backward)",
+    "transients": "transients (backward, buffers)"}
+
+
 def render_memory(out, mem: dict[str, Any]) -> None:
     from rich.table import Table
 
     b = mem["batch"]
-    t = Table(title=f"memory per rank (micro-batch {b['micro_batch_size']} × seq {b['seq_len']}, "
-                    f"{b['compute_dtype']} compute, AdamW)", header_style="bold")
+    accum = f", {b['grad_accum']} micro-batches" if b["grad_accum"] > 1 else ""
+    t = Table(title=f"memory per rank (micro-batch {b['micro_batch_size']} × seq {b['seq_len']}"
+                    f"{accum}, {b['compute_dtype']} compute, AdamW)", header_style="bold")
     t.add_column("part")
-    t.add_column("bytes", justify="right")
-    for part in ("parameters", "gradients", "optimizer", "fsdp_unsharded", "activations", "total"):
-        t.add_row(part, size(mem[part]))
+    t.add_column("largest", justify="right")
+    t.add_column("at the peak", justify="right")
+    for part, name in PART_NAMES.items():
+        t.add_row(name, size(mem[part]), size(mem["at_peak"][part]))
+    t.add_row("total (each part at its largest)", size(mem["total"]), "")
+    t.add_row("[bold]peak[/bold]", "", f"[bold]{size(mem['peak'])}[/bold]")
     out.print(t)
+    out.print(f"peak: {mem['peak_at']}")
 
 
 def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
@@ -87,14 +146,49 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
         t.add_row(r["source"], r["kind"], r["mesh_dim"], str(r["count"]), size(r["bytes"]),
                   size(r["wire_bytes"]))
     out.print(t)
+    style = f"a Megatron-style {mini['style']} plan"
     if mini["at_minimum"]:
-        out.print(f"[green]TP at the minimum[/green]: a Megatron-style {mini['style']} plan "
-                  f"moves {size(mini['wire_bytes'])} per rank per step over tp too")
+        out.print(f"[green]TP at the minimum[/green]: {style} moves "
+                  f"{size(mini['wire_bytes'])} per rank per step over tp too")
         return
-    out.print(f"[yellow]TP above the minimum[/yellow]: {size(mini['measured_wire_bytes'])}"
-              f" per rank per step over tp, a Megatron-style {mini['style']} plan needs "
+    colour = {"above": "yellow", "below": "cyan"}.get(mini["verdict"], "yellow")
+    out.print(f"[{colour}]TP {mini['verdict']} the minimum[/{colour}]: "
+              f"{size(mini['measured_wire_bytes'])} per rank per step over tp, {style} needs "
               f"{size(mini['wire_bytes'])}")
     for e in mini["extra"]:
-        out.print(Text(f"  +{e['count']} {e['kind']} in {e['pass']} (+{size(e['bytes'])})"))
+        sign = "+" if e["bytes"] >= 0 else "-"
+        out.print(Text(f"  {e['count']:+d} {e['kind']} in {e['pass']} "
+                       f"({sign}{size(abs(e['bytes']))})"))
     for r in mini["reasons"]:
         out.print(Text(f"  why: {r['reason']}"))
+
+
+def render_fit(out, f: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    a = f["assumptions"]
+    d = f["device"]
+    out.print(Text(f"fit on {d['name']} ({size(f['capacity'])} per GPU): peak {size(f['peak'])} "
+                   f"+ {a['allocator_overhead']:.0%} allocator overhead + "
+                   f"{size(a['runtime_reserve'])} CUDA context and NCCL (assumed) = "
+                   f"{size(f['needed'])} per rank"))
+    if f["fits"]:
+        out.print(f"[green]fits[/green]: {size(f['headroom'])} free per rank")
+        return
+    out.print(f"[red]does not fit[/red]: {size(-f['headroom'])} short per rank")
+    t = Table(title="changes, each checked by dry-running the plan again", header_style="bold")
+    for col in ("change", "--set", "peak", "needs", ""):
+        t.add_column(col, justify="right" if col in ("peak", "needs") else "left")
+    for c in f["changes"]:
+        verdict = ("[green]fits[/green]" if c["fits"] else "[red]does not fit[/red]") \
+            if c["error"] is None else f"[yellow]not possible[/yellow]: {c['error']}"
+        t.add_row(c["change"], " ".join(c["set"]), size(c["peak"]), size(c["needed"]), verdict)
+    out.print(t)
+    if f["fitting"]:
+        sets = " ".join(f"--set '{s}'" for s in f["fitting"]["set"])
+        out.print(Text(f"fits with {f['fitting']['change']}: {sets} "
+                       f"({size(f['capacity'] - f['fitting']['needed'])} free per rank)"))
+    else:
+        out.print("none of these fits; pipeline stages (not in tpplan yet) would divide the "
+                  "blocks' memory further, or more ranks per model replica (a larger tp)")

@@ -19,9 +19,14 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 
-__all__ = ["build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
+__all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
            "require_transformers"]
 
+# The files of an HF folder that make up its tokenizer (those present): what the token cache
+# hashes for the tokenizer's identity, and what an HF export copies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
+                   "merges.txt", "added_tokens.json")
 EXTRA_HINT = "HuggingFace models need the 'hf' extra: pip install 'tpplan[hf]'"
 # HF config fields every decoder needs at least 1 of; other sizes may be 0, never negative.
 POSITIVE_FIELDS = {"hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -73,10 +78,7 @@ def _meta_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
 def hf_config_path(spec: ModelSpec) -> Path:
     """The config.json a plan's ``hf_config`` names: a relative path is looked for next to
     the plan first, a folder means its ``config.json``."""
-    path = Path(spec.hf_config)
-    base_dir = Path(spec.base_dir) if spec.base_dir else None
-    if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
-        path = base_dir / path
+    path = spec.path(spec.hf_config)
     return path / "config.json" if path.is_dir() else path
 
 

@@ -18,7 +18,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-__all__ = ["default_device_type", "ensure_process_group", "free_port", "restart_problem", "spawn"]
+__all__ = ["as_spawned_rank", "default_device_type", "ensure_process_group", "free_port",
+           "restart_problem", "spawn"]
 
 
 def default_device_type() -> str:
@@ -84,6 +85,16 @@ def restart_problem() -> str | None:
                 "restarted round reuses the dead workers' addresses and gloo cannot connect; "
                 "see docs/training.md, 'Restarts')")
     return None
+
+
+def as_spawned_rank(rank: int, world: int, port: int) -> None:
+    """Inside a :func:`spawn`-ed worker: the environment torchrun would have given rank
+    ``rank`` of ``world`` on this host (``init_process_group`` reads it), one CPU thread."""
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
 
 
 def spawn(fn, world_size: int, *args) -> None:

@@ -3,7 +3,8 @@
 Reading (``yamlio``, ``loader``: extends and ``--set``), the typed reader (``reader``),
 the specs (``specs``) and their parsers (``sections``, ``rules``, ``trainer``), the style
 vocabulary (``styles``), module-path patterns (``patterns``), the step a trainer runs
-(``step``) and writing plans back out (``writer``). Everything above imports from here;
+(``step``), writing plans back out (``writer``) and the accelerators a plan is checked
+against (``devices``: pure data). Everything above imports from here;
 this package imports nothing above it.
 """
 

@@ -83,10 +83,7 @@ class ModelSpec:
     def path(self, given: str) -> Path:
         """A path the model section names: relative ones next to the plan first, then from
         the working folder."""
-        path = Path(given)
-        if not path.is_absolute() and self.base_dir and (Path(self.base_dir) / path).exists():
-            return Path(self.base_dir) / path
-        return path
+        return Path(plan_relative(given, self.base_dir))
 
 
 @dataclass

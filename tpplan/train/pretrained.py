@@ -9,7 +9,6 @@ tensor and every missing shard. :func:`load` then reads each rank's own slices.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import warnings
 from collections import Counter
@@ -26,7 +25,7 @@ from ..checkpoint import hf_weights
 from ..models import build_model, materialize
 from ..models.pretrained import expected_tensors, hf_name_map, pretrained_dir
 from ..parallel.mesh import dp_rank
-from ..parallel.runtime import spawn
+from ..parallel.runtime import as_spawned_rank, spawn
 from ..plan import ErrorList
 from ..plan.specs import ModelSpec
 
@@ -87,9 +86,7 @@ def load(source: Pretrained, model: nn.Module) -> str:
 
 def _logits_worker(rank: int, world: int, port: int, plan_path: str, overrides: list[str],
                    tokens: torch.Tensor, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_spawned_rank(rank, world, port)
     warnings.simplefilter("ignore")
     plan = load_plan(plan_path, overrides)
     model = build_model(plan.model, device="meta", real_buffers=True)

@@ -14,14 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..models.hf import TOKENIZER_FILES  # the files that decide its tokens: hashed
 from .data import DataError
 
-__all__ = ["TOKENIZER_FILES", "TextTokenizer", "EOS_NAMES"]
+__all__ = ["TextTokenizer", "EOS_NAMES"]
 
-# The files that decide what a folder's tokenizer produces (those that exist are hashed).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
-                   "merges.txt", "added_tokens.json")
 # End-of-text tokens looked for when neither data.separator nor the folder names one.
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 

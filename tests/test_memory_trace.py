@@ -1,0 +1,38 @@
+"""The memory trace's own promises: tracing a deep model at three shallow depths and
+extrapolating gives what tracing every block gives, moment for moment."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import PLANS
+
+from tpplan.analysis.dryrun import dry_run
+from tpplan.analysis.memory import memory_per_rank
+from tpplan.models import build_model
+
+
+@pytest.mark.parametrize("ac, layers", [("{mode: full}", 16), ("{mode: selective, every: 2}", 32)])
+def test_tracing_three_depths_and_extrapolating_equals_tracing_every_block(ac, layers):
+    def both(result) -> None:
+        spec, step = result.plan.spec, result.step
+        model = result.model
+
+        def build():
+            return build_model(spec.model, "meta")
+
+        n = len(model.layers)
+        result.extra["cut"] = memory_per_rank(spec, result.mesh, build, step, n, "layers")
+        result.extra["every"] = memory_per_rank(spec, result.mesh, build, step, n, "layers",
+                                                cut=False)
+
+    overrides = [f"model.kwargs.n_layers={layers}", f"activation_checkpointing={ac}",
+                 "train.seq_len=8", "train.micro_batch_size=1", "train.global_batch_size=6"]
+    result = dry_run(str(PLANS / "llama.yaml"), 4, overrides, [("both", both)])
+    assert result.ok, (result.errors, result.analysis_errors)
+    cut, every = result.extra["cut"], result.extra["every"]
+    assert cut["traced"]["depths"] and not every["traced"]["depths"]
+    assert cut["traced"]["micro_batches"] == 3  # 3 micro-batches: first, middle, last
+    for key in ("parameters", "optimizer", "gradients", "fsdp_unsharded",
+                "accumulated_gradients", "activations", "transients", "peak", "at_peak",
+                "peak_at"):
+        assert cut[key] == every[key], key

@@ -1,0 +1,110 @@
+"""Does the plan fit the device, per rank, and if not, which changes make it fit.
+
+The need per rank is the step's peak (``memory_per_rank``) plus what the peak does not see,
+stated as assumptions: the CUDA caching allocator's overhead over the bytes it hands out
+(block rounding, fragmentation) and a fixed reserve for the CUDA context and NCCL's
+buffers. Every change proposed is checked, not guessed: the plan is dry-run again with the
+change (``--set`` lines a user can copy) and its own peak is compared with the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from ..plan.devices import GiB, Device
+from .dryrun import DryRun, dry_run
+
+__all__ = ["ALLOCATOR_OVERHEAD", "RUNTIME_RESERVE", "needed", "fit"]
+
+ALLOCATOR_OVERHEAD = 0.10  # of the peak: the caching allocator's rounding and fragmentation
+RUNTIME_RESERVE = 1 * GiB  # CUDA context, cuBLAS workspace, NCCL buffers
+
+
+def needed(peak: int) -> int:
+    """Device memory a rank needs for a step whose tracked peak is ``peak`` bytes."""
+    return int(peak * (1 + ALLOCATOR_OVERHEAD)) + RUNTIME_RESERVE
+
+
+def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
+    """Changes that lower memory per rank, as (what, ``--set`` lines); each is checked."""
+    spec, shape, dims = result.plan.spec, result.step, result.resolution.dims
+    out = []
+    ac = spec.activation_checkpointing
+    if not (ac.enabled and ac.every == 1):
+        out.append(("activation checkpointing of every block",
+                    ["activation_checkpointing={mode: full}"]))
+    if spec.fsdp is not None and not spec.fsdp.param_dtype:
+        out.append(("bf16 compute (FSDP mixed precision, fp32 gradient reduction)",
+                    ["fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"]))
+    if result.world_size % (2 * dims.tp) == 0:
+        out.append((f"tp {2 * dims.tp} (the same global batch over half the data ranks)",
+                    [f"mesh.tp={2 * dims.tp}"]))
+    if shape.micro_batch > 1:
+        out.append((f"micro-batch {shape.micro_batch // 2} (twice the accumulation)",
+                    [f"train.micro_batch_size={shape.micro_batch // 2}"]))
+    if shape.grad_accum > 1:
+        out.append((f"micro-batch {shape.micro_batch * shape.grad_accum} (no accumulation: "
+                    "no unsharded gradients kept)",
+                    [f"train.micro_batch_size={shape.micro_batch * shape.grad_accum}"]))
+    return out
+
+
+def _check(plan_path: str, world_size: int, overrides: Sequence[str], capacity: int) -> dict:
+    from . import analyze_memory
+
+    r = dry_run(plan_path, world_size, overrides, [("memory_per_rank", analyze_memory)],
+                apply=False)
+    if r.errors or r.analysis_errors:
+        reason = r.errors[0].message if r.errors else r.analysis_errors[0].message
+        return {"peak": None, "needed": None, "fits": False, "error": reason}
+    peak = r.extra["memory_per_rank"]["peak"]
+    return {"peak": peak, "needed": needed(peak), "fits": needed(peak) <= capacity,
+            "error": None}
+
+
+def fit(result: DryRun, device: Device, plan_path: str, overrides: Sequence[str],
+        max_combined: int = 3) -> dict[str, Any]:
+    """Fits or not, with the headroom; when not, each candidate change checked alone, then
+    (if none fits alone) the best so far combined with each other, up to ``max_combined``."""
+    peak = result.extra["memory_per_rank"]["peak"]
+    need = needed(peak)
+    out: dict[str, Any] = dict(
+        device=device.to_json(), capacity=device.memory, peak=peak, needed=need,
+        fits=need <= device.memory, headroom=device.memory - need,
+        assumptions=dict(allocator_overhead=ALLOCATOR_OVERHEAD, runtime_reserve=RUNTIME_RESERVE),
+        changes=[], fitting=None)
+    if out["fits"]:
+        return out
+    candidates = _candidates(result)
+    base = list(overrides)
+    for what, sets in candidates:
+        out["changes"].append({"change": what, "set": sets,
+                               **_check(plan_path, result.world_size, base + sets, device.memory)})
+    fitting = [c for c in out["changes"] if c["fits"]]
+    if fitting:
+        out["fitting"] = min(fitting, key=lambda c: c["needed"])
+        return out
+    # None alone: combine greedily, the largest saving first, each combination checked.
+    tried = [c for c in out["changes"] if c["needed"] is not None]
+    if not tried:
+        return out
+    best = min(tried, key=lambda c: c["needed"])
+    combined = {"change": best["change"], "set": list(best["set"]), **best}
+    for _ in range(max_combined - 1):
+        steps = []
+        for what, sets in candidates:
+            if sets[0] in combined["set"] or any(s.split("=")[0] == sets[0].split("=")[0]
+                                                 for s in combined["set"]):
+                continue
+            trial = {"change": f"{combined['change']} + {what}", "set": combined["set"] + sets}
+            trial.update(_check(plan_path, result.world_size, base + trial["set"], device.memory))
+            out["changes"].append(trial)
+            if trial["needed"] is not None:
+                steps.append(trial)
+        if not steps:
+            break
+        combined = min(steps, key=lambda c: c["needed"])
+        if combined["fits"]:
+            out["fitting"] = combined
+            break
+    return out

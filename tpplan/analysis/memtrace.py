@@ -1,0 +1,235 @@
+"""Live memory over a training step, by part: every storage the step allocates, followed.
+
+:class:`MemoryTracker` is a ``TorchDispatchMode`` below DTensor (it sees the local ops, as a
+rank does), so it works the same on real tensors and on fake ones. Each storage an op
+creates is held by a weak reference: its bytes count from the op that made it until it
+is freed (or resized: FSDP2 allocates and frees its unsharded parameters with
+``UntypedStorage.resize_``). Each storage belongs to one *part*, decided when it appears:
+
+- what exists before the step is registered by the caller: ``parameters``, ``buffers``,
+  ``optimizer`` state, ``gradients``, the inputs;
+- FSDP2's unsharded parameters (what ``fsdp.split_with_sizes_copy`` copies the all-gather
+  into, or a storage FSDP2 resizes) are ``fsdp_unsharded``; its all-gather and
+  reduce-scatter buffers are ``transients``; the reduce-scatter's output is ``gradients``;
+- anything else is the current phase's: ``activations`` in forward, ``transients`` in
+  backward (gradients of activations, recomputed blocks, unsharded gradients of the unit
+  being reduced) and in the optimizer step.
+
+The caller reclassifies at the end of a backward (:meth:`settle`): each parameter's
+gradient becomes ``gradients``, other survivors of backward (FSDP2's unsharded gradients
+kept while gradient sync is off) ``accumulated_gradients``. Sizes are the storages' own
+bytes (no allocator rounding). Per *moment label* (which module, which pass, which
+micro-batch; see :func:`tpplan.analysis.steptrace`) the tracker keeps the largest total
+with its split by part, and each part's own largest value.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["PARTS", "Moment", "MemoryTracker"]
+
+PARTS = ("parameters", "buffers", "optimizer", "gradients", "fsdp_unsharded",
+         "accumulated_gradients", "activations", "transients")
+
+
+class Moment:
+    """The largest total seen under one label, its split by part, and each part's maximum."""
+
+    __slots__ = ("total", "parts", "part_max")
+
+    def __init__(self) -> None:
+        self.total = -1
+        self.parts: dict[str, int] = {}
+        self.part_max: dict[str, int] = {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total": self.total, "parts": dict(self.parts), "part_max": dict(self.part_max)}
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        return [s for a in attrs for s in _storages(getattr(t, a))
+                if isinstance(getattr(t, a), torch.Tensor)]
+    return [t.untyped_storage()]
+
+
+def _ops() -> tuple[set, set, Any]:
+    """FSDP2's ops, by what they make: (unsharded-parameter copies, collective buffers,
+    reduce-scatter); looked up lazily, since FSDP2 registers them on import."""
+    import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp)
+
+    fsdp, c10d = torch.ops.fsdp, torch.ops.c10d
+    copies = {fsdp.split_with_sizes_copy.default}
+    buffers = {fsdp.all_gather_copy_in.default, fsdp.chunk_cat.default}
+    return copies, buffers, c10d._reduce_scatter_base_.default
+
+
+class _Propagating:
+    """Marks DTensor's sharding propagation, which runs each op once on fake tensors of the
+    global shapes to learn the output's: no memory of any rank. PyTorch brackets it with
+    ``ShardingPropagator._fake_mode_lock`` (a no-op by default); ours counts the nesting."""
+
+    def __init__(self, tracker: "MemoryTracker"):
+        self.tracker = tracker
+
+    def __enter__(self):
+        self.tracker._propagating += 1
+
+    def __exit__(self, *args):
+        self.tracker._propagating -= 1
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Live bytes by part over a step; ``moments[label]`` the largest moment of each label.
+
+    Example::
+
+        >>> tracker = MemoryTracker(where=lambda: "step")
+        >>> tracker.register(model.parameters(), "parameters")
+        >>> with tracker:
+        ...     tracker.phase = "activations"; loss = model(x).sum()
+        ...     tracker.phase = "transients"; loss.backward()
+        >>> tracker.moments["step"].total            # the step's peak, bytes
+    """
+
+    def __init__(self, where: Callable[[], str] = lambda: "") -> None:
+        super().__init__()
+        self.where = where
+        self.phase = "activations"
+        self.live: Counter = Counter({p: 0 for p in PARTS})
+        self.moments: dict[str, Moment] = {}
+        self._info: dict[int, list] = {}  # id(storage) -> [weakref, part, bytes]
+        self._copies, self._buffers, self._scatter = _ops()
+        self._resize = self._lock = None
+        self._propagating = 0
+
+    # storages
+    def _entry(self, st: torch.UntypedStorage) -> list | None:
+        e = self._info.get(id(st))
+        return e if e is not None and e[0]() is st else None
+
+    def _freed(self, key: int, ref: weakref.ref) -> None:
+        e = self._info.get(key)
+        if e is not None and e[0] is ref:
+            self.live[e[1]] -= e[2]
+            del self._info[key]
+
+    def track(self, t: torch.Tensor, part: str, retag: bool | tuple = False) -> None:
+        """Count ``t``'s storages under ``part``; ``retag``: move them there if counted
+        already (a tuple: only from those parts)."""
+        for st in _storages(t):
+            e = self._entry(st)
+            if e is None:
+                self._add(st, part)
+            elif retag and e[1] != part and (retag is True or e[1] in retag):
+                self.live[e[1]] -= e[2]
+                self.live[part] += e[2]
+                e[1] = part
+
+    def register(self, tensors: Iterable[torch.Tensor | None], part: str) -> None:
+        """Count tensors that exist already (parameters, optimizer state, inputs)."""
+        from torch.distributed.tensor import DTensor
+
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self.track(t.to_local() if isinstance(t, DTensor) else t, part, retag=True)
+
+    def settle(self, grads: Iterable[torch.Tensor | None]) -> None:
+        """End of a backward: ``grads`` are ``gradients``; other survivors of backward are
+        gradients FSDP2 keeps unsharded until sync (``accumulated_gradients``)."""
+        self.register(grads, "gradients")
+        for e in self._info.values():
+            if e[1] == "transients" and e[0]() is not None:
+                self.live["transients"] -= e[2]
+                self.live["accumulated_gradients"] += e[2]
+                e[1] = "accumulated_gradients"
+        self.observe()
+
+    def snapshot(self) -> dict[str, int]:
+        return {p: int(v) for p, v in self.live.items()}
+
+    # moments
+    def observe(self) -> None:
+        label = self.where()
+        m = self.moments.get(label)
+        if m is None:
+            m = self.moments[label] = Moment()
+        total = sum(self.live.values())
+        if total > m.total:
+            m.total, m.parts = total, self.snapshot()
+        pm = m.part_max
+        for p, v in self.live.items():
+            if v > pm.get(p, -1):
+                pm[p] = int(v)
+
+    def _add(self, st: torch.UntypedStorage, part: str) -> list:
+        key = id(st)
+        ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
+        e = self._info[key] = [ref, part, st.nbytes()]
+        self.live[part] += e[2]
+        return e
+
+    def _resized(self, st: torch.UntypedStorage, size: int) -> None:
+        # Only FSDP2 resizes storages here: one it made before we looked is its unsharded data.
+        e = self._entry(st) or self._add(st, "fsdp_unsharded")
+        self.live[e[1]] += size - e[2]
+        e[2] = size
+        self.observe()
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st: torch.UntypedStorage, size: int):
+            out = original(st, size)
+            tracker._resized(st, size)
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        self._lock = ShardingPropagator._fake_mode_lock
+        ShardingPropagator._fake_mode_lock = _Propagating(self)
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        torch.UntypedStorage.resize_ = self._resize
+        ShardingPropagator._fake_mode_lock = self._lock
+        return super().__exit__(*args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(t is DTensor or issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run its local ops, which we see
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._propagating:
+            return out  # DTensor's sharding propagation: fake tensors of global shapes, no memory
+        part = self.phase
+        if func in self._buffers:  # FSDP2's collective buffers, and the copies made for them
+            part = "transients"
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t, part, retag=("activations",))
+        elif func is self._scatter:
+            self.track(args[0], "gradients", retag=True)
+        elif func in self._copies:
+            for t in tree_flatten(kwargs.get("out", args[-1]))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.track(t, "fsdp_unsharded", retag=True)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t, part)
+        self.observe()
+        return out
