@@ -91,15 +91,18 @@ def _traced(result) -> Counter:
     ("hf-llama.yaml", [f"model.config.{k}={v}" for k, v in (
         ("num_hidden_layers", 3), ("hidden_size", 64), ("num_attention_heads", 4),
         ("num_key_value_heads", 2), ("intermediate_size", 128), ("vocab_size", 256))]),
+    # A user model whose attention runs on DTensors (SDPA sharded over heads), tied head.
+    pytest.param(str(TEST_PLANS / "dtensor-attention.yaml"), [], id="dtensor-attention"),
 ])
 def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_path):
     world, micro, seq = 4, 2, 16
-    dp = dry_run(str(PLANS / plan), world, SMALL, ()).report.dims.dp
+    plan = str(PLANS / plan)  # an absolute path stays itself
+    dp = dry_run(plan, world, SMALL, ()).report.dims.dp
     # One micro-batch per optimizer step, so per-step figures are per-micro-batch ones.
     overrides = SMALL + extra + [f"train.global_batch_size={micro * dp}"]
-    result = dry_run(str(PLANS / plan), world, overrides, ANALYSES)
-    assert result.ok, result.errors
-    spawn(_real_worker, world, str(PLANS / plan), overrides, micro, seq, str(tmp_path))
+    result = dry_run(plan, world, overrides, ANALYSES)
+    assert result.ok, (result.errors, result.analysis_errors)
+    spawn(_real_worker, world, plan, overrides, micro, seq, str(tmp_path))
     real = torch.load(tmp_path / "real.pt")
 
     # Counts: CommDebugMode's own count of the real run, by functional collective op.

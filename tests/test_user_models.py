@@ -3,6 +3,7 @@ resume; a worker that fails inside ``verify`` is one line naming the rank."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import TEST_PLANS, tpplan_cli
 
 import tpplan
@@ -27,12 +28,17 @@ def test_the_initializer_keeps_bias_free_linears_and_is_reproducible():
     assert all((firsts[0][n] == firsts[1][n]).all() for n in firsts[0])
 
 
-def test_train_a_user_model_with_bias_free_linears_on_two_ranks_and_resume(tmp_path):
+@pytest.mark.parametrize("plan", [
+    MINIGPT,
+    # attention on DTensors (SDPA sharded over heads, on a CPU mesh), tied head, SP
+    TEST_PLANS / "dtensor-attention.yaml"], ids=lambda p: p.stem)
+def test_train_a_user_model_on_two_ranks_and_resume(plan, tmp_path):
+    """Bias-free linears (registered as None) initialize; the trainer runs and resumes."""
     run = tmp_path / "run"
     sets = ["train.steps=4", "train.seq_len=16", "train.global_batch_size=2",
             "train.micro_batch_size=1", "checkpoint.interval=2", "data.max_bytes=100000",
             f"metrics.run_dir={run}"]
-    args = ["train", "--plan", MINIGPT, "--nproc", "2"]
+    args = ["train", "--plan", plan, "--nproc", "2"]
     for s in sets:
         args += ["--set", s]
     tpplan_cli(*args, env=TOYS, check=True)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_ac, apply_tp, loss_context
+from ..parallel.attention import fused_attention_on_meta
 from ..parallel.mesh import MESH_DIMS
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
@@ -78,7 +79,7 @@ def _truncated(container: nn.Module, depth: int) -> nn.Module:
 
 def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
     model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
-    with CollectiveRecorder() as rec:
+    with CollectiveRecorder() as rec, fused_attention_on_meta():
         with loss_context(plan):
             logits = model(tokens)
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())

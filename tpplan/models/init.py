@@ -97,9 +97,10 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
 
 def _cpu_copy(module: nn.Module) -> nn.Module:
     """A CPU module of the same class and shapes as ``module`` (whose params may be DTensors)."""
-    import copy
-
-    clone = copy.copy(module)
+    # A shallow copy that runs no constructor: FSDP2's module classes construct themselves
+    # again in ``__new__``, which copy.copy would call without arguments.
+    clone = object.__new__(type(module))
+    clone.__dict__ = dict(module.__dict__)
     # Keep the entries registered as None (``nn.Linear(bias=False)`` has ``bias: None``):
     # ``reset_parameters`` reads them.
     clone._parameters = {name: None for name, p in module._parameters.items() if p is None}

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
+from .attention import register_cpu_attention
 from .freeze import apply_freeze
 from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
@@ -35,6 +36,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     """One ``parallelize_module`` call per matched module, then ``divide_by_tp``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    register_cpu_attention()  # attention run on DTensors works on a CPU mesh too
     modules = dict(model.named_modules())
     styles = {id(rule): build_style(rule.style) for rule, _ in res.rules}
     tied = tied_groups(model)
