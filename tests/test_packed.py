@@ -159,3 +159,45 @@ def test_packed_weights_load_checkpoint_reshard_and_export(tmp_path):
                 assert torch.equal(exported[n], t), n
             cfg = json.loads((out / "config.json").read_text())
             assert cfg["num_key_value_heads"] == 4  # the full model's config, not a rank's
+
+
+def test_validate_reports_packed_and_expert_shards_divided_by_tp(tmp_path, capsys):
+    from helpers import run_main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("mixtral")))
+    plan = tmp_path / "plan.yaml"
+    rc, out = run_main(capsys, "import-hf", config, "--tp", "2", "-o", plan)
+    assert rc == 0, out
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "2", "--json")
+    assert rc == 0, out
+    params = {f"{m['path']}.{p['name']}": p for m in json.loads(out[out.index("{"):])["modules"]
+              for p in m["params"]}
+    gate_up, down = (params[f"model.layers.0.mlp.experts.{n}"] for n in ("gate_up_proj", "down_proj"))
+    experts, two_inter, hidden = gate_up["global_shape"]
+    assert gate_up["local_shape"] == [experts, two_inter // 2, hidden]
+    assert down["local_shape"] == [experts, hidden, two_inter // 4]
+
+
+def test_packed_rules_that_do_not_fit_are_located_errors(tmp_path, capsys):
+    from helpers import run_main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("phi3")))  # 4 heads, 2 KV heads
+    cases = [("parts: 1", "plan.yaml:4:", "a number of equal parts (2 or more)"),
+             ("parts: [num_attention_heads, num_kv]", "plan.yaml:4:",
+              "part 'num_kv' names no positive integer attribute"),
+             ("parts: [1, 2, 4]", "plan.yaml:4:", "cannot be parts of relative sizes [1, 2, 4]"),
+             ("parts: [num_attention_heads, num_key_value_heads, num_key_value_heads]",
+              "plan.yaml:4:", "packed part 1 has 2 heads and tp=4 does not divide 2")]
+    for parts, where, message in cases:
+        plan = tmp_path / "plan.yaml"
+        plan.write_text(f"""mesh: {{tp: 4}}
+model: {{hf_config: {config}}}
+tensor_parallel:
+  "model.layers.*.self_attn.qkv_proj": {{style: packed_colwise, {parts}}}
+  "model.layers.*.self_attn.o_proj": rowwise
+""")
+        rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+        assert rc == 1 and "Traceback" not in out, out
+        assert where in out and message in out, out
