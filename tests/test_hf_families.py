@@ -17,7 +17,8 @@ import sweep_hf  # noqa: E402
 
 # q/k norms per head (qwen3, gemma3_text), fused qkv/gate_up (phi3), a norm over the whole
 # projection (olmo2), parallel attention+MLP (cohere), MoE with experts held as parameters
-# (mixtral, qwen3_moe), a shared expert (qwen2_moe), dense-then-MoE blocks (glm4_moe).
+# (mixtral, qwen3_moe: experts_colwise_rowwise), a shared expert (qwen2_moe), dense-then-MoE
+# blocks (glm4_moe); phi3 gets packed_colwise.
 FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3_moe",
             "qwen2_moe", "glm4_moe"]
 
@@ -32,6 +33,15 @@ def test_families_import_suggest_validate_and_verify(tmp_path):
     qwen3 = (tmp_path / "qwen3" / "import.yaml").read_text()
     assert "self_attn.q_norm\": {style: sequence_parallel, sequence_dim: 2" in qwen3
     assert "per-head norm" in qwen3
+    # fused projections are sharded part by part, routed experts over their hidden dimension
+    for mode in ("import", "suggest"):
+        phi3 = (tmp_path / "phi3" / f"{mode}.yaml").read_text()
+        assert "qkv_proj\": {style: packed_colwise, parts: [num_attention_heads, " in phi3
+        assert "gate_up_proj\": {style: packed_colwise, parts: 2}" in phi3
+        assert "output_layouts: replicate" not in phi3  # nothing gathered
+        for moe in ("mixtral", "qwen3_moe"):
+            assert "mlp.experts\": experts_colwise_rowwise" in \
+                (tmp_path / moe / f"{mode}.yaml").read_text()
 
 
 def _kv_config(tmp_path, kv: int):

@@ -21,8 +21,10 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
+from ..plan.packing import packed_params
 from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
+from ..parallel.packed import to_model_order
 from ..parallel.runtime import as_spawned_rank, spawn
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
@@ -82,7 +84,9 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
         loss = _loss(logits, local[:, 1:])
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
-    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    packed = packed_params(model)  # gathered in tpplan's interleaved order: back to the model's
+    grads = {n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
+             for n, p in model.named_parameters() if p.grad is not None}
     if mesh["tp"].get_local_rank() == 0:
         torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
                    out_dir / f"rank{rank}.pt")

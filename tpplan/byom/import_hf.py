@@ -121,7 +121,8 @@ def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
     hits = [m for p, m in modules.items() if rx.fullmatch(p)]
     if not hits and any(rx.fullmatch(p) for p in params):
         return (f"'{pattern}' ({style}) is a parameter, not a module (experts held as one "
-                "tensor): left replicated on every tp rank; TP over experts is a later step")
+                "tensor): the experts module's own rule (experts_colwise_rowwise, transformers' "
+                "moe_tp_experts) shards it")
     if not hits:
         return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
                 "plan covers variants of the architecture); left out")
@@ -203,6 +204,12 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
                                   "to the residual stream"))
                 continue
             used.add(hf)
+            if _keeps_packed(sugg.rules, member, hf_rules[hf]):
+                sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]} (it gathers "
+                                  "packed projections); tpplan shards each packed part instead "
+                                  f"({name}, as the dataflow suggests)")
+                rules.append((member, style, comment))
+                continue
             kept.append((member, hf_rules[hf]))
             if hf_rules[hf] != name:
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}, the dataflow "
@@ -229,6 +236,17 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
     sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules), hits)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
+
+
+def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
+    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
+    input of the projection after it (``rowwise_split_input``); where the dataflow shards
+    the packed parts instead (``packed_colwise``), its rules for both stand."""
+    parent = member.rpartition(".")[0]
+    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
+                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
+    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
+                                   "rowwise_rep")
 
 
 def _expand(pattern: str) -> list[str]:

@@ -19,11 +19,11 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
+from .packing import FUSED, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
            "group_pattern"]
 
-FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
 Rule = tuple[str, Any, str]
 
 
@@ -97,7 +97,8 @@ def sp_norm(trace: Trace, norm: Call, block: str) -> Rule:
             "norm on a sequence shard; its output goes to the residual add as a local shard")
 
 
-def _inner_norm_rules(inner: list[Call], colwise: list[Call]) -> tuple[list[Rule], str | None]:
+def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = False
+                      ) -> tuple[list[Rule], str | None]:
     """Rules for the norms inside a group, or why its projections must be gathered.
 
     A norm over ``head_dim`` after a colwise projection (Qwen3's ``q_norm``, on a
@@ -122,7 +123,7 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call]) -> tuple[list[Rule
                       f"per-head norm over head_dim {shape[-1]}: runs on this rank's heads "
                       f"(dimension {len(shape) - 2}), weight replicated, gradient summed over tp"))
     fused = [c for c in colwise if any(f in c.path.rpartition(".")[2] for f in FUSED)]
-    if fused and gather is None:
+    if fused and gather is None and not packed:
         gather = (f"'{generalize(fused[0].path)}' packs several projections in one weight; "
                   "sharding it by rows would give each rank a slice of one part, so its output "
                   "is gathered (colwise with replicated output)")
@@ -175,9 +176,13 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
             whole.add(c.path)
             if inner and hidden is not None:
                 rules.append(_whole_sequence(s.notes, trace, c, hidden, (
-                    "its weights include parameters outside linear layers (experts, a router), "
-                    "which tpplan leaves replicated; TP over experts is a later step")
+                    "it routes tokens (experts held as parameters, a router), which tpplan does "
+                    "not split on the sequence")
                     if loose else "its projections do not read the sequence as such"))
+            rules += [(generalize(f"{c.path}.{rel}"), "experts_colwise_rowwise",
+                       "routed experts: each expert's intermediate dimension split over tp (gate "
+                       "and up halves separately), outputs summed over tp; the router replicated")
+                      for rel in experts_modules(c.module)]
     for parent, group in groups.items():
         seq = inner and not any(parent.startswith(w) for w in whole)
         rules += _group_rules(s, trace, block, parent, group, inner_norms, d, seq)
@@ -202,11 +207,14 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
     mine = [n for n in inner_norms if n.path.startswith(parent + ".")]
-    norm_rules, gather = _inner_norm_rules(mine, colwise)
-    if gather:
-        s.notes.append(f"gathered: {gather}; this part runs whole on every rank")
     container = common_parent([c.path for c in colwise])
     call = trace.first_call(container)
+    parts = packed_parts([c.module for c in colwise], [c.path.rpartition(".")[2] for c in colwise],
+                         rowwise.module, call.module if call is not None else None)
+    norm_rules, gather = _inner_norm_rules(mine, colwise, parts is not None)
+    if gather:
+        s.notes.append(f"gathered: {gather}; this part runs whole on every rank")
+        parts = None
     if container != block and call is not None and (seq or len(colwise) > 1):
         src = "shard(1)" if seq else "replicate"
         opts = {"style": "prepare_input", **input_layouts(call, x if not call.inputs or x in
@@ -217,8 +225,12 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         rules.append((generalize(container), opts,
                       why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
     opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
+    if parts is not None:
+        opts = {"style": "packed_colwise", "parts": parts}
     rules.append((group_pattern([c.path for c in colwise]), opts,
-                  "reads the group's input" + ("; output gathered" if gather else "")))
+                  "reads the group's input" + ("; output gathered" if gather else "") +
+                  ("; packs several projections: each part split over tp, every rank gets its "
+                   "slice of each" if parts is not None else "")))
     if not gather:
         rules += norm_rules
     row = {"style": "rowwise"}
@@ -229,6 +241,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
     rules.append((generalize(rowwise.path), row if len(row) > 1 else "rowwise",
                   "writes back to the residual stream"))
     if call is not None and not gather:
+        per_rank = parts if isinstance(parts, list) else []  # packed_colwise divides these
         s.divide_by_tp += [f"{generalize(container)}.{name}"
-                           for name in _head_counts(call.module, colwise)]
+                           for name in _head_counts(call.module, colwise) if name not in per_rank]
     return rules

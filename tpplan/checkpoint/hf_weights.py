@@ -23,6 +23,9 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from ..plan.packing import packed_params
+from .packed_io import PackedLoadPlanner
+
 __all__ = ["INDEX", "TensorInfo", "compress_names", "load", "mismatches", "read_index"]
 
 INDEX = "model.safetensors.index.json"
@@ -148,7 +151,9 @@ def load(folder: Path, model: nn.Module, to_hf, names: set[str],
             by_hf[hf] = t
     direct = {k: v for k, v in by_hf.items() if k not in aliases}
     reader = HuggingFaceStorageReader(str(folder))
-    dcp.load(direct, storage_reader=reader)
+    # packed parameters: each rank reads its slice of every part (packed_io)
+    packed = {to_hf(n): p for n, p in packed_params(model).items()}
+    dcp.load(direct, storage_reader=reader, planner=PackedLoadPlanner(packed))
     for target, source in aliases.items():
         if target in by_hf:
             dcp.load({source: by_hf[target]}, storage_reader=HuggingFaceStorageReader(str(folder)))

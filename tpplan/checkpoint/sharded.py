@@ -29,10 +29,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..plan.packing import packed_params
 from .integrity import (
     LEGACY_TRAINER_FILE, MANIFEST_FILE, TRAINER_FILE, Damaged, SafeReader, hash_files,
     read_trainer_state, write_manifest, write_trainer_state,
 )
+from .packed_io import PackedLoadPlanner, PackedSavePlanner
 
 __all__ = [
     "DIE_DURING_SAVE_ENV",
@@ -190,8 +192,10 @@ def save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Opt
     if problem := _agree(_attempt(prepare_folder) if rank == 0 else None):
         fail(problem)
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    # packed parameters are written in the model's order, whatever the tp (packed_io)
     if problem := _agree(_attempt(dcp.save, {MODEL_KEY: model_sd, "optim": optim_sd},
-                                  checkpoint_id=str(tmp))):
+                                  checkpoint_id=str(tmp),
+                                  planner=PackedSavePlanner(packed_params(model)))):
         fail(problem)  # DCP raises on every rank when any rank fails; agreed anyway
     if os.environ.get(DIE_DURING_SAVE_ENV) == str(step):
         os._exit(17)  # simulates a kill between the shards and completion
@@ -229,7 +233,8 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """Load model and optimizer (resharded onto this mesh) and return the trainer state."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {MODEL_KEY: model_sd, "optim": optim_sd}
-    if problem := _agree(_attempt(dcp.load, state, storage_reader=SafeReader(str(path)))):
+    if problem := _agree(_attempt(dcp.load, state, storage_reader=SafeReader(str(path)),
+                                  planner=PackedLoadPlanner(packed_params(model)))):
         raise Damaged(path, f"cannot be loaded: {problem}")
     set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
                    optim_state_dict=state["optim"])

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..plan.packing import Packing, packed_params
+
 __all__ = ["init_weights", "materialize", "param_seed"]
 
 
@@ -52,8 +54,10 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _assign(p: torch.Tensor, full: torch.Tensor) -> None:
+def _assign(p: torch.Tensor, full: torch.Tensor, packing: Packing | None = None) -> None:
     with torch.no_grad():
+        if packing is not None:  # held in tp-interleaved order (tpplan.plan.packing)
+            full = full.index_select(packing.dim, torch.tensor(packing.order()))
         if isinstance(p, DTensor):
             shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(shard.to_local())
@@ -71,6 +75,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
     """
     if hasattr(model, "init_buffers"):
         model.init_buffers(device)
+    packed = packed_params(model)
     if hasattr(model, "init_std"):
         for name, p in model.named_parameters():
             std = model.init_std(name)
@@ -80,7 +85,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
             else:
                 full.normal_(0.0, std, generator=torch.Generator().manual_seed(
                     param_seed(seed, name)))
-            _assign(p, full.to(p.device if not isinstance(p, DTensor) else "cpu"))
+            _assign(p, full.to(p.device if not isinstance(p, DTensor) else "cpu"), packed.get(name))
         return "init_std"
     for path, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
@@ -91,7 +96,8 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
             torch.manual_seed(param_seed(seed, path))
             copy.reset_parameters()
         for pname, p in own.items():
-            _assign(p, getattr(copy, pname).detach())
+            _assign(p, getattr(copy, pname).detach(),
+                    packed.get(f"{path}.{pname}" if path else pname))
     return "reset_parameters"
 
 

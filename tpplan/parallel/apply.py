@@ -18,10 +18,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
+from ..plan.styles import PACKED_STYLES
 from .attention import register_cpu_attention
 from .freeze import apply_freeze
 from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
+from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
 from .tied import retie, tied_groups
@@ -38,10 +40,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
 
     register_cpu_attention()  # attention run on DTensors works on a CPU mesh too
     modules = dict(model.named_modules())
-    styles = {id(rule): build_style(rule.style) for rule, _ in res.rules}
+    styles = {id(rule): build_style(rule.style) for rule, _ in res.rules
+              if rule.style.name not in PACKED_STYLES}
     tied = tied_groups(model)
     for path, rule in res.rule_of.items():
-        parallelize_module(modules[path], tp_mesh, styles[id(rule)])
+        style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
+            rule.style, modules[path], modules.get(path.rpartition(".")[0]))
+        parallelize_module(modules[path], tp_mesh, style)
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     for attr_rule, found in res.attrs:

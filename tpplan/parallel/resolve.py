@@ -13,9 +13,10 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import SHARDING_STYLES
+from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .checks import check_heads, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
+from .packed import check_packed
 from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
@@ -26,6 +27,8 @@ SHARD_DIMS: dict[tuple[str, type], dict[str, int]] = {
     ("rowwise", nn.Linear): {"weight": 1},
     ("colwise", nn.Embedding): {"weight": 1},
     ("rowwise", nn.Embedding): {"weight": 0},
+    ("packed_colwise", nn.Linear): {"weight": 0, "bias": 0},  # parallel.packed
+    ("experts_colwise_rowwise", nn.Module): {"gate_up_proj": 1, "down_proj": 2},
 }
 TORCH_CLASS = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 WHOLE_MODULE_STYLES = ("sequence_parallel", "replicate")  # they claim every parameter below
@@ -105,6 +108,9 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             if rule.style.name in SHARDING_STYLES:
                 _check_sharding(rule, path, modules[path], tp, errs)
                 check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
+                             tp, errs)
+            elif rule.style.name in PACKED_STYLES:
+                check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
     check_norms_beside_colwise(res, modules)
     for path, rule in res.rule_of.items():

@@ -13,7 +13,8 @@ from .patterns import compile_pattern
 from .reader import describe
 from .specs import Rule
 from .styles import (
-    ALIASES, BOOL, INT, KWARG_LAYOUTS, LAYOUT, LAYOUT_WORDS, LAYOUTS, REQUIRED, STYLES, StyleSpec,
+    ALIASES, BOOL, INT, KWARG_LAYOUTS, LAYOUT, LAYOUT_WORDS, LAYOUTS, PARTS, REQUIRED, STYLES,
+    StyleSpec,
     parse_layout,
 )
 from .yamlio import LMap, LSeq
@@ -31,6 +32,8 @@ def _parse_option(kind: str, value: Any, loc: Loc, name: str, errs: ErrorList) -
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"'{name}' must be an integer, got {value!r}")
             return value
+        if kind == PARTS:
+            return _parse_parts(value, name)
         if kind == LAYOUT:
             return parse_layout(value)
         if kind == LAYOUTS:
@@ -58,6 +61,19 @@ def _parse_option(kind: str, value: Any, loc: Loc, name: str, errs: ErrorList) -
         hint = nearest(str(value), LAYOUT_WORDS) if kind in (LAYOUT, LAYOUTS) else ""
         errs.add(f"{e}{hint}", loc)
     return None
+
+
+def _parse_parts(value: Any, name: str) -> int | list[int | str]:
+    """``parts: 2`` (equal parts) or ``parts: [num_attention_heads, num_key_value_heads,
+    num_key_value_heads]`` (relative sizes: integers or attribute names)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2:
+        return value
+    if isinstance(value, LSeq) and len(value) >= 2 and all(
+            (isinstance(v, int) and not isinstance(v, bool) and v > 0)
+            or (isinstance(v, str) and v.isidentifier()) for v in value):
+        return list(value)
+    raise ValueError(f"'{name}' is a number of equal parts (2 or more) or a list of the parts' "
+                     f"relative sizes (positive integers or attribute names), got {value!r}")
 
 
 def parse_style(value: Any, loc: Loc, errs: ErrorList) -> StyleSpec | None:

@@ -15,6 +15,19 @@ Each style is the PyTorch one under a stable short name, with PyTorch's keyword 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
 ``rowwise_rep`` (or ``rowwise_split_input``) is rowwise with ``input_layouts: replicate``.
+
+tpplan's own styles for weights PyTorch's styles cannot split (tpplan.parallel.packed):
+
+- ``packed_colwise``: a linear layer whose output packs several parts (Phi-3's
+  ``qkv_proj``, ``gate_up_proj``), each part split over tp, so every rank gets its slice of
+  every part; its output stays a local tensor ``[part0_t, part1_t, ...]``. Options:
+  ``parts`` (a count of equal parts, or the parts' relative sizes: integers or names of
+  integer attributes of the layer's parent or its ``config``; named attributes become
+  per-rank on that parent), ``input_layouts``. transformers' ``colwise_packed`` is an alias.
+- ``experts_colwise_rowwise``: a mixture-of-experts module holding its routed experts as
+  3-D parameters (``gate_up_proj`` [experts, 2 x inter, hidden], ``down_proj`` [experts,
+  hidden, inter]): each expert's intermediate dimension split over tp (gate and up halves
+  separately), the output summed over tp. No options; transformers' ``moe_tp_experts``.
 """
 
 from __future__ import annotations
@@ -23,7 +36,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "parse_layout", "StyleSpec"]
+__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "parse_layout", "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,7 @@ LAYOUTS = "layouts"  # one layout or a list of layouts (one per positional input
 KWARG_LAYOUTS = "kwarg_layouts"  # {name: layout}
 BOOL = "bool"
 INT = "int"
+PARTS = "parts"  # a count, or a list of integers and attribute names
 
 _INPUT = {
     "input_layouts": LAYOUTS,
@@ -87,12 +101,15 @@ STYLES: dict[str, dict[str, str]] = {
     "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
     "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL},
     "replicate": {},
+    "packed_colwise": {"parts": PARTS, "input_layouts": LAYOUT},
+    "experts_colwise_rowwise": {},
 }
 
 # options a style cannot do without
 REQUIRED = {
     "prepare_output": ("output_layouts", "desired_output_layouts"),
     "prepare_input_output": ("output_layouts", "desired_output_layouts"),
+    "packed_colwise": ("parts",),
 }
 
 # HuggingFace tp_plan names with an exact PyTorch equivalent: name -> (style, preset options)
@@ -102,10 +119,13 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     # transformers' later names for the same two
     "colwise_gather_output": ("colwise", {"output_layouts": Layout("replicate")}),
     "rowwise_split_input": ("rowwise", {"input_layouts": Layout("replicate")}),
+    "colwise_packed": ("packed_colwise", {}),
+    "moe_tp_experts": ("experts_colwise_rowwise", {}),
 }
 
 # styles that shard parameters, and the module types PyTorch can shard with them
 SHARDING_STYLES = ("colwise", "rowwise")
+PACKED_STYLES = ("packed_colwise", "experts_colwise_rowwise")  # tpplan's own, parallel.packed
 
 
 @dataclass

@@ -1,0 +1,60 @@
+"""Which packed projection ``suggest`` shards part by part (``packed_colwise``), and how.
+
+A fused projection packs several outputs in one weight: Phi-3's ``qkv_proj`` (q, k and v
+of ``num_attention_heads``, ``num_key_value_heads`` and ``num_key_value_heads`` heads),
+``gate_up_proj`` (gate and up, equal halves, as in GLM and GLM-4). Its parts are named by
+the attributes that size them, so the rule stays right on a shrunk or grown model of the
+same architecture, and so those attributes become per-rank where the model reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["FUSED", "experts_modules", "packed_parts"]
+
+FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
+
+
+def _count(parent: nn.Module, name: str) -> int | None:
+    value = getattr(parent, name, None)
+    value = value if isinstance(value, int) else getattr(getattr(parent, "config", None), name, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def packed_parts(colwise: list[nn.Module], names: list[str], rowwise: nn.Module | None,
+                 parent: nn.Module | None) -> Any:
+    """The ``parts`` option for the group's one fused projection, or None: not fused, or
+    its parts cannot be told from the model (the projection is then gathered)."""
+    if len(colwise) != 1 or not any(f in names[0] for f in FUSED) or parent is None:
+        return None
+    linear = colwise[0]
+    if "qkv" in names[0]:
+        head_dim = getattr(parent, "head_dim", None)
+        heads = _count(parent, "num_attention_heads")
+        kv = _count(parent, "num_key_value_heads")
+        if isinstance(head_dim, int) and heads and kv and \
+                linear.out_features == (heads + 2 * kv) * head_dim:
+            return ["num_attention_heads", "num_key_value_heads", "num_key_value_heads"]
+        return None
+    if rowwise is not None and linear.out_features == 2 * rowwise.in_features:
+        return 2
+    return None
+
+
+def experts_modules(branch: nn.Module) -> list[str]:
+    """Paths (relative to ``branch``) of modules holding routed experts as 3-D parameters
+    ``gate_up_proj`` [experts, 2 x inter, hidden] and ``down_proj`` [experts, hidden, inter]
+    (transformers 5's MoE layout) that ``experts_colwise_rowwise`` shards: not transposed,
+    without biases."""
+    out = []
+    for rel, module in branch.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        gate_up, down = own.get("gate_up_proj"), own.get("down_proj")
+        if rel and gate_up is not None and down is not None and gate_up.dim() == down.dim() == 3 \
+                and gate_up.shape[1] == 2 * down.shape[2] and not getattr(module, "is_transposed", False) \
+                and not any("bias" in n for n in own):
+            out.append(rel)
+    return out
