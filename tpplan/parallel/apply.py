@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from .freeze import apply_freeze
+from .kv_heads import kv_style, localize_kv_groups
 from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
 from .report import ApplyReport
@@ -39,9 +40,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     styles = {id(rule): build_style(rule.style) for rule, _ in res.rules}
     tied = tied_groups(model)
     for path, rule in res.rule_of.items():
-        parallelize_module(modules[path], tp_mesh, styles[id(rule)])
+        parallelize_module(modules[path], tp_mesh, kv_style(styles[id(rule)], rule, path, modules))
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
+    localize_kv_groups(modules, res.rule_of, tp)
     for attr_rule, found in res.attrs:
         for path, value in found:
             setattr(modules[path], attr_rule.attribute, value // tp)

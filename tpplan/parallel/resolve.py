@@ -16,6 +16,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
 from .checks import check_heads, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
+from .kv_heads import check_kv_colwise
 from .mesh import ParallelDims
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
@@ -106,6 +107,9 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 _check_sharding(rule, path, modules[path], tp, errs)
                 check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
+            elif rule.style.name == "kv_colwise":
+                check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
+                                 tp, errs)
     check_norms_beside_colwise(res, modules)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..plan.styles import Layout, StyleSpec
+from .kv_heads import KVColwiseParallel
 
 __all__ = ["ReplicateParallel", "build_style"]
 
@@ -64,6 +65,7 @@ _CLASSES = {
     "prepare_output": PrepareModuleOutput,
     "prepare_input_output": PrepareModuleInputOutput,
     "replicate": ReplicateParallel,
+    "kv_colwise": KVColwiseParallel,
 }
 
 

@@ -11,6 +11,10 @@ Each style is the PyTorch one under a stable short name, with PyTorch's keyword 
   use_local_output
 - ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
+- ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
+  ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
+  value projection with fewer heads than tp: the weight stays whole (replicated on tp), each
+  rank computes the KV head its query heads use, gradients summed over tp
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
@@ -87,6 +91,7 @@ STYLES: dict[str, dict[str, str]] = {
     "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
     "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL},
     "replicate": {},
+    "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
 }
 
 # options a style cannot do without
