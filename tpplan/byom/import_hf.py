@@ -27,7 +27,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
-from .kv_rules import replicate_kv_heads
+from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
 __all__ = ["ImportedPlan", "import_hf"]
@@ -231,7 +231,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
         rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
     sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules), hits)
     if tp:
-        replicate_kv_heads(sugg, model, tp)
+        fit_to_tp(sugg, model, tp)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
 

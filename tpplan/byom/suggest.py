@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
-from .kv_rules import replicate_kv_heads
+from .tp_fit import fit_to_tp
 from .sublayers import input_layouts, sp_norm, sub_layer_rules, sub_layers
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
@@ -199,4 +199,4 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
         except Exception as e:  # noqa: BLE001 - one line, not transformers' traceback
             _untraceable(e)
     s = analyse(model, trace, blocks, sequence_parallel)
-    return replicate_kv_heads(s, meta, tp) if tp else s
+    return fit_to_tp(s, meta, tp) if tp else s

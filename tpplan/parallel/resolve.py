@@ -82,10 +82,22 @@ def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: Err
         if param is None:
             continue
         size = param.shape[dim]
+        if rule.style.options.get("uneven") and size >= tp:
+            continue  # ceil(size/tp) rows on the first ranks, fewer on the last
         if size % tp:
             errs.add(f"module '{path}' ({type(module).__name__}), parameter '{pname}': dimension {dim} "
                      f"of size {size} is not divisible by tp={tp} (rule '{rule.pattern}' is "
-                     f"{style})", rule.loc)
+                     f"{style}){_uneven_hint(size, tp)}", rule.loc)
+
+
+def _uneven_hint(size: int, tp: int) -> str:
+    if size < tp:
+        return f": fewer rows than ranks; use a tp of at most {size}"
+    big = -(-size // tp)
+    rows = [min(big, max(0, size - i * big)) for i in range(tp)]  # torch.chunk's split
+    shown = ", ".join(map(str, rows)) if tp <= 8 else f"{rows[0]} ... {rows[-1]}"
+    return (f"; add 'uneven: true' to the rule to split it unevenly ({shown} per rank; the "
+            f"parameter keeps its {size} rows in checkpoints and exports)")
 
 
 def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],

@@ -2,8 +2,11 @@
 
 Each style is the PyTorch one under a stable short name, with PyTorch's keyword names:
 
-- ``colwise`` (ColwiseParallel): input_layouts, output_layouts, use_local_output
-- ``rowwise`` (RowwiseParallel): input_layouts, output_layouts, use_local_output
+- ``colwise`` (ColwiseParallel): input_layouts, output_layouts, use_local_output, uneven
+- ``rowwise`` (RowwiseParallel): input_layouts, output_layouts, use_local_output, uneven
+
+``uneven: true`` (tpplan's) allows a sharded dimension tp does not divide: the first ranks
+hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shape.
 - ``sequence_parallel`` (SequenceParallel): sequence_dim, use_local_output
 - ``prepare_input`` (PrepareModuleInput): input_layouts, desired_input_layouts,
   input_kwarg_layouts, desired_input_kwarg_layouts, use_local_output
@@ -27,7 +30,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "parse_layout", "StyleSpec"]
+__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "TPPLAN_OPTIONS", "parse_layout",
+           "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,10 @@ _INPUT = {
 _OUTPUT = {"output_layouts": LAYOUTS, "desired_output_layouts": LAYOUTS}
 
 STYLES: dict[str, dict[str, str]] = {
-    "colwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
-    "rowwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
+    "colwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL,
+                "uneven": BOOL},
+    "rowwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL,
+                "uneven": BOOL},
     "sequence_parallel": {"sequence_dim": INT, "use_local_output": BOOL},
     "prepare_input": {**_INPUT, "use_local_output": BOOL},
     "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
@@ -93,6 +99,10 @@ STYLES: dict[str, dict[str, str]] = {
     "replicate": {},
     "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
 }
+
+# tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
+# lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly
+TPPLAN_OPTIONS = ("uneven",)
 
 # options a style cannot do without
 REQUIRED = {

@@ -1,6 +1,12 @@
-"""KV heads fewer than tp in generated plans: ``import-hf`` and ``suggest`` turn the colwise
-rule of a key/value projection whose head count tp is a multiple of into ``kv_colwise``
-(each rank computes the KV head its query heads use; :mod:`tpplan.parallel.kv_heads`)."""
+"""Generated plans fitted to their tp (``import-hf`` and ``suggest`` at ``--tp``):
+
+- KV heads fewer than tp: the colwise rule of a key/value projection whose head count tp is
+  a multiple of becomes ``kv_colwise`` (each rank computes the KV head its query heads use;
+  :mod:`tpplan.parallel.kv_heads`);
+- a vocabulary tp does not divide (GPT-2's 50,257): the embedding's and the head's rules get
+  ``uneven: true`` (the first ranks hold ``ceil(V/tp)`` rows, the last fewer; the weight keeps
+  its real shape in checkpoints and exports, and no logit past the vocabulary exists).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import torch.nn as nn
 
 from ..plan.patterns import compile_pattern
 
-__all__ = ["replicate_kv_heads"]
+__all__ = ["fit_to_tp", "replicate_kv_heads", "uneven_vocabulary"]
 
 
 def _members(pattern: str) -> list[str]:
@@ -71,3 +77,36 @@ def replicate_kv_heads(s: Any, model: nn.Module, tp: int) -> Any:
                            "gradients all-reduced over tp (kv_colwise)")
     s.rules = out
     return s
+
+
+def uneven_vocabulary(s: Any, model: nn.Module, tp: int) -> Any:
+    """``uneven: true`` on the rules sharding a vocabulary tp does not divide: a rowwise
+    embedding, and a colwise linear with as many outputs (the head)."""
+    modules = dict(model.named_modules())
+    vocabs = {m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)}
+    out = []
+    for pattern, style, comment in s.rules:
+        opts = {"style": style} if isinstance(style, str) else dict(style)
+        rx = compile_pattern(pattern)
+        module = next((m for p, m in modules.items() if rx.fullmatch(p)), None)
+        rows = module.num_embeddings if isinstance(module, nn.Embedding) and \
+            opts["style"] == "rowwise" else module.out_features if isinstance(module, nn.Linear) \
+            and opts["style"] == "colwise" and module.out_features in vocabs else None
+        if rows is not None and rows % tp and rows >= tp:
+            opts["uneven"] = True
+            big = -(-rows // tp)
+            comment = (f"{comment}; {rows} rows, which tp={tp} does not divide: {big} on the "
+                       f"first ranks, fewer on the last (uneven)")
+            if not any("uneven" in n for n in s.notes):
+                s.notes.append(f"the vocabulary ({rows}) is not divisible by tp={tp}: embedding "
+                               "and head are split unevenly ('uneven: true'); the weights keep "
+                               "their real shape in checkpoints and exports")
+            style = opts
+        out.append((pattern, style, comment))
+    s.rules = out
+    return s
+
+
+def fit_to_tp(s: Any, model: nn.Module, tp: int) -> Any:
+    """Both of the above."""
+    return uneven_vocabulary(replicate_kv_heads(s, model, tp), model, tp)
