@@ -14,9 +14,10 @@ from tpplan.analysis.numerics import compare, parallel_steps, reference_step, ve
 pytest.importorskip("transformers")
 
 
-def _config(tmp_path, kv: int, heads: int = 4):
-    config = tmp_path / f"config{kv}.json"
-    config.write_text(json.dumps({"model_type": "llama", "num_attention_heads": heads,
+def _config(tmp_path, kv: int, heads: int = 4, family: str = "llama"):
+    config = tmp_path / f"{family}{kv}.json"
+    config.write_text(json.dumps({"model_type": family, "num_attention_heads": heads,
+                                  "head_dim": 16,
                                   "num_key_value_heads": kv, "hidden_size": 16 * heads,
                                   "intermediate_size": 128, "num_hidden_layers": 2,
                                   "vocab_size": 256}))
@@ -25,10 +26,15 @@ def _config(tmp_path, kv: int, heads: int = 4):
 
 def test_kv_heads_fewer_than_tp_are_replicated_and_match_one_device(tmp_path, capsys):
     plans = {}
-    for kv, how in ((2, ["import-hf"]), (2, ["import-hf", "--sequence-parallel"]),
-                    (1, ["import-hf"]), (2, ["suggest", "--sequence-parallel", "off"])):
-        plan = tmp_path / f"{'-'.join(how)}-{kv}.yaml"
-        model = tmp_path / "import-hf-2.yaml" if how[0] == "suggest" else _config(tmp_path, kv)
+    # Qwen3 adds per-head k_norm over the replicated KV heads (sequence_parallel on heads).
+    for family, kv, how in (("llama", 2, ["import-hf"]),
+                            ("llama", 2, ["import-hf", "--sequence-parallel"]),
+                            ("llama", 1, ["import-hf"]),
+                            ("llama", 2, ["suggest", "--sequence-parallel", "off"]),
+                            ("qwen3", 2, ["import-hf", "--sequence-parallel"])):
+        plan = tmp_path / f"{family}-{'-'.join(how)}-{kv}.yaml"
+        model = tmp_path / "llama-import-hf-2.yaml" if how[0] == "suggest" else \
+            _config(tmp_path, kv, family=family)
         rc, out = run_main(capsys, *how, model, "--tp", "4", "-o", plan)
         assert rc == 0, out
         text = plan.read_text()
