@@ -2,7 +2,8 @@
 and the head ``uneven: true``, a plan without it is refused with the sizes and the option
 named, the plans match one device on 4 gloo processes (logits, loss, every gradient, with loss
 parallelism and under sequence parallelism), and a run saved on tp 4 resumes on tp 2 along
-the curve of one process run straight through, its checkpoint holding the real shape."""
+the curve of one process run straight through, its checkpoint and HF export holding the real
+shape."""
 
 import json
 
@@ -67,3 +68,11 @@ def test_a_vocabulary_tp_does_not_divide_is_split_unevenly(tmp_path, capsys):
     state = read_model_state(latest(parts / "checkpoints"))
     assert tuple(state["model.embed_tokens.weight"].shape) == (VOCAB, 32)
     assert tuple(state["lm_head.weight"].shape) == (VOCAB, 32)
+    from safetensors import safe_open
+
+    rc, out = run_main(capsys, "export", "--format", "hf", "--checkpoint", parts, "-o",
+                       tmp_path / "export")
+    assert rc == 0, out
+    shapes = {k: f.get_slice(k).get_shape() for p in (tmp_path / "export").glob("*.safetensors")
+              for f in [safe_open(p, "pt")] for k in f.keys()}
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == [VOCAB, 32]
