@@ -44,31 +44,6 @@ def test_families_import_suggest_validate_and_verify(tmp_path):
                 (tmp_path / moe / f"{mode}.yaml").read_text()
 
 
-def _kv_config(tmp_path, kv: int):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 4,
-                                  "num_key_value_heads": kv, "hidden_size": 64,
-                                  "intermediate_size": 128, "num_hidden_layers": 2,
-                                  "vocab_size": 256}))
-    return config
-
-
-def test_kv_heads_fewer_than_tp_are_refused_by_import_validate_and_verify(tmp_path, capsys):
-    plan = tmp_path / "plan.yaml"
-    rc, out = run_main(capsys, "import-hf", _kv_config(tmp_path, 2), "--tp", "4", "-o", plan)
-    assert rc == 1 and "Traceback" not in out
-    assert "projects 2 heads of head_dim 16 (KV heads fewer than tp) and tp=4" in out
-    assert "plan.yaml:" in out  # located at the rule
-    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
-    assert rc == 1 and "KV heads fewer than tp" in out
-    # verify's shrunk model keeps 2 KV heads: it fails as the real size would, before spawning
-    rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "4")
-    assert rc == 1 and "KV heads fewer than tp" in out
-    # tp 2 divides 2 KV heads: valid
-    rc, out = run_main(capsys, "import-hf", _kv_config(tmp_path, 2), "--tp", "2", "-o", plan)
-    assert rc == 0, out
-
-
 def test_a_per_head_norm_left_without_a_rule_is_a_located_error(write_plan, tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(sweep_hf.tiny_config("qwen3")))

@@ -188,6 +188,15 @@ def diagnose(model: nn.Module, res: Resolution, plan: PlanSpec) -> list[dict[str
                    f"{'and its output are' if gathers > len(paths) else 'is'} all-gathered in "
                    "forward and its input gradient reduce-scattered in backward, where a "
                    "rowwise layer needs one all-reduce per pass; make this layer rowwise"))
+    kv = _linears(model, res, "kv_colwise")
+    if kv:
+        weights = sum(p.numel() * p.element_size() for _, m in kv for p in m.parameters())
+        reasons.append(dict(
+            where=generalize(kv[0][0]), extra_count={"all_reduce (backward)": len(kv)},
+            reason=f"kv_colwise: {len(kv)} key/value projections have fewer heads than tp; "
+                   f"their weights are whole on every tp rank ({_size(weights)} per rank, not "
+                   f"divided by tp) and each one's gradient is all-reduced over tp once per step "
+                   f"({len(kv)} all_reduce, {_size(weights)})"))
     ac = plan.activation_checkpointing
     if ac.enabled and res.ac_blocks:
         n = len(res.ac_blocks[::ac.every])
@@ -203,6 +212,10 @@ def diagnose(model: nn.Module, res: Resolution, plan: PlanSpec) -> list[dict[str
                                 reason="the logits are gathered over the vocabulary; "
                                        "set 'loss_parallel: true' to compute the loss on shards"))
     return reasons
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"
 
 
 GRADIENTS = "<gradients>"  # the TP trace's module for the reductions after backward

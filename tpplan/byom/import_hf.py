@@ -27,6 +27,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
+from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
 __all__ = ["ImportedPlan", "import_hf"]
@@ -144,8 +145,10 @@ def _drop_per_head_under_gather(rules: list) -> list:
                     and p.rpartition(".")[0] in gathered)]
 
 
-def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
-    """Read ``base_model_tp_plan`` for ``target`` and build the full plan's parts."""
+def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = None
+              ) -> ImportedPlan:
+    """Read ``base_model_tp_plan`` for ``target`` and build the full plan's parts (for
+    ``tp``: KV heads fewer than tp get ``kv_colwise``)."""
     spec, model_section, config = _resolve(target)
     tp_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not tp_plan:
@@ -234,6 +237,8 @@ def import_hf(target: str, sequence_parallel: bool = False) -> ImportedPlan:
             continue
         rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
     sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules), hits)
+    if tp:
+        fit_to_tp(sugg, model, tp)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
 

@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from .tp_fit import fit_to_tp
 from .sublayers import input_layouts, sp_norm, sub_layer_rules, sub_layers
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
@@ -167,9 +168,11 @@ def _untraceable(e: Exception):
                                 f"tokens through it raised {reason})")]) from None
 
 
-def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion:
-    """Trace the plan's model and infer its rules."""
-    model = build_model(spec, "meta")
+def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | None = None
+                 ) -> Suggestion:
+    """Trace the plan's model and infer its rules (for ``tp``, KV heads fewer than tp get
+    ``kv_colwise``)."""
+    model = meta = build_model(spec, "meta")
     blocks = find_blocks(model)
     if blocks is None:
         s = Suggestion()
@@ -195,4 +198,5 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto") -> Suggestion
             trace = trace_forward(model, torch.randint(0, small.vocab_size, (2, 16)))
         except Exception as e:  # noqa: BLE001 - one line, not transformers' traceback
             _untraceable(e)
-    return analyse(model, trace, blocks, sequence_parallel)
+    s = analyse(model, trace, blocks, sequence_parallel)
+    return fit_to_tp(s, meta, tp) if tp else s

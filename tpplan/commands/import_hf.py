@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: --tp {problem}", file=sys.stderr)
         return 2
-    imported = import_hf(args.target, args.sequence_parallel)
+    imported = import_hf(args.target, args.sequence_parallel, tp=args.tp)
     s = imported.suggestion
     header = [f"Imported from {imported.source}",
               f"by `tpplan import-hf {args.target}"

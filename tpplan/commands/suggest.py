@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if spec is None:
         errs.add("the file has no 'model:' section to suggest a plan for", doc.loc)
     errs.raise_if_any()
-    s = suggest_plan(spec, args.sequence_parallel)
+    s = suggest_plan(spec, args.sequence_parallel, tp=args.tp)
     header = [f"Suggested by `tpplan suggest {args.model}` from the model's dataflow.",
               "Review it: every rule says why it is there; what was not decided is at the end."]
     model = relocate(plain(doc["model"]), os.path.dirname(os.path.abspath(args.model)),

@@ -21,6 +21,7 @@ from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import PACKED_STYLES
 from .attention import register_cpu_attention
 from .freeze import apply_freeze
+from .kv_heads import kv_style, localize_kv_groups
 from .fsdp_units import fsdp_calls
 from .mesh import dp_mesh
 from .packed import packed_style
@@ -46,9 +47,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     for path, rule in res.rule_of.items():
         style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
             rule.style, modules[path], modules.get(path.rpartition(".")[0]))
-        parallelize_module(modules[path], tp_mesh, style)
+        parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
+    localize_kv_groups(modules, res.rule_of, tp)
     for attr_rule, found in res.attrs:
         for path, value in found:
             setattr(modules[path], attr_rule.attribute, value // tp)

@@ -38,9 +38,12 @@ def check_heads(rule: Rule, path: str, module: nn.Module, parent: nn.Module | No
     heads = module.out_features // head_dim
     if heads % tp:
         kv = " (KV heads fewer than tp)" if heads < tp else ""
+        fix = ("give it 'kv_colwise' (each rank computes the "
+               "KV head its query heads use)" if tp % heads == 0 else
+               f"tp={tp} is not a multiple of {heads} either, so replicating KV heads "
+               f"(kv_colwise) does not fit; use a tp that divides {heads} or a multiple of it")
         errs.add(f"module '{path}' projects {heads} heads of head_dim {head_dim}{kv} and "
-                 f"tp={tp} does not divide {heads}: each rank would hold part of a head; use a "
-                 f"tp that divides {heads} (replicating KV heads over tp is not supported yet)",
+                 f"tp={tp} does not divide {heads}: each rank would hold part of a head; {fix}",
                  rule.loc)
 
 

@@ -16,6 +16,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .checks import check_heads, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
+from .kv_heads import check_kv_colwise
 from .packed import check_packed
 from .mesh import ParallelDims
 
@@ -84,10 +85,22 @@ def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: Err
         if param is None:
             continue
         size = param.shape[dim]
+        if rule.style.options.get("uneven") and size >= tp:
+            continue  # ceil(size/tp) rows on the first ranks, fewer on the last
         if size % tp:
             errs.add(f"module '{path}' ({type(module).__name__}), parameter '{pname}': dimension {dim} "
                      f"of size {size} is not divisible by tp={tp} (rule '{rule.pattern}' is "
-                     f"{style})", rule.loc)
+                     f"{style}){_uneven_hint(size, tp)}", rule.loc)
+
+
+def _uneven_hint(size: int, tp: int) -> str:
+    if size < tp:
+        return f": fewer rows than ranks; use a tp of at most {size}"
+    big = -(-size // tp)
+    rows = [min(big, max(0, size - i * big)) for i in range(tp)]  # torch.chunk's split
+    shown = ", ".join(map(str, rows)) if tp <= 8 else f"{rows[0]} ... {rows[-1]}"
+    return (f"; add 'uneven: true' to the rule to split it unevenly ({shown} per rank; the "
+            f"parameter keeps its {size} rows in checkpoints and exports)")
 
 
 def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
@@ -112,6 +125,9 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             elif rule.style.name in PACKED_STYLES:
                 check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
+            elif rule.style.name == "kv_colwise":
+                check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
+                                 tp, errs)
     check_norms_beside_colwise(res, modules)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:

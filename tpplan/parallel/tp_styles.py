@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ..plan.styles import Layout, StyleSpec
+from ..plan.styles import TPPLAN_OPTIONS, Layout, StyleSpec
+from .kv_heads import KVColwiseParallel
 
 __all__ = ["ReplicateParallel", "build_style"]
 
@@ -64,10 +65,11 @@ _CLASSES = {
     "prepare_output": PrepareModuleOutput,
     "prepare_input_output": PrepareModuleInputOutput,
     "replicate": ReplicateParallel,
+    "kv_colwise": KVColwiseParallel,
 }
 
 
 def build_style(spec: StyleSpec) -> ParallelStyle:
     """The PyTorch style object for a parsed rule, options passed under their own names."""
-    kwargs = {k: _torch(v) for k, v in spec.options.items()}
+    kwargs = {k: _torch(v) for k, v in spec.options.items() if k not in TPPLAN_OPTIONS}
     return _CLASSES[spec.name](**kwargs)

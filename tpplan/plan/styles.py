@@ -2,8 +2,11 @@
 
 Each style is the PyTorch one under a stable short name, with PyTorch's keyword names:
 
-- ``colwise`` (ColwiseParallel): input_layouts, output_layouts, use_local_output
-- ``rowwise`` (RowwiseParallel): input_layouts, output_layouts, use_local_output
+- ``colwise`` (ColwiseParallel): input_layouts, output_layouts, use_local_output, uneven
+- ``rowwise`` (RowwiseParallel): input_layouts, output_layouts, use_local_output, uneven
+
+``uneven: true`` (tpplan's) allows a sharded dimension tp does not divide: the first ranks
+hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shape.
 - ``sequence_parallel`` (SequenceParallel): sequence_dim, use_local_output
 - ``prepare_input`` (PrepareModuleInput): input_layouts, desired_input_layouts,
   input_kwarg_layouts, desired_input_kwarg_layouts, use_local_output
@@ -11,6 +14,10 @@ Each style is the PyTorch one under a stable short name, with PyTorch's keyword 
   use_local_output
 - ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
+- ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
+  ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
+  value projection with fewer heads than tp: the weight stays whole (replicated on tp), each
+  rank computes the KV head its query heads use, gradients summed over tp
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
@@ -36,7 +43,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "parse_layout", "StyleSpec"]
+__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "TPPLAN_OPTIONS",
+           "parse_layout", "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,10 @@ _INPUT = {
 _OUTPUT = {"output_layouts": LAYOUTS, "desired_output_layouts": LAYOUTS}
 
 STYLES: dict[str, dict[str, str]] = {
-    "colwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
-    "rowwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL},
+    "colwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL,
+                "uneven": BOOL},
+    "rowwise": {"input_layouts": LAYOUT, "output_layouts": LAYOUT, "use_local_output": BOOL,
+                "uneven": BOOL},
     "sequence_parallel": {"sequence_dim": INT, "use_local_output": BOOL},
     "prepare_input": {**_INPUT, "use_local_output": BOOL},
     "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
@@ -103,7 +113,12 @@ STYLES: dict[str, dict[str, str]] = {
     "replicate": {},
     "packed_colwise": {"parts": PARTS, "input_layouts": LAYOUT},
     "experts_colwise_rowwise": {},
+    "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
 }
+
+# tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
+# lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly
+TPPLAN_OPTIONS = ("uneven",)
 
 # options a style cannot do without
 REQUIRED = {
