@@ -25,7 +25,7 @@ from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import as_spawned_rank, spawn
 
-__all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "compare", "Comparison",
+__all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps", "compare", "Comparison",
            "rel_err"]
 
 
@@ -64,7 +64,52 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequence[str],
+def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+    dp_rank = data_parallel_rank(mesh)
+    model = plan.apply(model, mesh)
+    local = tokens.chunk(dp)[dp_rank]
+    with plan.loss_context():
+        logits = model(local[:, :-1])
+        loss = _loss(logits, local[:, 1:])
+        loss.backward()
+    logits, loss = _full(logits.detach()), _full(loss.detach())
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+    if mesh["tp"].get_local_rank() == 0:
+        torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
+                   out_dir / f"rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:
+        torch.save(grads, out_dir / "grads0.pt")
+
+
+def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+    """The step through the plan's pipeline schedule: the loss on the last stage, each
+    stage's gradients saved by its first tp and dp rank."""
+    dp_rank = data_parallel_rank(mesh)
+    local = tokens.chunk(dp)[dp_rank]
+    count = local[:, 1:].numel()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Each micro-batch adds its share of the rank's mean: no grad scaling needed.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               reduction="sum") / count
+
+    pipe = plan.apply_pipeline(model, mesh, loss_fn, device="cpu", scale_grads=False)
+    losses: list[torch.Tensor] = []
+    with plan.loss_context():
+        out = pipe.step(local[:, :-1], target=local[:, 1:], losses=losses)
+    grads = {n: _full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+    first_in_slice = mesh["tp"].get_local_rank() == 0
+    if first_in_slice and dp_rank == 0:
+        torch.save(grads, out_dir / f"grads{mesh['pp'].get_local_rank()}.pt")
+    if pipe.is_last:
+        logits = _full(out.detach())
+        loss = sum(_full(v.detach()) for v in losses)
+        if first_in_slice:
+            torch.save({"dp_rank": dp_rank, "logits": logits, "loss": float(loss)},
+                       out_dir / f"rank{dist.get_rank()}.pt")
+
+
+def _worker(rank: int, world: int, port: int, plan_path: str, configs: list[list[str]],
             tokens: torch.Tensor, seed: int, out_dir: str) -> None:
     as_spawned_rank(rank, world, port)
     import logging
@@ -72,42 +117,45 @@ def _worker(rank: int, world: int, port: int, plan_path: str, overrides: Sequenc
 
     warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    plan = load(plan_path, overrides)
-    torch.manual_seed(seed)
-    model = build_model(plan.model, device="cpu").eval()
-    mesh = plan.build_mesh("cpu")
     try:
-        model = plan.apply(model, mesh)
-        dims = plan.parallel_dims(world)
-        dp_rank = data_parallel_rank(mesh)
-        local = tokens.chunk(dims.dp)[dp_rank]
-        with plan.loss_context():
-            logits = model(local[:, :-1])
-            loss = _loss(logits, local[:, 1:])
-            loss.backward()
-        logits, loss = _full(logits.detach()), _full(loss.detach())
-        grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-        if mesh["tp"].get_local_rank() == 0:
-            torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
-                       Path(out_dir) / f"rank{rank}.pt")
-        if rank == 0:
-            torch.save(grads, Path(out_dir) / "grads.pt")
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
+        for i, overrides in enumerate(configs):  # one process group for every config
+            plan = load(plan_path, overrides)
+            torch.manual_seed(seed)
+            model = build_model(plan.model, device="cpu").eval()
+            mesh = plan.build_mesh("cpu")
+            out = Path(out_dir) / f"config{i}"
+            out.mkdir(exist_ok=True)
+            step = _pipeline_step if plan.pipeline is not None else _plain_step
+            step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out)
+            dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
+
+
+def _collect(out: Path) -> StepResult:
+    parts = [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
+    parts.sort(key=lambda d: d["dp_rank"])
+    grads: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("grads*.pt")):
+        grads.update(torch.load(f))
+    logits = torch.cat([d["logits"] for d in parts])
+    loss = sum(d["loss"] for d in parts) / len(parts)
+    return StepResult(logits, loss, grads)
+
+
+def parallel_steps(plan_path: str, configs: Sequence[Sequence[str]], world_size: int,
+                   tokens: torch.Tensor, seed: int) -> list[StepResult]:
+    """The same step through the plan under each list of overrides in ``configs``, all in
+    one spawn of ``world_size`` gloo processes (a pipeline plan runs its schedule)."""
+    with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
+        spawn(_worker, world_size, plan_path, [list(c) for c in configs], tokens, seed, out)
+        return [_collect(Path(out) / f"config{i}") for i in range(len(configs))]
 
 
 def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,
                   tokens: torch.Tensor, seed: int) -> StepResult:
     """The same step through the plan on ``world_size`` gloo processes."""
-    with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
-        spawn(_worker, world_size, plan_path, list(overrides), tokens, seed, out)
-        parts = [torch.load(p) for p in sorted(Path(out).glob("rank*.pt"))]
-        parts.sort(key=lambda d: d["dp_rank"])
-        grads = torch.load(Path(out) / "grads.pt")
-    logits = torch.cat([d["logits"] for d in parts])
-    loss = sum(d["loss"] for d in parts) / len(parts)
-    return StepResult(logits, loss, grads)
+    return parallel_steps(plan_path, [overrides], world_size, tokens, seed)[0]
 
 
 @dataclass

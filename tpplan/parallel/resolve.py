@@ -16,6 +16,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import SHARDING_STYLES
 from .freeze import check_freeze
 from .mesh import ParallelDims
+from .pipeline import PipelineSplit, split_stages
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
 
@@ -42,6 +43,8 @@ class Resolution:
     units: list[tuple[Unit, list[str]]] = field(default_factory=list)
     ac_blocks: list[str] = field(default_factory=list)
     compile_blocks: list[str] = field(default_factory=list)
+    stage: bool = False  # resolved on one pipeline stage: patterns may match nothing here
+    pipeline: PipelineSplit | None = None  # the stages, when the plan has a pipeline
 
     @property
     def ok(self) -> bool:
@@ -92,7 +95,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
     for rule in plan.rules:
         hits = _match(rule.pattern, paths)
         res.rules.append((rule, hits))
-        if not hits:
+        if not hits and not res.stage:
             errs.add(_no_match(rule.pattern, "pattern", paths, params), rule.loc)
         for path in hits:
             other = res.rule_of.get(path)
@@ -120,7 +123,7 @@ def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         hits = _match(attr_rule.pattern, paths)
         found: list[tuple[str, int]] = []
         res.attrs.append((attr_rule, found))
-        if not hits:
+        if not hits and not res.stage:
             res.errors.add("divide_by_tp: " + _no_match(attr_rule.pattern, "module pattern", paths,
                                                         params), attr_rule.loc)
         for path in hits:
@@ -167,7 +170,7 @@ def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         hits: list[str] = []
         for pattern in unit.patterns:
             got = _match(pattern, paths)
-            if not got:
+            if not got and not res.stage:
                 res.errors.add(_no_match(pattern, "FSDP unit pattern", paths, params), unit.loc)
             bare = _no_forward(pattern, got, modules, "FSDP unit pattern")
             if bare:
@@ -182,8 +185,11 @@ def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         res.units.append((unit, hits))
 
 
-def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
+def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = False) -> Resolution:
     """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised.
+
+    ``stage``: ``model`` is one pipeline stage of the model the plan was checked against,
+    so a pattern matching nothing here (the embedding's rule on a middle stage) is fine.
 
     What is checked: the mesh against the world size, every pattern (rules, ``divide_by_tp``,
     FSDP units, activation checkpointing and compile blocks) against the model's modules,
@@ -195,7 +201,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
     except PlanErrors as e:
         errs.extend(e.errors)
         dims = None
-    res = Resolution(dims=dims, errors=errs)
+    res = Resolution(dims=dims, errors=errs, stage=stage)
     modules = dict(model.named_modules())
     paths = list(modules)
     params = {n for n, _ in model.named_parameters()}
@@ -214,13 +220,17 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
         if not blocks.enabled:
             continue
         hits = _match(blocks.blocks, paths)
-        if not hits:
+        if not hits and not stage:
             errs.add(_no_match(blocks.blocks, "blocks pattern", paths, params), blocks.loc)
         bare = _no_forward(blocks.blocks, hits, modules, what)
         if bare:
             errs.add(bare, blocks.loc)
         target += hits
-    check_freeze(plan.freeze, model, errs)
+    if not stage:
+        check_freeze(plan.freeze, model, errs)
+    if plan.pipeline is not None and not stage:
+        res.pipeline = split_stages(model, plan, dims.pp if dims else plan.mesh.pp)
+        errs.extend(res.pipeline.errors)
     res.errors = _collapse_repeats(errs)
     return res
 
