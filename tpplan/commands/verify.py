@@ -4,6 +4,8 @@ The plan's model is shrunk to a tiny config of the same architecture (for built-
 a factory model is run as its ``model.kwargs`` say, so pass small sizes with ``--set``),
 the plan's mesh is solved at N, and logits, loss and every parameter's gradient are
 compared with the same model and batch on one device. Exit 1 above ``--tolerance``.
+A plan with pipeline stages runs its schedule (the loss on the last stage, every stage's
+gradients gathered); the shrunk model keeps at least one block per stage.
 """
 
 from __future__ import annotations
@@ -60,11 +62,16 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     plan = load(args.plan, args.overrides)
     dims = plan.parallel_dims(args.nproc)  # PlanErrors (exit 1) if the mesh does not fit
-    shrink = [] if args.no_shrink else shrink_overrides(plan.model, dims.tp, args.layers,
+    layers, per_rank, pipe = args.layers, args.batch_per_rank, plan.pipeline
+    if pipe is not None:  # a block per stage at least; whole micro-batches per rank
+        layers = max(layers, dims.pp * pipe.stages_per_rank)
+        per_rank = -(-per_rank // pipe.microbatches) * pipe.microbatches
+    shrink = [] if args.no_shrink else shrink_overrides(plan.model, dims.tp, layers,
                                                         args.seq_len)
     # The step verify runs, in the plan's own terms, so the trainer's checks apply to it.
-    step = [f"train.seq_len={args.seq_len}", f"train.micro_batch_size={args.batch_per_rank}",
-            f"train.global_batch_size={args.batch_per_rank * dims.dp}"]
+    step = [f"train.seq_len={args.seq_len}", f"train.global_batch_size={per_rank * dims.dp}"]
+    if pipe is None:  # under a pipeline the micro-batches are the schedule's
+        step.append(f"train.micro_batch_size={per_rank}")
     overrides = shrink + step + list(args.overrides)  # the user's --set wins
     plan = load(args.plan, overrides)
     shape = plan.step_shape(args.nproc)  # seq_len under SP: a located error, not a crash
