@@ -55,6 +55,11 @@ __all__ = [
 ]
 
 PER_TENSOR_BYTES = 2304  # DCP's per-tensor record + metadata entry (measured ~2.1 KiB)
+# The flattened optimizer state (FLAT) saves each parameter's copy of its group's settings:
+# AdamW's 11 and LambdaLR's initial_lr, each a pickled object and a metadata entry
+# (measured 1.3-1.45 KiB with short names).
+GROUP_KEYS = 12
+PER_OBJECT_BYTES = 1536
 FIXED_BYTES = 16 << 10  # trainer.json (its RNG state is 10 KiB of hex) and manifest.json
 MODEL_KEY = "model"  # the trainer saves {"model": ..., "optim": ...}
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -83,10 +88,12 @@ def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
     ``optimizer_states`` tensors of its size (AdamW: two moments), from the global shapes
     (works on the meta device), plus what DCP and tpplan add -- per saved tensor (AdamW's
     step counter included) a ``torch.save`` record and a ``.metadata`` entry, about 2.1 KiB
-    measured, counted as 2.25 KiB -- and the trainer state and manifest."""
+    measured, counted as 2.25 KiB; per parameter its optimizer group's settings, flattened
+    -- and the trainer state and manifest."""
     params = list(model.parameters())
     data = sum(p.numel() * p.element_size() * (1 + optimizer_states) for p in params)
-    return data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES + FIXED_BYTES
+    return (data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES
+            + len(params) * GROUP_KEYS * PER_OBJECT_BYTES + FIXED_BYTES)
 
 
 def is_step_folder(path: Path) -> bool:
