@@ -223,5 +223,5 @@ def render_fit(out, f: dict[str, Any]) -> None:
         out.print(Text(f"fits with {f['fitting']['change']}: {sets} "
                        f"({size(f['capacity'] - f['fitting']['needed'])} free per rank)"))
     else:
-        out.print("none of these fits; pipeline stages (not in tpplan yet) would divide the "
-                  "blocks' memory further, or more ranks per model replica (a larger tp)")
+        out.print("none of these fits; pipeline stages (mesh.pp and a pipeline section) would "
+                  "divide the blocks' memory further, or more ranks per model replica (a larger tp)")
