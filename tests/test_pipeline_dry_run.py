@@ -107,12 +107,31 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
         dist.destroy_process_group()
 
 
+def _dry_run_worker(_: int, world: int, overrides: list[str], memory_only: bool, out: str):
+    analyses = [a for a in ANALYSES if a[0] == "memory_per_rank"] if memory_only else ANALYSES
+    result = dry_run(PLAN, world, overrides, analyses, apply=not memory_only)
+    Path(out).write_text(json.dumps({"ok": result.ok, "errors": str(result.errors),
+                                     "analysis_errors": str(result.analysis_errors),
+                                     **result.extra}))
+
+
+def _dry_run(world: int, overrides: list[str], out: Path, memory_only: bool = False) -> dict:
+    """The dry run in a fresh process: after a plan without pipeline stages, one with them
+    traces wrong shapes in the same process (TP's trace too; not understood yet)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_dry_run_worker, args=(world, overrides, memory_only, str(out)),
+                       nprocs=1, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result["ok"], (result["errors"], result["analysis_errors"])
+    return result
+
+
 def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
-    predicted = dry_run(PLAN, 4, SMALL, ANALYSES)
-    assert predicted.ok, predicted.analysis_errors
+    predicted = _dry_run(4, SMALL, tmp_path / "dry.json")
     spawn(_worker, 4, SMALL, str(tmp_path))
-    pipe = predicted.extra["pipeline"]
-    ranks = {r["pp_rank"]: r for r in predicted.extra["memory_per_rank"]["pp_ranks"]}
+    pipe = predicted["pipeline"]
+    ranks = {r["pp_rank"]: r for r in predicted["memory_per_rank"]["pp_ranks"]}
     for p2p in pipe["p2p"]:
         real = json.loads((tmp_path / f"pp{p2p['pp_rank']}.json").read_text())
         sends = [b for op, b in real["p2p"] if op == "isend"]
@@ -125,7 +144,7 @@ def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
         mine = ranks[p2p["pp_rank"]]
         assert mine["stages"][0]["in_flight"] == min(4, 2 - p2p["pp_rank"])
         assert mine["activations"] == pytest.approx(real["saved"], rel=0.15)
-    comm = {(r["source"], r["kind"]): r for r in predicted.extra["comm_per_step"]["collectives"]}
+    comm = {(r["source"], r["kind"]): r for r in predicted["comm_per_step"]["collectives"]}
     assert comm[("pp", "send")]["count"] == 4
 
 
@@ -138,11 +157,9 @@ LLAMA3_405B = ["model.config=405b", "mesh.tp=8", "mesh.pp=16", "train.seq_len=81
                "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: bfloat16}"]
 
 
-def test_llama3_405b_on_16384_ranks_fits_80gb_per_stage_with_the_1f1b_bubble():
-    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
-    result = dry_run(PLAN, 16384, LLAMA3_405B, memory, apply=False)
-    assert result.ok, (result.errors, result.analysis_errors)
-    mem, pipe = result.extra["memory_per_rank"], result.extra["pipeline"]
+def test_llama3_405b_on_16384_ranks_fits_80gb_per_stage_with_the_1f1b_bubble(tmp_path):
+    result = _dry_run(16384, LLAMA3_405B, tmp_path / "dry.json", memory_only=True)
+    mem, pipe = result["memory_per_rank"], result["pipeline"]
     assert [r["position"] for r in mem["pp_ranks"]] == ["first", "middle", "last"]
     for r in mem["pp_ranks"]:
         assert 0 < r["peak"] < 80e9
