@@ -18,11 +18,14 @@ from .plan import ErrorList, PlanSpec, StepShape, read_plan, step_shape
 from .plan.yamlio import LMap, plain
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch.nn as nn
     from torch.distributed.device_mesh import DeviceMesh
 
     from .parallel.mesh import ParallelDims
     from .parallel.report import ApplyReport
+    from .parallel.stages import Pipeline
     from .parallel.resolve import Resolution
 
 __all__ = ["Plan", "load"]
@@ -37,7 +40,7 @@ class Plan:
     Example::
 
         >>> plan = tpplan.load("plans/llama.yaml", overrides=["mesh.tp=4"])
-        >>> mesh = plan.build_mesh()                 # (dp_replicate, dp_shard, tp)
+        >>> mesh = plan.build_mesh()                 # ([pp,] dp_replicate, dp_shard, tp)
         >>> model = plan.apply(model, mesh)          # TP -> AC -> compile -> FSDP2
         >>> with plan.loss_context():
         ...     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -118,6 +121,38 @@ class Plan:
 
         self.last_report = apply_plan(self.spec, model, mesh)
         return model
+
+    def apply_pipeline(self, model: "nn.Module", mesh: "DeviceMesh", loss_fn: "Callable | None",
+                       device: Any = None, scale_grads: bool = True) -> "Pipeline":
+        """This rank's pipeline stages of ``model`` and the schedule that runs them, for a
+        plan with ``mesh.pp > 1`` and a ``pipeline`` section.
+
+        ``model`` is the whole model, best built on the meta device (materialize the stages
+        afterwards: ``for m in pipe.modules: m.to_empty(...)``); it is left whole. Each stage
+        gets the same TP -> AC -> compile -> FSDP2 as :meth:`apply`, on this rank's slice of
+        the mesh, then a ``PipelineStage``; the schedule calls ``loss_fn(output, target)`` on
+        the last stage per micro-batch (call :meth:`Pipeline.step` inside
+        :meth:`loss_context`). ``scale_grads`` (torch's default) divides gradients by the
+        number of micro-batches, right for a ``loss_fn`` that returns a micro-batch's mean.
+        The split contract a model must meet is in docs/pipeline.md.
+
+        Example::
+
+            >>> pipe = plan.apply_pipeline(model, mesh, loss_fn=cross_entropy)
+            >>> with plan.loss_context():
+            ...     pipe.step(tokens, target=targets, losses=losses)
+            >>> optimizer.step()                          # over pipe.parameters()
+        """
+        from .parallel.stages import apply_pipeline
+
+        if self.spec.pipeline is None:
+            from .plan import PlanError, PlanErrors
+
+            raise PlanErrors([PlanError("apply_pipeline needs a plan with mesh.pp > 1 and a "
+                                        "'pipeline' section; use apply()", self.mesh.loc)])
+        pipe = apply_pipeline(self.spec, model, mesh, loss_fn, device, scale_grads)
+        self.last_report = pipe.reports[0] if pipe.reports else None
+        return pipe
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """``loss_parallel()`` when the plan shards the logits over tp, else a no-op."""

@@ -30,6 +30,15 @@ def analyze_memory(result: DryRun) -> None:
     """``memory_per_rank``: bytes per rank by part and the step's peak, from the trainer's
     step run on fake tensors (docs/dry-run.md)."""
     spec = result.plan.spec
+    if spec.pipeline is not None:
+        from .stagemem import pipeline_memory
+
+        mem, result.extra["pipeline"] = pipeline_memory(
+            spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
+            result.resolution.dims)
+        mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
+        result.extra["memory_per_rank"] = mem
+        return
     found = identical_blocks(result.model, result.resolution.rule_of)
     blocks = found[2] if found else None
     n_blocks = len(result.model.get_submodule(blocks)) if blocks else 0
@@ -72,8 +81,17 @@ def analyze_comm(result: DryRun) -> None:
         n *= step.count(module)
         a[0] += n
         a[1] += n * step.nbytes(module, nbytes)
+    collectives = rows(trace, fsdp, step, dims)
+    p2p = result.extra.get("pipeline", {}).get("p2p")
+    if p2p:  # the busiest pp rank's sends and receives
+        busiest = max(p2p, key=lambda r: r["send_forward"] + r["send_backward"] + r["recv_forward"])
+        for kind in ("send", "recv"):
+            n = busiest[f"{kind}_forward"] + busiest[f"{kind}_backward"]
+            b = n * busiest["bytes_each"]
+            collectives.append(dict(source="pp", kind=kind, mesh_dim="pp", count=n, bytes=b,
+                                    wire_bytes=b if kind == "send" else 0))
     result.extra["comm_per_step"] = dict(
-        grad_accum=shape.grad_accum, collectives=rows(trace, fsdp, step, dims),
+        grad_accum=shape.grad_accum, collectives=collectives,
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
                       for (m, p, k), v in sorted(by_module.items())],
         traced_depths=trace.depths, repeated_blocks=trace.blocks)

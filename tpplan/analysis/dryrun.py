@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..api import Plan, load
@@ -106,6 +107,20 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_meshes()
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding decisions. They key on meshes, and a mesh compares
+    equal to one of the same shape and names from an earlier process group (DeviceMesh's
+    ``__eq__`` ignores the groups): a second dry run in the same process (``--device``'s
+    checked changes) would otherwise be handed DTensors on the first run's meshes, whose
+    process groups are gone (``Could not resolve the process group``)."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def _available_memory() -> int | None:

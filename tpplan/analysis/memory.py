@@ -24,7 +24,7 @@ import torch.nn as nn
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .memtrace import PARTS, Moment
-from .steptrace import micro_batches_traced, trace_step
+from .steptrace import StageIO, micro_batches_traced, trace_step
 
 __all__ = ["memory_per_rank", "extrapolate", "describe_moment"]
 
@@ -90,27 +90,30 @@ def describe_moment(label: str, blocks: str | None = None, n_blocks: int = 0) ->
 
 
 def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-           n_blocks: int, blocks: str | None, cut: bool) -> tuple[dict[str, Moment], list[int]]:
+           n_blocks: int, blocks: str | None, cut: bool,
+           io: StageIO | None) -> tuple[dict[str, Moment], list[int]]:
     ac = spec.activation_checkpointing
     k = ac.every if ac.enabled else 1
     # Three shallow traces cost 15k blocks: deeper models are where they pay.
     if cut and blocks is not None and n_blocks > 15 * k and n_blocks % k == 0:
         depths = [4 * k, 5 * k, 6 * k]
-        traces = [trace_step(spec, mesh, build, shape, d) for d in depths]
+        traces = [trace_step(spec, mesh, build, shape, d, io) for d in depths]
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths
-    return trace_step(spec, mesh, build, shape), []
+    return trace_step(spec, mesh, build, shape, io=io), []
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                    n_blocks: int, blocks: str | None, cut: bool = True) -> dict[str, Any]:
+                    n_blocks: int, blocks: str | None, cut: bool = True,
+                    io: StageIO | None = None) -> dict[str, Any]:
     """Bytes per rank by part, each at its own largest, their ``total``, and the ``peak``
     of the step with its split by part (``at_peak``) and when it happens (``peak_at``).
 
     ``blocks``: the path of identical repeated blocks (``n_blocks`` of them), or None;
-    ``cut=False`` traces every block even when three shallow traces would do."""
-    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut)
+    ``cut=False`` traces every block even when three shallow traces would do; ``io``:
+    ``build`` makes one pipeline stage (:mod:`tpplan.analysis.stagemem`)."""
+    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io)
     label, top = max(moments.items(), key=lambda kv: kv[1].total)
     out: dict[str, Any] = {p: max(m.part_max.get(p, 0) for m in moments.values()) for p in PARTS}
     # Activations: what forward leaves for backward (its temporaries are gone by then).

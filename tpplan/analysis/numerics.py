@@ -26,6 +26,7 @@ from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.packed import to_model_order
 from ..parallel.runtime import as_spawned_rank, spawn
+from .comparison import Comparison, compare, rel_err
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
            "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep",
@@ -69,29 +70,67 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
           tokens: torch.Tensor, seed: int, out_dir: Path) -> None:
-    """One rank's forward and backward through the plan; rank 0 saves the full gradients,
-    each tp group's first rank its data-parallel slice of the logits."""
+    """One rank's forward and backward through the plan (through its pipeline schedule if it
+    has one); the first tp and dp rank of each stage saves its full gradients, each tp
+    group's first rank (on the last stage) its data-parallel slice of the logits."""
     plan = load(plan_path, overrides)
     torch.manual_seed(seed)
     model = build_model(plan.model, device="cpu").eval()
     mesh = plan.build_mesh("cpu")
-    model = plan.apply(model, mesh)
-    dims = plan.parallel_dims(world)
+    step = _pipeline_step if plan.pipeline is not None else _plain_step
+    step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir)
+
+
+def _grads(models: list, named) -> dict[str, torch.Tensor]:
+    """Full gradients by name; packed ones (gathered interleaved) in the model's order."""
+    packed = {k: v for m in models for k, v in packed_params(m).items()}
+    return {n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
+            for n, p in named if p.grad is not None}
+
+
+def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
     dp_rank = data_parallel_rank(mesh)
-    local = tokens.chunk(dims.dp)[dp_rank]
+    model = plan.apply(model, mesh)
+    local = tokens.chunk(dp)[dp_rank]
     with plan.loss_context():
         logits = model(local[:, :-1])
         loss = _loss(logits, local[:, 1:])
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
-    packed = packed_params(model)  # gathered in tpplan's interleaved order: back to the model's
-    grads = {n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
-             for n, p in model.named_parameters() if p.grad is not None}
+    grads = _grads([model], model.named_parameters())
     if mesh["tp"].get_local_rank() == 0:
         torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
-                   out_dir / f"rank{rank}.pt")
-    if rank == 0:
-        torch.save(grads, out_dir / "grads.pt")
+                   out_dir / f"rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:
+        torch.save(grads, out_dir / "grads0.pt")
+
+
+def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+    """The step through the plan's pipeline schedule: the loss on the last stage, each
+    stage's gradients saved by its first tp and dp rank."""
+    dp_rank = data_parallel_rank(mesh)
+    local = tokens.chunk(dp)[dp_rank]
+    count = local[:, 1:].numel()
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Each micro-batch adds its share of the rank's mean: no grad scaling needed.
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               reduction="sum") / count
+
+    pipe = plan.apply_pipeline(model, mesh, loss_fn, device="cpu", scale_grads=False)
+    losses: list[torch.Tensor] = []
+    with plan.loss_context():
+        out = pipe.step(local[:, :-1], target=local[:, 1:], losses=losses)
+    grads = _grads(pipe.modules, pipe.named_parameters())
+    first_in_slice = mesh["tp"].get_local_rank() == 0
+    if first_in_slice and dp_rank == 0:
+        torch.save(grads, out_dir / f"grads{mesh['pp'].get_local_rank()}.pt")
+    if pipe.is_last:
+        logits = _full(out.detach())
+        loss = sum(_full(v.detach()) for v in losses)
+        if first_in_slice:
+            torch.save({"dp_rank": dp_rank, "logits": logits, "loss": float(loss)},
+                       out_dir / f"rank{dist.get_rank()}.pt")
 
 
 def _quiet() -> None:
@@ -144,7 +183,9 @@ def _one_line(e: BaseException) -> str:
 def _read(out: Path) -> StepResult:
     parts = [torch.load(p) for p in sorted(out.glob("rank*.pt"))]
     parts.sort(key=lambda d: d["dp_rank"])
-    grads = torch.load(out / "grads.pt")
+    grads: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("grads*.pt")):  # one file per pipeline stage
+        grads.update(torch.load(f))
     logits = torch.cat([d["logits"] for d in parts])
     loss = sum(d["loss"] for d in parts) / len(parts)
     return StepResult(logits, loss, grads)
@@ -212,10 +253,16 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
 
     plan = load(plan_path, overrides)
     dims = plan.parallel_dims(nproc)  # PlanErrors (exit 1) if the mesh does not fit
+    pipe = plan.pipeline
+    if pipe is not None:  # a block per stage at least; whole micro-batches per rank
+        layers = max(layers, dims.pp * pipe.stages_per_rank)
+        batch_per_rank = -(-batch_per_rank // pipe.microbatches) * pipe.microbatches
     shrunk = shrink_overrides(plan.model, dims.tp, layers, seq_len) if shrink else []
-    # The step verify runs, in the plan's own terms, so the trainer's checks apply to it.
-    step = [f"train.seq_len={seq_len}", f"train.micro_batch_size={batch_per_rank}",
-            f"train.global_batch_size={batch_per_rank * dims.dp}"]
+    # The step verify runs, in the plan's own terms, so the trainer's checks apply to it
+    # (under a pipeline the micro-batches are the schedule's).
+    step = [f"train.seq_len={seq_len}", f"train.global_batch_size={batch_per_rank * dims.dp}"]
+    if pipe is None:
+        step.append(f"train.micro_batch_size={batch_per_rank}")
     every = shrunk + step + list(overrides)  # the user's --set wins
     plan = load(plan_path, every)
     shape = plan.step_shape(nproc)  # seq_len under SP: a located error, not a crash
@@ -223,37 +270,3 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     plan.check(model, nproc)
     tokens = make_batch(vocab_size(model), shape.global_batch, shape.seq_len, seed)
     return VerifyStep(plan, every, tokens)
-
-
-@dataclass
-class Comparison:
-    rows: list[tuple[str, float]]  # (what, worst relative error)
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return all(err <= self.tolerance for _, err in self.rows)
-
-    @property
-    def failures(self) -> list[tuple[str, float]]:
-        return [(w, e) for w, e in self.rows if e > self.tolerance]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a-b| / max(|b|, floor): the floor keeps gradients that are zero in exact
-    arithmetic (an attention key bias cannot change softmax) from dividing by rounding noise."""
-    if a.shape != b.shape:
-        return float("inf")
-    scale = max(b.abs().max().item(), 1e-3)
-    return (a.float() - b.float()).abs().max().item() / scale
-
-
-def compare(ref: StepResult, par: StepResult, tolerance: float = 1e-4) -> Comparison:
-    rows = [("logits", rel_err(par.logits, ref.logits)),
-            ("loss", abs(par.loss - ref.loss) / max(abs(ref.loss), 1e-3))]
-    for name, g in ref.grads.items():
-        other = par.grads.get(name)
-        rows.append((f"grad {name}", float("inf") if other is None else rel_err(other, g)))
-    for name in par.grads.keys() - ref.grads.keys():
-        rows.append((f"grad {name} (not in the reference)", float("inf")))
-    return Comparison(rows, tolerance)

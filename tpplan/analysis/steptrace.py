@@ -25,11 +25,9 @@ be found at several depths (:mod:`tpplan.analysis.memory`).
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
-import sys
 import warnings
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -40,9 +38,23 @@ from ..models.introspect import find_blocks
 from ..parallel.apply import apply_plan, loss_context
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
+from .hfmasks import as_the_real_run_decides
 from .memtrace import MemoryTracker, Moment
 
-__all__ = ["trace_step", "micro_batches_traced"]
+__all__ = ["trace_step", "micro_batches_traced", "StageIO"]
+
+
+@dataclasses.dataclass
+class StageIO:
+    """A pipeline stage's ends in the traced step: the first stage takes the tokens, a later
+    one an activation of ``received`` (shape, dtype) that needs a gradient; the last computes
+    the loss, an earlier one runs backward from a gradient of its output, whose (shape,
+    dtype) the trace records in ``sent``."""
+
+    first: bool
+    last: bool
+    received: tuple | None = None
+    sent: tuple | None = None
 
 
 def micro_batches_traced(accum: int) -> int:
@@ -54,8 +66,8 @@ def _truncate(model: nn.Module, blocks: str, depth: int) -> None:
     parent_path, _, attr = blocks.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     container = getattr(parent, attr)
-    if isinstance(container, nn.ModuleDict):
-        setattr(parent, attr, nn.ModuleDict(dict(list(container.items())[:depth])))
+    if isinstance(container, nn.ModuleDict):  # its own class: a stage's iterates its blocks
+        setattr(parent, attr, type(container)(dict(list(container.items())[:depth])))
     else:
         setattr(parent, attr, nn.ModuleList(list(container)[:depth]))
 
@@ -164,30 +176,6 @@ class _Where:
         return f"{self.stage}/forward/{where}"
 
 
-@contextlib.contextmanager
-def _as_the_real_run_decides(model: nn.Module) -> Iterator[None]:
-    """Where a model's code reads tensor values, fake tensors have none: answer as the real
-    run does. HuggingFace's mask code treats a fake tensor as a sign of tracing and then
-    builds a (seq x seq) mask for every layer, which the real run skips (SDPA's
-    ``is_causal``): the trainer passes token ids only, so there is no padding, no cache
-    offset, and the positions are the model's own 0..s-1, never packed sequences."""
-    masking = sys.modules.get("transformers.masking_utils")
-    names = ("is_tracing", "find_packed_sequence_indices")
-    # FSDP2 subclasses the model's class: look through its bases.
-    hf = any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
-    if masking is None or not all(hasattr(masking, n) for n in names) or not hf:
-        yield
-        return
-    saved = {n: getattr(masking, n) for n in names}
-    masking.is_tracing = lambda tensor=None: saved["is_tracing"]()  # compile/jit still count
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(masking, n, f)
-
-
 def _local(t: torch.Tensor | None):
     from torch.distributed.tensor import DTensor
 
@@ -199,11 +187,12 @@ def _micro_name(m: int, n: int) -> str:
 
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-               depth: int | None = None) -> dict[str, Moment]:
+               depth: int | None = None, io: StageIO | None = None) -> dict[str, Moment]:
     """Run the trainer's step for ``spec`` on fake tensors and return its moments by label.
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
-    the step). Needs the dry run's fake process group up."""
+    the step); ``io``: ``build`` makes one pipeline stage, whose micro-batches run one after
+    another. Needs the dry run's fake process group up."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
@@ -214,13 +203,14 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
         _truncate(model, blocks, depth)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_plan(spec, model, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True), _as_the_real_run_decides(model):
+        apply_plan(spec, model, mesh, stage=io is not None)
+        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
-            return _run(spec, model, blocks, shape)
+            return _run(spec, model, blocks, shape, io or StageIO(True, True))
 
 
-def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape) -> dict[str, Moment]:
+def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
+         io: StageIO) -> dict[str, Moment]:
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -245,18 +235,31 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
                 model.set_requires_gradient_sync(m == micro_batches - 1)
             with loss_context(spec):
                 tracker.phase = "activations"
-                held["logits"] = model(x[:, :-1])
-                held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                               x[:, 1:].flatten()) / accum
+                forward(x)
                 if on_forward:
                     on_forward()
                 tracker.phase = "transients"
-                held["loss"].backward()
+                if io.last:
+                    held["loss"].backward()
+                else:  # the gradient the next stage sends back
+                    held["logits"].backward(torch.zeros_like(held["logits"]))
             if on_backward:
                 on_backward()
         where.stage = "optimizer"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    def forward(x: torch.Tensor) -> None:
+        if io.first:
+            inputs = x[:, :-1]
+        else:  # what the previous stage sent (PipelineStage's receive buffer)
+            inputs = torch.zeros(io.received[0], dtype=io.received[1], requires_grad=True)
+        held["logits"] = model(inputs)
+        if io.last:
+            held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
+                                           x[:, 1:].flatten()) / accum
+        else:
+            io.sent = (tuple(held["logits"].shape), held["logits"].dtype)
 
     def mark(name: str) -> None:
         where.mark = name
@@ -271,11 +274,8 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape)
     # the last logits and loss still held (their graph freed, as backward frees it) and
     # AdamW's state (one step on zero gradients: the state's shapes are all that counts).
     with loss_context(spec):
-        x = batch[:micro]
-        logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()) / accum
-    held.update(logits=logits.detach(), loss=loss.detach())
-    del logits, loss
+        forward(batch[:micro])
+    held.update({k: v.detach() for k, v in held.items() if v is not None})
     for p in trained:
         p.grad = torch.zeros_like(p)
     optimizer.step()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -28,9 +29,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ..plan.packing import Packing, runs
+from ..plan.packing import Packing, packed_params, runs
 
-__all__ = ["PackedLoadPlanner", "PackedSavePlanner"]
+__all__ = ["PackedLoadPlanner", "PackedSavePlanner", "packed_of"]
 
 Chunk = tuple[ChunkStorageMetadata, int, int]  # (model-order chunk, local start, length)
 
@@ -50,7 +51,16 @@ def _chunks(t: DTensor, packing: Packing) -> list[Chunk]:
 
 
 def _packing_of(path, packed: dict[str, Packing]) -> Packing | None:
-    return next((packed[p] for p in path if isinstance(p, str) and p in packed), None)
+    """The packing of the parameter an object path names: ``(model, fqn)``, a nested
+    ``(optim, state, fqn, exp_avg)`` or a flattened optimizer's ``(optim, state.fqn.exp_avg)``."""
+    for p in path:
+        if not isinstance(p, str):
+            continue
+        if p in packed:
+            return packed[p]
+        if p.startswith("state.") and p[6:].rpartition(".")[0] in packed:
+            return packed[p[6:].rpartition(".")[0]]
+    return None
 
 
 class PackedSavePlanner(DefaultSavePlanner):
@@ -129,3 +139,9 @@ class PackedLoadPlanner(DefaultLoadPlanner):
             return super().lookup_tensor(index)
         dim, pos, n = view
         return self.state_dict[index.fqn].to_local().narrow(dim, pos, n)
+
+
+def packed_of(model: nn.Module | list[nn.Module]) -> dict[str, Packing]:
+    """Every packed parameter of ``model``, or of a list of its pipeline stages, by name."""
+    return {k: v for m in (model if isinstance(model, list) else [model])
+            for k, v in packed_params(m).items()}

@@ -27,14 +27,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from ..plan.packing import packed_params
 from .integrity import (
     LEGACY_TRAINER_FILE, MANIFEST_FILE, TRAINER_FILE, Damaged, SafeReader, hash_files,
     read_trainer_state, write_manifest, write_trainer_state,
 )
-from .packed_io import PackedLoadPlanner, PackedSavePlanner
+from .packed_io import PackedLoadPlanner, PackedSavePlanner, packed_of
 
 __all__ = [
     "DIE_DURING_SAVE_ENV",
@@ -55,20 +54,32 @@ __all__ = [
 ]
 
 PER_TENSOR_BYTES = 2304  # DCP's per-tensor record + metadata entry (measured ~2.1 KiB)
+# The flattened optimizer state (FLAT) saves each parameter's copy of its group's settings:
+# AdamW's 11 and LambdaLR's initial_lr, each a pickled object and a metadata entry
+# (measured 1.3-1.45 KiB with short names).
+GROUP_KEYS = 12
+PER_OBJECT_BYTES = 1536
 FIXED_BYTES = 16 << 10  # trainer.json (its RNG state is 10 KiB of hex) and manifest.json
 MODEL_KEY = "model"  # the trainer saves {"model": ..., "optim": ...}
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Test hook: the step whose save dies after the shards are written, before completion.
 DIE_DURING_SAVE_ENV = "TPPLAN_TEST_DIE_DURING_SAVE"
+# One model, or a pipeline rank's stage modules (each with its own optimizer).
+Parts = nn.Module | list[nn.Module]
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
+# Optimizer state keyed by each parameter's name (``state.layers.3.attention.wq.weight.exp_avg``),
+# not by position in one optimizer: a checkpoint of pp=2 stages loads onto pp=4 or none.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class SaveFailed(Exception):
     """A save that failed on some rank; raised on every rank with the same message."""
 
 
-def model_shapes(model: nn.Module) -> dict[str, list[int]]:
+def model_shapes(model: Parts) -> dict[str, list[int]]:
     """Global parameter shapes (a DTensor's ``shape`` is the global one)."""
-    return {n: list(p.shape) for n, p in model.named_parameters()}
+    models = model if isinstance(model, list) else [model]
+    return {n: list(p.shape) for m in models for n, p in m.named_parameters()}
 
 
 def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
@@ -76,10 +87,12 @@ def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
     ``optimizer_states`` tensors of its size (AdamW: two moments), from the global shapes
     (works on the meta device), plus what DCP and tpplan add -- per saved tensor (AdamW's
     step counter included) a ``torch.save`` record and a ``.metadata`` entry, about 2.1 KiB
-    measured, counted as 2.25 KiB -- and the trainer state and manifest."""
+    measured, counted as 2.25 KiB; per parameter its optimizer group's settings, flattened
+    -- and the trainer state and manifest."""
     params = list(model.parameters())
     data = sum(p.numel() * p.element_size() * (1 + optimizer_states) for p in params)
-    return data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES + FIXED_BYTES
+    return (data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES
+            + len(params) * GROUP_KEYS * PER_OBJECT_BYTES + FIXED_BYTES)
 
 
 def is_step_folder(path: Path) -> bool:
@@ -167,7 +180,7 @@ def _attempt(fn, *args, **kwargs) -> str | None:
     return None
 
 
-def save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save(ckpt_dir: Path, step: int, model: Parts, optimizer: Optimizers,
          trainer_state: dict[str, Any], keep: int) -> Path:
     """Save collectively (every rank calls it); return the final folder.
 
@@ -191,11 +204,11 @@ def save(ckpt_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Opt
 
     if problem := _agree(_attempt(prepare_folder) if rank == 0 else None):
         fail(problem)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _merged(_state_dicts(model, optimizer))
     # packed parameters are written in the model's order, whatever the tp (packed_io)
     if problem := _agree(_attempt(dcp.save, {MODEL_KEY: model_sd, "optim": optim_sd},
                                   checkpoint_id=str(tmp),
-                                  planner=PackedSavePlanner(packed_params(model)))):
+                                  planner=PackedSavePlanner(packed_of(model)))):
         fail(problem)  # DCP raises on every rank when any rank fails; agreed anyway
     if os.environ.get(DIE_DURING_SAVE_ENV) == str(step):
         os._exit(17)  # simulates a kill between the shards and completion
@@ -229,16 +242,38 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load model and optimizer (resharded onto this mesh) and return the trainer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+def load(path: Path, model: Parts, optimizer: Optimizers) -> dict[str, Any]:
+    """Load model and optimizer (resharded onto this mesh, and onto these pipeline stages)
+    and return the trainer state."""
+    parts = _state_dicts(model, optimizer)
+    model_sd, optim_sd = _merged(parts)
     state = {MODEL_KEY: model_sd, "optim": optim_sd}
     if problem := _agree(_attempt(dcp.load, state, storage_reader=SafeReader(str(path)),
-                                  planner=PackedLoadPlanner(packed_params(model)))):
+                                  planner=PackedLoadPlanner(packed_of(model)))):
         raise Damaged(path, f"cannot be loaded: {problem}")
-    set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY],
-                   optim_state_dict=state["optim"])
+    for (m, o), (msd, osd) in zip(_pairs(model, optimizer), parts):
+        set_state_dict(m, o, model_state_dict={k: state[MODEL_KEY][k] for k in msd},
+                       optim_state_dict={k: state["optim"][k] for k in osd}, options=FLAT)
     return read_trainer_state(path)
+
+
+def _pairs(model: Parts, optimizer: Optimizers) -> list[tuple[nn.Module, torch.optim.Optimizer]]:
+    models = model if isinstance(model, list) else [model]
+    optims = optimizer if isinstance(optimizer, list) else [optimizer]
+    return list(zip(models, optims, strict=True))
+
+
+def _state_dicts(model: Parts, optimizer: Optimizers) -> list[tuple[dict, dict]]:
+    return [get_state_dict(m, o, options=FLAT) for m, o in _pairs(model, optimizer)]
+
+
+def _merged(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """The parts' state dicts as one: names are the whole model's, so they never collide."""
+    model_sd, optim_sd = {}, {}
+    for msd, osd in parts:
+        model_sd.update(msd)
+        optim_sd.update(osd)
+    return model_sd, optim_sd
 
 
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:

@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     out = console(160)
     title = f"{args.plan} at world size {args.world_size}: {result.report.dims}"
     out.print(result.report.table(title=title))
-    if "total" in result.extra.get("memory_per_rank", {}):
+    if "pp_ranks" in result.extra.get("memory_per_rank", {}):
+        render_pipeline(out, result.extra["memory_per_rank"], result.extra["pipeline"])
+    elif "total" in result.extra.get("memory_per_rank", {}):
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
@@ -136,6 +138,37 @@ def render_memory(out, mem: dict[str, Any]) -> None:
     t.add_row("[bold]peak[/bold]", "", f"[bold]{size(mem['peak'])}[/bold]")
     out.print(t)
     out.print(f"peak: {mem['peak_at']}")
+
+
+def render_pipeline(out, mem: dict[str, Any], pipe: dict[str, Any]) -> None:
+    """Memory per pp rank, one column per reported rank (first, middle, last stage), and the
+    schedule: micro-batches in flight, bubble."""
+    from rich.table import Table
+    from rich.text import Text
+
+    b = mem["batch"]
+    t = Table(title=f"memory per rank by pipeline stage ({pipe['schedule']}, {pipe['microbatches']}"
+                    f" micro-batches of {b['micro_batch_size']} × seq {b['seq_len']}, "
+                    f"{b['compute_dtype']} compute, AdamW)", header_style="bold")
+    t.add_column("part")
+    ranks = mem["pp_ranks"]
+    for r in ranks:
+        stages = ", ".join(str(s["index"]) for s in r["stages"])
+        t.add_column(f"{r['position']}: pp rank {r['pp_rank']}\n(stage {stages})", justify="right")
+    for part, name in PART_NAMES.items():
+        t.add_row(name, *(size(r[part]) for r in ranks))
+    t.add_row("  micro-batches in flight", *(
+        " + ".join(str(s["in_flight"]) for s in r["stages"]) for r in ranks))
+    t.add_row("total (each part at its largest)", *(size(r["total"]) for r in ranks))
+    t.add_row("[bold]peak[/bold]", *(f"[bold]{size(r['peak'])}[/bold]" for r in ranks))
+    out.print(t)
+    for r in ranks:
+        out.print(Text(f"peak of pp rank {r['pp_rank']}: {r['peak_at']}"))
+    closed = pipe["bubble_closed_form"]
+    formula = "" if closed is None else \
+        f" = {'(p-1)/(v·m)' if pipe['stages_per_rank'] > 1 else '(p-1)/m'} ({closed:.4f})"
+    out.print(Text(f"pipeline bubble: {pipe['bubble_fraction']:.4f} of compute time{formula}, "
+                   f"p={pipe['pp']}, v={pipe['stages_per_rank']}, m={pipe['microbatches']}"))
 
 
 def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
@@ -194,5 +227,5 @@ def render_fit(out, f: dict[str, Any]) -> None:
         out.print(Text(f"fits with {f['fitting']['change']}: {sets} "
                        f"({size(f['capacity'] - f['fitting']['needed'])} free per rank)"))
     else:
-        out.print("none of these fits; pipeline stages (not in tpplan yet) would divide the "
-                  "blocks' memory further, or more ranks per model replica (a larger tp)")
+        out.print("none of these fits; pipeline stages (mesh.pp and a pipeline section) would "
+                  "divide the blocks' memory further, or more ranks per model replica (a larger tp)")

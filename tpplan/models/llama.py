@@ -153,6 +153,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, s, _ = x.shape
+        rope = rope[:s]  # the whole table comes in: a pipeline stage never sees the tokens
         # -1, not n_heads: under TP each rank holds n_heads / tp of them.
         q = self.wq(x).view(bs, s, -1, self.head_dim)
         k = self.wk(x).view(bs, s, -1, self.head_dim)
@@ -222,11 +223,15 @@ class Transformer(nn.Module):
         return 0.02
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        rope = self.rope[: tokens.shape[1]]
+        # As a pipeline stage (docs/pipeline.md) the parts this stage does not own are None:
+        # a later stage takes the previous stage's activations instead of tokens, and
+        # every stage but the last returns them.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, rope)
-        return self.output(self.norm(h))
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
 
 
 def build(config: str = "debug", **overrides) -> Transformer:

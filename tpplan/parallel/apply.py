@@ -102,12 +102,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: FSDPSpec, res: Resoluti
     fully_shard(model, **kwargs)
 
 
-def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh) -> ApplyReport:
+def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
+               stage: bool = False) -> ApplyReport:
     """Check, then TP -> AC -> compile -> FSDP2; returns the report of what was applied.
 
-    :class:`~tpplan.plan.errors.PlanErrors` before touching the model if the plan does not fit."""
+    ``stage``: ``model`` is one pipeline stage (:func:`tpplan.parallel.stages.apply_pipeline`),
+    parallelized on this rank's slice of the mesh (``mesh["tp"]``, ``mesh["dp_shard"]`` are
+    within the stage's pp rank). :class:`~tpplan.plan.errors.PlanErrors` before touching the
+    model if the plan does not fit."""
     start = time.perf_counter()
-    res = resolve(plan, model, mesh.size())
+    res = resolve(plan, model, mesh.size(), stage=stage)
     res.errors.raise_if_any()
     dims = res.dims
     if dims.tp > 1:

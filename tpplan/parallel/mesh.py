@@ -13,38 +13,46 @@ from ..plan.specs import MeshSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "MESH_DIMS", "dp_mesh", "dp_rank"]
+__all__ = ["ParallelDims", "MESH_DIMS", "PP_MESH_DIMS", "dp_mesh", "dp_rank"]
 
 # Outermost first: replicas talk least, tp most (it belongs inside a node's fast links).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# With pipeline stages: pp outermost (one activation per micro-batch crosses it, the least
+# traffic of all), as in Megatron-LM's PTD-P and torchtitan.
+PP_MESH_DIMS = ("pp", *MESH_DIMS)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of a ``(dp_replicate, dp_shard, tp)`` mesh whose product is the world size."""
+    """Degrees of a ``(pp, dp_replicate, dp_shard, tp)`` mesh whose product is the world size."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @classmethod
-    def solve(cls, tp: int, dp_shard: int, dp_replicate: int, world_size: int) -> "ParallelDims":
+    def solve(cls, tp: int, dp_shard: int, dp_replicate: int, world_size: int,
+              pp: int = 1) -> "ParallelDims":
         """Fill in ``dp_shard: -1`` and check the product; ValueError names every factor."""
         shown = f"dp_replicate={dp_replicate} × dp_shard={dp_shard} × tp={tp}"
-        for name, v in (("tp", tp), ("dp_replicate", dp_replicate)):
+        if pp != 1:
+            shown = f"pp={pp} × {shown}"
+        for name, v in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
             if v < 1:
                 raise ValueError(f"mesh {name} must be at least 1, got {v}")
         if dp_shard == -1:
-            fixed = tp * dp_replicate
+            fixed = tp * dp_replicate * pp
             if world_size % fixed:
                 raise ValueError(
                     f"mesh {shown} does not fit world size {world_size}: "
-                    f"dp_replicate × tp = {fixed} does not divide {world_size}"
+                    f"{'pp × ' if pp != 1 else ''}dp_replicate × tp = {fixed} does not divide "
+                    f"{world_size}"
                 )
             dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ValueError(f"mesh dp_shard must be at least 1 or -1 (the rest), got {dp_shard}")
-        dims = cls(dp_replicate, dp_shard, tp)
+        dims = cls(dp_replicate, dp_shard, tp, pp)
         if dims.world_size != world_size:
             raise ValueError(
                 f"mesh {shown} = {dims.world_size} ranks does not fit world size {world_size}"
@@ -55,13 +63,13 @@ class ParallelDims:
     def of(cls, mesh: MeshSpec, world_size: int) -> "ParallelDims":
         """:meth:`solve` for a plan's ``mesh`` section; :class:`PlanErrors` at its line."""
         try:
-            return cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size)
+            return cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size, mesh.pp)
         except ValueError as e:
             raise PlanErrors([PlanError(str(e), mesh.loc)]) from None
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp(self) -> int:
@@ -69,18 +77,25 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def shape(self) -> tuple[int, ...]:
+        """``(dp_replicate, dp_shard, tp)``, with ``pp`` in front when there is a pipeline."""
+        inner = (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, *inner) if self.pp > 1 else inner
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return PP_MESH_DIMS if self.pp > 1 else MESH_DIMS
 
     def as_dict(self) -> dict[str, int]:
-        return dict(zip(MESH_DIMS, self.shape))
+        return dict(zip(self.names, self.shape))
 
     def build_mesh(self, device_type: str):
-        """A 3-D DeviceMesh named ``(dp_replicate, dp_shard, tp)``; size-1 dimensions kept,
-        so code can always slice ``mesh["tp"]`` or ``mesh["dp_shard"]``."""
+        """A DeviceMesh named ``(dp_replicate, dp_shard, tp)``, ``pp`` in front when the plan
+        has pipeline stages; size-1 dimensions kept, so code can always slice ``mesh["tp"]``
+        or ``mesh["dp_shard"]`` (within this rank's stage under a pipeline)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
 
     def __str__(self) -> str:
         return " × ".join(f"{n}={v}" for n, v in self.as_dict().items())

@@ -18,7 +18,9 @@ from .checks import check_heads, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .kv_heads import check_kv_colwise
 from .packed import check_packed
+from .tied import tied_groups
 from .mesh import ParallelDims
+from .pipeline import PipelineSplit, split_stages
 
 __all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
 
@@ -47,6 +49,8 @@ class Resolution:
     units: list[tuple[Unit, list[str]]] = field(default_factory=list)
     ac_blocks: list[str] = field(default_factory=list)
     compile_blocks: list[str] = field(default_factory=list)
+    stage: bool = False  # resolved on one pipeline stage: patterns may match nothing here
+    pipeline: PipelineSplit | None = None  # the stages, when the plan has a pipeline
 
     @property
     def ok(self) -> bool:
@@ -109,7 +113,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
     for rule in plan.rules:
         hits = _match(rule.pattern, paths)
         res.rules.append((rule, hits))
-        if not hits:
+        if not hits and not res.stage:
             errs.add(_no_match(rule.pattern, "pattern", paths, params), rule.loc)
         for path in hits:
             other = res.rule_of.get(path)
@@ -146,7 +150,7 @@ def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         hits = _match(attr_rule.pattern, paths)
         found: list[tuple[str, int]] = []
         res.attrs.append((attr_rule, found))
-        if not hits:
+        if not hits and not res.stage:
             res.errors.add("divide_by_tp: " + _no_match(attr_rule.pattern, "module pattern", paths,
                                                         params), attr_rule.loc)
         for path in hits:
@@ -193,7 +197,7 @@ def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         hits: list[str] = []
         for pattern in unit.patterns:
             got = _match(pattern, paths)
-            if not got:
+            if not got and not res.stage:
                 res.errors.add(_no_match(pattern, "FSDP unit pattern", paths, params), unit.loc)
             bare = _no_forward(pattern, got, modules, "FSDP unit pattern")
             if bare:
@@ -208,8 +212,11 @@ def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         res.units.append((unit, hits))
 
 
-def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
+def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = False) -> Resolution:
     """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised.
+
+    ``stage``: ``model`` is one pipeline stage of the model the plan was checked against,
+    so a pattern matching nothing here (the embedding's rule on a middle stage) is fine.
 
     What is checked: the mesh against the world size, every pattern (rules, ``divide_by_tp``,
     FSDP units, activation checkpointing and compile blocks) against the model's modules,
@@ -221,7 +228,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
     except PlanErrors as e:
         errs.extend(e.errors)
         dims = None
-    res = Resolution(dims=dims, errors=errs)
+    res = Resolution(dims=dims, errors=errs, stage=stage)
     modules = dict(model.named_modules())
     paths = list(modules)
     params = {n for n, _ in model.named_parameters()}
@@ -240,16 +247,36 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int) -> Resolution:
         if not blocks.enabled:
             continue
         hits = _match(blocks.blocks, paths)
-        if not hits:
+        if not hits and not stage:
             errs.add(_no_match(blocks.blocks, "blocks pattern", paths, params), blocks.loc)
         bare = _no_forward(blocks.blocks, hits, modules, what)
         if bare:
             errs.add(bare, blocks.loc)
         target += hits
-    check_tied(res, model, modules)
-    check_freeze(plan.freeze, model, res.errors)
-    res.errors = _collapse_repeats(res.errors)
+    if not stage:  # whole-model checks: a stage holds part of what they look at
+        check_tied(res, model, modules)
+        check_freeze(plan.freeze, model, errs)
+    if plan.pipeline is not None and not stage:
+        res.pipeline = split_stages(model, plan, dims.pp if dims else plan.mesh.pp)
+        errs.extend(res.pipeline.errors)
+        _check_tied_across_stages(res.pipeline, model, plan.pipeline.loc, errs)
+    res.errors = _collapse_repeats(errs)
     return res
+
+
+def _check_tied_across_stages(split: PipelineSplit, model: nn.Module, loc, errs: ErrorList) -> None:
+    """A weight shared by modules on different stages would become two weights, one per
+    stage, trained apart: refused (sharing it needs its gradient summed between stages)."""
+    if split.errors:
+        return
+    for group in tied_groups(model):
+        stages = {p: split.stage_of(p) for p, _ in group}
+        if len({s.index for s in stages.values() if s is not None}) > 1:
+            where = ", ".join(f"'{p}' on stage {s.index}" for p, s in stages.items() if s)
+            errs.add(f"{' and '.join(repr(p + '.' + a) for p, a in group)} are one tied weight "
+                     f"split over pipeline stages ({where}): tied weights across stages are "
+                     "not supported; untie them in the model or do not use pipeline stages",
+                     loc)
 
 
 def _collapse_repeats(errs: ErrorList) -> ErrorList:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import ErrorList, nearest
 from .patterns import compile_pattern
+from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
@@ -26,18 +27,19 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", "freeze", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", "pipeline", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
-    r = Reader.section(errs, doc, "mesh", ("tp", "dp_shard", "dp_replicate"))
+    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "tp"))
     d = MeshSpec()
     spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
-                    r.get("dp_replicate", int, d.dp_replicate),
-                    loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc)
+                    r.get("dp_replicate", int, d.dp_replicate), r.get("pp", int, d.pp),
+                    loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc, locs=r.locs())
     r.at_least("tp", spec.tp, 1)
+    r.at_least("pp", spec.pp, 1)
     r.at_least("dp_replicate", spec.dp_replicate, 1)
     if spec.dp_shard == 0 or spec.dp_shard < -1:
         errs.add(f"'mesh.dp_shard' must be at least 1, or -1 for the ranks left over, got "
@@ -237,6 +239,7 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
     )
+    spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
     errs.raise_if_any()
     return spec
 

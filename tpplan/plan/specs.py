@@ -18,7 +18,7 @@ from .styles import StyleSpec
 
 __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
-    "FreezeRule", "FSDPSpec", "MeshSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
+    "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
     "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
 ]
 
@@ -51,12 +51,35 @@ def torch_dtype(name: str | None, default: str = "float32"):
 
 @dataclass
 class MeshSpec:
-    """``mesh:`` — degrees of the named mesh; ``dp_shard: -1`` takes the ranks left over."""
+    """``mesh:`` — degrees of the named mesh, outermost ``pp`` first; ``dp_shard: -1`` takes
+    the ranks left over."""
 
     tp: int = 1
     dp_shard: int = -1
     dp_replicate: int = 1
+    pp: int = 1
     loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+
+@dataclass
+class PipelineSpec:
+    """``pipeline:`` — the schedule that runs ``mesh.pp`` stages (:mod:`tpplan.plan.pipeline`).
+
+    ``split`` is ``auto`` (blocks balanced by parameters, the embedding counted on the first
+    stage and the head on the last) or the module paths where stages 2, 3, ... start."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 1  # per data-parallel rank per optimizer step
+    stages_per_rank: int = 1  # virtual stages: 2+ for interleaved and zero-bubble schedules
+    split: str | list[str] = "auto"
+    split_locs: list[Loc] = field(default_factory=list)
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+    @property
+    def where(self) -> Loc | None:
+        return self.locs.get("split", self.loc)
 
 
 @dataclass
@@ -265,6 +288,7 @@ class PlanSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
     freeze: list[FreezeRule] = field(default_factory=list)
+    pipeline: PipelineSpec | None = None  # set exactly when mesh.pp > 1
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -41,17 +41,39 @@ def _given(spec: PlanSpec, key: str) -> str:
     return "" if key in spec.train.locs else " (the default; set train." + key + ")"
 
 
+def _pipeline_micro(spec: PlanSpec, dp: int, errs: ErrorList) -> tuple[int, int]:
+    """Under a pipeline the schedule's micro-batches are the accumulation: each data-parallel
+    rank's share of the batch is cut into ``pipeline.microbatches`` equal parts."""
+    t, pipe = spec.train, spec.pipeline
+    per_rank, m = t.global_batch_size // dp, pipe.microbatches
+    if per_rank % m:
+        errs.add(f"pipeline.microbatches={m} does not divide the {per_rank} sequences each "
+                 f"data-parallel rank takes (train.global_batch_size={t.global_batch_size} over "
+                 f"dp={dp}); the schedule cuts them into equal micro-batches",
+                 pipe.locs.get("microbatches", pipe.loc))
+        return max(per_rank // m, 1), m
+    if t.micro_batch_size is not None and t.micro_batch_size != per_rank // m:
+        errs.add(f"train.micro_batch_size={t.micro_batch_size} but under a pipeline the "
+                 f"micro-batch is the rank's {per_rank} sequences over pipeline.microbatches={m}"
+                 f" = {per_rank // m}; leave train.micro_batch_size out",
+                 _where(spec, "micro_batch_size"))
+    return per_rank // m, m
+
+
 def step_shape(spec: PlanSpec, dp: int, tp: int, errs: ErrorList) -> StepShape:
     """The step at data-parallel degree ``dp`` and tensor-parallel degree ``tp``.
 
-    ``micro_batch_size`` defaults to the whole per-rank batch (no accumulation). The global
+    ``micro_batch_size`` defaults to the whole per-rank batch (no accumulation); under a
+    pipeline the per-rank batch is cut into ``pipeline.microbatches`` instead. The global
     batch must split evenly over ``dp``, each rank's share into whole micro-batches, and
     under sequence parallelism ``seq_len`` over ``tp``; mistakes go to ``errs``.
     """
     t = spec.train
     micro = t.micro_batch_size or max(t.global_batch_size // dp, 1)
     accum = 1
-    if t.global_batch_size % dp:
+    if spec.pipeline is not None and not t.global_batch_size % dp:
+        micro, accum = _pipeline_micro(spec, dp, errs)
+    elif t.global_batch_size % dp:
         low = t.global_batch_size // dp * dp
         options = " or ".join(str(n) for n in (low, low + dp) if n > 0)
         errs.add(f"train.global_batch_size={t.global_batch_size}{_given(spec, 'global_batch_size')}"

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
@@ -25,7 +24,7 @@ from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import step_batch
-from .evaluate import Evaluation, summed_loss
+from .evaluate import Evaluation
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
@@ -33,12 +32,15 @@ from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
+from .stepper import make_stepper
 
 __all__ = ["train"]
 
 
-def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def _init(parts: list, seed: int, device: torch.device) -> str:
+    """Seeded init of each part: parameters are seeded by their whole-model name, so the
+    numbers do not depend on the pipeline split."""
+    return [init_weights(part, seed, device) for part in parts][0]
 
 
 def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = None,
@@ -120,29 +122,39 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     notes = _start_folder(prep, claimed, start) if rank == 0 else []
     dist.barrier()
 
-    model = plan.apply(prep.model, mesh)
-    materialize(model, device)
+    shapes = ckpt.model_shapes(prep.model)  # the whole model's, on every pipeline degree
+    n_params = sum(p.numel() for p in prep.model.parameters())
+    # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
+    dp_scale = dims.dp if plan.fsdp is not None else 1
+    stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale)
+    parts = stepper.parts  # the model, or this rank's pipeline stages
+    for part in parts:
+        materialize(part, device)
     if claimed.resume_from is not None:  # the checkpoint's weights replace these below
-        init_method = f"{init_weights(model, t.seed, device)} init, then the checkpoint's"
+        init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
     elif prep.pretrained is not None:
-        init_method = load_pretrained(prep.pretrained, model)
+        init_method = load_pretrained(prep.pretrained, parts[0])
     else:
-        init_method = init_weights(model, t.seed, device) + " init"
-    optimizer, trained = make_optimizer(model, t)  # over what `freeze` leaves training
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr))
+        init_method = _init(parts, t.seed, device) + " init"
+    made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
+    optimizers = [o for o, _ in made]
+    trained = [p for _, ps in made for p in ps]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(
+        o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
     if claimed.resume_from is not None:
-        state = ckpt.load(claimed.resume_from, model, optimizer)
-        schedule.load_state_dict(state["schedule"])
+        state = ckpt.load(claimed.resume_from, parts, optimizers)
+        for schedule in schedules:
+            schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
+    pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+    local_params = sum(p.numel() for part in parts for p in part.parameters())
 
     dp_rank, tp_rank = data_parallel_rank(mesh), mesh["tp"].get_local_rank()
-    n_params = sum(p.numel() for p in model.parameters())
     tokens_per_step = t.global_batch_size * t.seq_len
     peak = peak_flops(device_type)
-    flops_token = flops_per_token(model, n_params, t.seq_len)
+    flops_token = flops_per_token(prep.model, n_params, t.seq_len)
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
-              f"{n_params / 1e6:.2f}M params{trained_summary(trained, n_params)} "
+              f"{n_params / 1e6:.2f}M params{trained_summary(trained, local_params)} "
               f"({init_method}) | data {prep.corpus.source}, "
               f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
               f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
@@ -155,19 +167,16 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     header += "".join(f"\n{n}" for n in notes)
     reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
     record = hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank)
-    can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
-    # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
-    dp_scale = dims.dp if plan.fsdp is not None else 1
-    evaluation = Evaluation(prep, model, micro_size, dp_rank, device)
+    evaluation = Evaluation(prep, parts[0], micro_size, dp_rank, device)  # no eval under pp
     times, losses, stopped = [], [], 0
     last_saved = claimed.resume_from
 
     def save(step: int, reason: str) -> Path:
-        state = {"step": step, "schedule": schedule.state_dict(), "data_step": step,
-                 "rng": torch.get_rng_state(), "model_shapes": ckpt.model_shapes(model),
+        state = {"step": step, "schedule": schedules[0].state_dict(), "data_step": step,
+                 "rng": torch.get_rng_state(), "model_shapes": shapes,
                  "mesh": dims.as_dict(), "plan": plan.source, "reason": reason}
         try:
-            return ckpt.save(prep.ckpt_dir, step, model, optimizer, state, plan.checkpoint.keep)
+            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep)
         except ckpt.SaveFailed as e:
             kept = f"the previous checkpoint {last_saved} is intact" if last_saved else \
                 "no earlier checkpoint exists"
@@ -181,29 +190,22 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
             record(step, batch.tokens)
             tokens, mask = batch.to(device)
             count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
-            loss_sum = torch.zeros((), device=device)
-            for m in range(accum):
-                part = slice(m * micro_size, (m + 1) * micro_size)
-                if can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
-                    model.set_requires_gradient_sync(m == accum - 1)
-                with plan.loss_context():
-                    loss = summed_loss(model(tokens[part, :-1]), tokens[part],
-                                       None if mask is None else mask[part]) / count
-                    (loss * dp_scale).backward()
-                loss_sum += _to_local_scalar(loss.detach())
-            # TP peers hold the same partial sums: the world's total over tp is the global mean.
+            loss_sum = stepper(tokens, mask, count)
+            # TP peers hold the same partial sums (under a pipeline, the last stage's ranks;
+            # the others hold 0): the world's total over tp is the global mean.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_value = loss_sum.item() / dims.tp
-            grad_norm = clip_grad_norm(model.parameters(), t.grad_clip)
+            grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group)
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 raise TrainError(
                     f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
                     f"diverged; stopped before the optimizer step (last checkpoint: "
                     f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
-            lr = schedule.get_last_lr()[0]
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad(set_to_none=True)
+            lr = schedules[0].get_last_lr()[0]
+            for optimizer, schedule in zip(optimizers, schedules):
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad(set_to_none=True)
             if device_type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0

@@ -40,9 +40,11 @@ def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> f
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> float:
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None,
+                   pp_group=None) -> float:
     """Global L2 norm of all gradients (clipped to ``max_norm`` if given), correct for
-    DTensor gradients on any mix of meshes and placements.
+    DTensor gradients on any mix of meshes and placements, and over every pipeline stage
+    when ``pp_group`` is given (each pp rank holds other parameters: their squares add).
 
     Norms are computed per (mesh, placements) group -- a group's norm of sharded DTensors is
     a Partial DTensor and ``full_tensor()`` reduces it over exactly the ranks that hold
@@ -61,7 +63,14 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None) -> fl
         if isinstance(n, DTensor):
             n = n.full_tensor()
         squares.append(n.float() ** 2)
-    total = torch.stack([s.cpu() for s in squares]).sum().sqrt() if squares else torch.zeros(())
+    total = torch.stack([s.cpu() for s in squares]).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        device = squares[0].device if squares else "cpu"  # nccl reduces on the GPU
+        total = total.to(device)
+        dist.all_reduce(total, group=pp_group)
+    total = total.cpu().sqrt()
     if max_norm is not None:
         coef = min(max_norm / (float(total) + 1e-6), 1.0)
         if coef < 1.0:

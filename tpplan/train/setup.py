@@ -84,6 +84,17 @@ def _candidates(resume: str, ckpt_dir: Path) -> tuple[list[Path], bool]:
     return found, False
 
 
+def _pipeline_limits(plan: Plan, errs: ErrorList) -> None:
+    """What ``tpplan train`` does not run under pipeline stages yet (docs/pipeline.md)."""
+    if plan.eval.enabled:
+        errs.add("the 'eval' section is not supported with pipeline stages yet (the held-out "
+                 "loss would need the schedule's eval); remove it or set mesh.pp=1",
+                 plan.eval.loc)
+    if plan.model is not None and plan.model.pretrained:
+        errs.add("model.pretrained is not supported with pipeline stages yet; set mesh.pp=1",
+                 plan.model.locs.get("pretrained", plan.model.loc))
+
+
 def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
             overwrite: bool) -> Prepared:
     """Parse and check everything a run needs; raise PlanErrors / TrainError on a mistake."""
@@ -100,6 +111,8 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         step = plan.step_shape(world)  # the batch against the mesh, seq_len under SP
     except PlanErrors as e:
         errs.extend(e.errors)
+    if plan.pipeline is not None:
+        _pipeline_limits(plan, errs)
     errs.raise_if_any()
     model = build_model(plan.model, device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors

@@ -224,7 +224,7 @@
           num(size(c.needed), c.needed ?? ""), c.error ? `not possible: ${c.error}` : c.fits ? "fits" : "does not fit"] }))));
     root.append(el("p", { id: "fit-conclusion", text: f.fitting ?
       `Fits with ${f.fitting.change}: ${f.fitting.set.map((s) => `--set '${s}'`).join(" ")}` :
-      "None of these fits; pipeline stages (not in tpplan yet) would divide the blocks' memory further." }));
+      "None of these fits; pipeline stages (mesh.pp and a pipeline section) would divide the blocks' memory further." }));
   }
 
   function renderComm(c, mini, modules, root) {

@@ -1,0 +1,170 @@
+"""Promises of ``tpplan validate`` for pipeline plans: the schedule's bubble and in-flight
+micro-batches (from torch's own orders) agree with the papers' closed forms, the
+point-to-point traffic is what a real gloo run sends, and the activations predicted per
+stage for 1F1B are what a real run saves for backward."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PLANS
+
+from tpplan.analysis import ANALYSES
+from tpplan.analysis.dryrun import dry_run
+from tpplan.analysis.schedule import bubble_fraction, in_flight, schedule_actions
+from tpplan.parallel.runtime import as_spawned_rank, spawn
+
+PLAN = str(PLANS / "llama-3d.yaml")
+# pp 2 × tp 2 on 4 processes, 1F1B over 4 micro-batches of 2 × 32 tokens. No FSDP (dp is 1)
+# and no checkpointing, so what autograd saves is all the activations there are.
+SMALL = ["mesh.tp=2", "mesh.pp=2", "fsdp=null", "activation_checkpointing=null",
+         "train.seq_len=32", "train.global_batch_size=8", "pipeline.schedule=1f1b",
+         "pipeline.microbatches=4"]
+SMALL_NO_PP = ["train.seq_len=32", "train.global_batch_size=8"]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 12), (8, 16)])
+def test_bubble_and_in_flight_follow_the_closed_forms(pp, m):
+    for name in ("gpipe", "1f1b"):
+        actions = schedule_actions(name, pp, 1, m)
+        assert bubble_fraction(actions, m) == pytest.approx((pp - 1) / m)
+        expected = {s: m if name == "gpipe" else min(m, pp - s) for s in range(pp)}
+        assert in_flight(actions) == expected
+    for name in ("interleaved_1f1b", "looped_bfs"):  # Narayanan et al. 2021: (p-1)/(v·m)
+        actions = schedule_actions(name, pp, 2, m)
+        assert bubble_fraction(actions, m) == pytest.approx((pp - 1) / (2 * m))
+    for name in ("interleaved_zero_bubble", "zbv"):  # less than interleaved 1F1B's
+        actions = schedule_actions(name, pp, 2, m)
+        assert bubble_fraction(actions, m) < (pp - 1) / (2 * m)
+        assert all(1 <= k <= m for k in in_flight(actions).values())
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    """Two steps of the plan's schedule on real CPU tensors; in the second, every tensor the
+    schedule sends or receives, and the bytes saved for backward alive at once, at their
+    most (each storage once)."""
+    as_spawned_rank(rank, world, port)
+    import warnings
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import tpplan
+    from tpplan.models import build_model
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    plan = tpplan.load(PLAN, overrides)
+    mesh = plan.build_mesh("cpu")
+    p2p: list[tuple[str, int]] = []
+
+    def recording(get_ops):  # every send and receive the schedule asks a stage for
+        def ops(*args, **kwargs):
+            out = get_ops(*args, **kwargs)
+            p2p.extend((op.op.__name__, op.tensor.numel() * op.tensor.element_size())
+                       for op in out)
+            return out
+        return ops
+
+    try:
+        torch.manual_seed(0)
+        model = build_model(plan.model, device="cpu")
+        pipe = plan.apply_pipeline(model, mesh, lambda logits, y: F.cross_entropy(
+            logits.flatten(0, 1).float(), y.flatten()), device="cpu")
+        # Parameters and buffers (the rotary table) are saved by some ops, but are not
+        # activations.
+        known = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage()._cdata
+                 for m in pipe.modules for p in [*m.parameters(), *m.buffers()]}
+        saved: dict[int, weakref.ref] = {}
+        most = [0]
+
+        def pack(t):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            st = local.untyped_storage()
+            if st._cdata not in known:
+                saved[st._cdata] = weakref.ref(st)
+            live = sum(s.nbytes() for s in (r() for r in saved.values()) if s is not None)
+            most[0] = max(most[0], live)
+            return t
+
+        for stage in pipe.stages:
+            for name in ("get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops",
+                         "get_bwd_recv_ops"):
+                setattr(stage, name, recording(getattr(stage, name)))
+        tokens = torch.randint(0, 256, (8, 33))
+        with plan.loss_context():  # the first step also builds the stages' buffers
+            pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
+        p2p.clear()
+        with plan.loss_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
+        if mesh["tp"].get_local_rank() == 0:
+            (Path(out) / f"pp{mesh['pp'].get_local_rank()}.json").write_text(
+                json.dumps({"p2p": p2p, "saved": most[0]}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _dry_run(world: int, overrides: list[str], memory_only: bool = False) -> dict:
+    analyses = [a for a in ANALYSES if a[0] == "memory_per_rank"] if memory_only else ANALYSES
+    result = dry_run(PLAN, world, overrides, analyses, apply=not memory_only)
+    assert result.ok, (result.errors, result.analysis_errors)
+    return json.loads(json.dumps(result.extra))
+
+
+def test_a_pipeline_dry_run_after_another_in_the_same_process():
+    """DTensor caches sharding decisions by mesh, and meshes of the same shape compare equal
+    across process groups: the dry run empties those caches when its fake group ends, so a
+    second run in one process (what ``--device``'s checked changes do) traces its own."""
+    plain = dry_run(str(PLANS / "llama.yaml"), 4, SMALL_NO_PP, ANALYSES)
+    assert plain.ok, (plain.errors, plain.analysis_errors)
+    piped = dry_run(PLAN, 4, SMALL, ANALYSES)
+    assert piped.ok, (piped.errors, piped.analysis_errors)
+    again = dry_run(str(PLANS / "llama.yaml"), 4, SMALL_NO_PP, ANALYSES)
+    assert again.ok and again.extra["comm_per_step"] == plain.extra["comm_per_step"]
+
+
+def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
+    predicted = _dry_run(4, SMALL)
+    spawn(_worker, 4, SMALL, str(tmp_path))
+    pipe = predicted["pipeline"]
+    ranks = {r["pp_rank"]: r for r in predicted["memory_per_rank"]["pp_ranks"]}
+    for p2p in pipe["p2p"]:
+        real = json.loads((tmp_path / f"pp{p2p['pp_rank']}.json").read_text())
+        sends = [b for op, b in real["p2p"] if op == "isend"]
+        recvs = [b for op, b in real["p2p"] if op == "irecv"]
+        assert len(sends) == p2p["send_forward"] + p2p["send_backward"]
+        assert len(recvs) == p2p["recv_forward"] + p2p["recv_backward"]
+        assert sum(sends) == len(sends) * p2p["bytes_each"]
+        assert sum(recvs) == len(recvs) * p2p["bytes_each"]
+        # 1F1B: stage s keeps min(m, p - s) micro-batches' activations (Narayanan et al.)
+        mine = ranks[p2p["pp_rank"]]
+        assert mine["stages"][0]["in_flight"] == min(4, 2 - p2p["pp_rank"])
+        assert mine["activations"] == pytest.approx(real["saved"], rel=0.15)
+    comm = {(r["source"], r["kind"]): r for r in predicted["comm_per_step"]["collectives"]}
+    assert comm[("pp", "send")]["count"] == 4
+
+
+# Llama 3 405B as Meta trained it ("The Llama 3 Herd of Models", 2024): tp 8 × pp 16 × dp 128
+# on 16,384 GPUs, 8,192-token sequences, 16M-token batches (2,048 sequences: 16 per data-
+# parallel rank, one per micro-batch), bf16; here with selective checkpointing (every other
+# block) and gradients reduced in bf16.
+LLAMA3_405B = ["model.config=405b", "mesh.tp=8", "mesh.pp=16", "train.seq_len=8192",
+               "train.global_batch_size=2048", "pipeline.microbatches=16",
+               "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: bfloat16}"]
+
+
+def test_llama3_405b_on_16384_ranks_fits_80gb_per_stage_with_the_1f1b_bubble():
+    result = _dry_run(16384, LLAMA3_405B, memory_only=True)
+    mem, pipe = result["memory_per_rank"], result["pipeline"]
+    assert [r["position"] for r in mem["pp_ranks"]] == ["first", "middle", "last"]
+    for r in mem["pp_ranks"]:
+        assert 0 < r["peak"] < 80e9
+        assert r["stages"][0]["in_flight"] == min(16, 16 - r["stages"][0]["index"])
+    assert mem["peak"] == max(r["peak"] for r in mem["pp_ranks"])
+    assert pipe["bubble_fraction"] == pytest.approx((16 - 1) / 16)
+    # one activation of 1 × 8192/8 (sequence parallel) × 16384 in bf16 per micro-batch
+    assert pipe["boundary"]["bytes"] == 1 * 8192 // 8 * 16384 * 2

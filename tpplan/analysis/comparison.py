@@ -1,0 +1,48 @@
+"""A parallel step against the single-device reference: the worst relative error of the
+logits, the loss and every gradient, against a tolerance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .numerics import StepResult
+
+__all__ = ["Comparison", "compare", "rel_err"]
+
+
+@dataclass
+class Comparison:
+    rows: list[tuple[str, float]]  # (what, worst relative error)
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return all(err <= self.tolerance for _, err in self.rows)
+
+    @property
+    def failures(self) -> list[tuple[str, float]]:
+        return [(w, e) for w, e in self.rows if e > self.tolerance]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a-b| / max(|b|, floor): the floor keeps gradients that are zero in exact
+    arithmetic (an attention key bias cannot change softmax) from dividing by rounding noise."""
+    if a.shape != b.shape:
+        return float("inf")
+    scale = max(b.abs().max().item(), 1e-3)
+    return (a.float() - b.float()).abs().max().item() / scale
+
+
+def compare(ref: StepResult, par: StepResult, tolerance: float = 1e-4) -> Comparison:
+    rows = [("logits", rel_err(par.logits, ref.logits)),
+            ("loss", abs(par.loss - ref.loss) / max(abs(ref.loss), 1e-3))]
+    for name, g in ref.grads.items():
+        other = par.grads.get(name)
+        rows.append((f"grad {name}", float("inf") if other is None else rel_err(other, g)))
+    for name in par.grads.keys() - ref.grads.keys():
+        rows.append((f"grad {name} (not in the reference)", float("inf")))
+    return Comparison(rows, tolerance)

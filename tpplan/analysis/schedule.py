@@ -1,0 +1,171 @@
+"""A pipeline schedule as data: which forward and backward each pp rank runs, in order, and
+what follows from that order -- the micro-batches each stage keeps in flight and the bubble.
+
+The orders are torch's own (``torch.distributed.pipelining.schedules``): the multi-stage
+schedules run the table their ``_calculate_single_rank_operations`` builds, which needs only
+the degrees, so it is called on an instance that holds nothing but them (no stage, no
+process group). GPipe and 1F1B run a loop rather than their table (and 1F1B's table is off
+by one on the last rank in torch 2.13), so their orders are the loops': GPipe every forward
+then every backward; 1F1B ``min(m, stages - s)`` forwards, then one backward and one
+forward until the forwards run out, then the backwards. Formulas and sources:
+docs/dry-run.md, "Pipeline stages".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan.pipeline import SCHEDULES
+
+__all__ = ["Action", "schedule_actions", "in_flight", "rank_in_flight", "bubble_fraction",
+           "TIME"]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One computation: ``F`` forward, ``B`` full backward, ``I`` backward for the input
+    only, ``W`` backward for the weights only (zero-bubble schedules), of micro-batch
+    ``mb`` on stage ``stage``."""
+
+    kind: str
+    stage: int
+    mb: int
+
+
+# Unit times of the bubble simulation: a backward costs two forwards (one for the input's
+# gradient, one for the weights'), as in Narayanan et al. 2021 and Qi et al. 2023.
+TIME = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def _torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    cls = getattr(schedules, SCHEDULES[name].torch_class)
+    sched = cls.__new__(cls)  # the degrees the table reads, nothing else
+    n = pp * v
+    rounds = max(1, m // pp)
+    style = "v" if SCHEDULES[name].v_shape else "loop"
+    sched.__dict__.update(
+        pp_group_size=pp, n_local_stages=v, _n_microbatches=m, _num_stages=n, num_stages=n,
+        _stages=[None] * v, number_of_rounds=rounds, microbatches_per_round=m // rounds,
+        stage_index_to_group_rank=generate_stage_to_rank_mapping(pp, n, style=style))
+    sched.pipeline_order = {}
+    for rank in range(pp):
+        sched.rank = rank
+        sched.pipeline_order[rank] = sched._calculate_single_rank_operations(rank)
+    if hasattr(sched, "_add_bubbles_to_actions"):
+        sched.pipeline_order = sched._add_bubbles_to_actions(n)
+    return sched.pipeline_order
+
+
+def _computations(action) -> list[Action]:
+    """torch's action as computations; an overlapped forward+backward (DualPipeV) as both,
+    forward first (both are in flight while it runs)."""
+    if action is None:
+        return []
+    subs = getattr(action, "sub_actions", None)
+    if subs:
+        return [c for a in subs for c in _computations(a)]
+    kind = action.computation_type.value
+    if kind not in TIME:
+        return []  # communication, resharding, gradient reduction
+    return [Action(kind, action.stage_index, action.microbatch_index)]
+
+
+def schedule_actions(name: str, pp: int, stages_per_rank: int, m: int) -> dict[int, list[Action]]:
+    """Each pp rank's computations, in the order schedule ``name`` runs them."""
+    if not SCHEDULES[name].multi:
+        out = {}
+        for s in range(pp):
+            if name == "gpipe":
+                order = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+            else:  # 1f1b: Schedule1F1B._step_microbatches
+                warm = min(m, pp - s)
+                order = [("F", i) for i in range(warm)]
+                for i in range(m):
+                    order.append(("B", i))
+                    if warm + i < m:
+                        order.append(("F", warm + i))
+            out[s] = [Action(k, s, i) for k, i in order]
+        return out
+    table = _torch_table(name, pp, stages_per_rank, m)
+    return {r: [c for a in acts for c in _computations(a)] for r, acts in table.items()}
+
+
+def _last_backward(actions: list[Action]) -> set[str]:
+    """``W`` where the schedule splits backward (the weights' gradient still needs the
+    saved activations after the input's), else ``B``."""
+    return {"W"} if any(a.kind == "W" for a in actions) else {"B"}
+
+
+def in_flight(actions: dict[int, list[Action]]) -> dict[int, int]:
+    """Per stage: the most micro-batches whose forward has run and whose backward has not
+    finished (their activations are still saved), at any point of the step."""
+    out: dict[int, int] = {}
+    for acts in actions.values():
+        ends = _last_backward(acts)
+        live: dict[int, int] = {}
+        for a in acts:
+            if a.kind == "F":
+                live[a.stage] = live.get(a.stage, 0) + 1
+                out[a.stage] = max(out.get(a.stage, 0), live[a.stage])
+            elif a.kind in ends:
+                live[a.stage] -= 1
+    return out
+
+
+def rank_in_flight(actions: list[Action], weight: dict[int, int]) -> int:
+    """One rank's most ``Σ_stage in_flight(stage) × weight[stage]`` at any point: the saved
+    activations of every micro-batch in flight on all its stages at once."""
+    ends = _last_backward(actions)
+    live = best = 0
+    for a in actions:
+        if a.kind == "F":
+            live += weight[a.stage]
+            best = max(best, live)
+        elif a.kind in ends:
+            live -= weight[a.stage]
+    return best
+
+
+def bubble_fraction(actions: dict[int, list[Action]], m: int) -> float:
+    """Idle time over compute time, per rank, of the schedule run with unit times
+    (:data:`TIME`) and no communication cost: each rank runs its computations in order, a
+    forward once the previous stage's forward of that micro-batch is done, a backward once
+    the next stage's backward (input part) and its own forward are done, a ``W`` after its
+    ``I``. GPipe and 1F1B give ``(p-1)/m``, interleaved 1F1B ``(p-1)/(v·m)``."""
+    done: dict[tuple[str, int, int], int] = {}
+    clock = {r: 0 for r in actions}
+    pos = {r: 0 for r in actions}
+    last = max(a.stage for acts in actions.values() for a in acts)
+
+    def deps(a: Action) -> list[tuple[str, int, int]]:
+        if a.kind == "F":
+            return [("F", a.stage - 1, a.mb)] if a.stage else []
+        if a.kind == "W":
+            return [("I", a.stage, a.mb)]
+        after = [("F", a.stage, a.mb)]
+        return after if a.stage == last else after + [("G", a.stage + 1, a.mb)]
+
+    remaining = sum(len(v) for v in actions.values())
+    while remaining:
+        progressed = False
+        for r, acts in actions.items():
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                need = deps(a)
+                if any(d not in done for d in need):
+                    break
+                start = max([clock[r], *(done[d] for d in need)])
+                clock[r] = start + TIME[a.kind]
+                done[(a.kind, a.stage, a.mb)] = clock[r]
+                if a.kind in ("B", "I"):  # the input's gradient, sent to the stage before
+                    done[("G", a.stage, a.mb)] = clock[r]
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule's order deadlocks")
+    work = max(sum(TIME[a.kind] for a in acts) for acts in actions.values())
+    return (max(clock.values()) - work) / work

@@ -1,0 +1,134 @@
+"""Pipeline stages in the dry run: memory per pp rank with the micro-batches its schedule
+keeps in flight, the schedule's bubble, and the point-to-point traffic between stages.
+
+Each stage is built as ``apply_pipeline`` builds it (:func:`tpplan.parallel.pipeline.
+stage_module` of the meta model, the plan applied with ``stage=True`` on this rank's slice
+of the mesh) and its step traced on fake tensors like a whole model's
+(:func:`tpplan.analysis.memory.memory_per_rank`, three shallow traces for a deep stage),
+its micro-batches one after another. A schedule runs them interleaved instead: where it
+keeps ``k`` micro-batches in flight on a stage (their forward done, their backward not;
+:func:`tpplan.analysis.schedule.in_flight`, from torch's own order), the rank holds ``k``
+micro-batches' saved activations where the trace held one. A rank's figures are the sum
+of its stages' (each part at its largest), its activations the most that its stages hold
+together at any point of the order, and its peak the stages' peaks plus the activations
+the schedule holds beyond the one micro-batch each trace held (an upper bound when a rank
+holds several stages: their peaks need not coincide). docs/dry-run.md, "Pipeline stages".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from ..models.introspect import find_blocks
+from ..parallel.mesh import ParallelDims
+from ..parallel.pipeline import PipelineSplit, split_stages, stage_module
+from ..plan.specs import PlanSpec
+from ..plan.step import StepShape
+from .memory import memory_per_rank
+from .memtrace import PARTS
+from .schedule import bubble_fraction, in_flight, rank_in_flight, schedule_actions
+from .steptrace import StageIO
+
+__all__ = ["pipeline_schedule", "pipeline_memory", "p2p_per_rank", "reported_ranks"]
+
+
+def reported_ranks(pp: int) -> dict[int, str]:
+    """The pp ranks the dry run reports, by position: the first, one in the middle, the
+    last (every rank in between holds what the middle one does, up to the split)."""
+    out = {0: "first", pp // 2: "middle", pp - 1: "last"}
+    return dict(sorted(out.items()))
+
+
+def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) -> dict[str, Any]:
+    """The schedule's facts: its bubble (simulated, with the closed form beside it), each
+    stage's micro-batches in flight, rank and modules."""
+    pipe = spec.pipeline
+    pp, v, m = dims.pp, pipe.stages_per_rank, pipe.microbatches
+    actions = schedule_actions(pipe.schedule, pp, v, m)
+    flight = in_flight(actions)
+    closed = {"gpipe": (pp - 1) / m, "1f1b": (pp - 1) / m,
+              "interleaved_1f1b": (pp - 1) / (v * m)}.get(pipe.schedule)
+    return dict(schedule=pipe.schedule, pp=pp, stages_per_rank=v, microbatches=m,
+                bubble_fraction=bubble_fraction(actions, m), bubble_closed_form=closed,
+                stages=[dict(index=s.index, pp_rank=s.rank, first_module=s.modules[0],
+                             last_module=s.modules[-1], blocks=len(s.blocks), params=s.params,
+                             in_flight=flight[s.index]) for s in split.stages])
+
+
+def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                    dims: ParallelDims) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
+    usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
+    with the activation a stage sends (``boundary``) and the p2p traffic per rank."""
+    whole = build()
+    split = split_stages(whole, spec, dims.pp)
+    split.errors.raise_if_any()
+    pipe = pipeline_schedule(spec, dims, split)
+    actions = schedule_actions(spec.pipeline.schedule, dims.pp, spec.pipeline.stages_per_rank,
+                               spec.pipeline.microbatches)
+    ranks = reported_ranks(dims.pp)
+    last = len(split.stages) - 1
+    per_stage: dict[int, dict[str, Any]] = {}
+    boundary = None
+    for stage in sorted((s for s in split.stages if s.rank in ranks), key=lambda s: s.index):
+        io = StageIO(first=stage.index == 0, last=stage.index == last, received=boundary)
+        module = stage_module(whole, stage, split)
+        blocks = find_blocks(module)
+        n_blocks = len(module.get_submodule(blocks)) if blocks else 0
+        per_stage[stage.index] = memory_per_rank(
+            spec, mesh, lambda stage=stage: stage_module(whole, stage, split), shape, n_blocks,
+            blocks, io=io)
+        boundary = boundary or io.sent
+    out = []
+    for rank, position in ranks.items():
+        mine = [s.index for s in split.of_rank(rank)]
+        mems = [per_stage[i] for i in mine]
+        acts = {i: per_stage[i]["activations"] for i in mine}
+        r: dict[str, Any] = {p: sum(m[p] for m in mems) for p in PARTS}
+        r["activations"] = rank_in_flight(actions[rank], acts)
+        extra = r["activations"] - sum(acts.values())
+        r["total"] = sum(r[p] for p in PARTS)
+        r["peak"] = sum(m["peak"] for m in mems) + extra
+        r["at_peak"] = {p: sum(m["at_peak"][p] for m in mems) for p in PARTS}
+        r["at_peak"]["activations"] += extra
+        top = max(mems, key=lambda m: m["peak"])
+        r["peak_at"] = top["peak_at"] + (f" (stage {mine[mems.index(top)]})" if len(mine) > 1 else "")
+        r["batch"], r["traced"] = top["batch"], top["traced"]
+        r.update(pp_rank=rank, position=position, stages=[
+            dict(index=i, in_flight=pipe["stages"][i]["in_flight"],
+                 activations_per_microbatch=acts[i], peak_traced=per_stage[i]["peak"])
+            for i in mine])
+        out.append(r)
+    worst = dict(max(out, key=lambda r: r["peak"]))
+    worst["pp_ranks"] = out
+    if boundary is not None:
+        shape_, dtype = boundary
+        n = 1
+        for d in shape_:
+            n *= d
+        pipe["boundary"] = dict(shape=list(shape_), dtype=str(dtype).removeprefix("torch."),
+                                bytes=n * dtype.itemsize)
+        pipe["p2p"] = p2p_per_rank(split, spec.pipeline.microbatches, pipe["boundary"]["bytes"])
+    return worst, pipe
+
+
+def p2p_per_rank(split: PipelineSplit, m: int, nbytes: int) -> list[dict[str, Any]]:
+    """Per pp rank and step: the activations it sends forward and receives (one per
+    micro-batch at each stage boundary it sits on), the gradients it sends and receives
+    back; a boundary between two stages of one rank (the V schedules' turn) moves nothing."""
+    last = len(split.stages) - 1
+    rank_of = {s.index: s.rank for s in split.stages}
+    out = []
+    for rank in range(split.pp):
+        c = dict(send_forward=0, recv_forward=0, send_backward=0, recv_backward=0)
+        for s in split.of_rank(rank):
+            if s.index < last and rank_of[s.index + 1] != rank:
+                c["send_forward"] += m
+                c["recv_backward"] += m
+            if s.index > 0 and rank_of[s.index - 1] != rank:
+                c["recv_forward"] += m
+                c["send_backward"] += m
+        out.append(dict(pp_rank=rank, **c, bytes_each=nbytes))
+    return out

@@ -1,0 +1,90 @@
+"""Forward and backward of one optimizer step's batch, with or without pipeline stages.
+
+Both go through the public API: ``plan.apply`` and gradient accumulation over micro-batches,
+or ``plan.apply_pipeline`` and the schedule's ``step`` (the micro-batches are the schedule's,
+the loss is computed on the last stage). Either returns this rank's part of the global mean
+loss (:mod:`.evaluate`'s normalisation); the trainer sums it over the world.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .evaluate import IGNORE_INDEX, summed_loss
+
+__all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class PlainStepper:
+    """The whole model on this rank: micro-batches accumulate gradients one after another."""
+
+    def __init__(self, plan, model: nn.Module, micro: int, accum: int, dp_scale: int):
+        self.plan, self.model, self.micro, self.accum, self.dp_scale = \
+            plan, model, micro, accum, dp_scale
+        self.parts = [model]
+        self.can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=tokens.device)
+        for m in range(self.accum):
+            part = slice(m * self.micro, (m + 1) * self.micro)
+            if self.can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
+                self.model.set_requires_gradient_sync(m == self.accum - 1)
+            with self.plan.loss_context():
+                loss = summed_loss(self.model(tokens[part, :-1]), tokens[part],
+                                   None if mask is None else mask[part]) / count
+                (loss * self.dp_scale).backward()
+            loss_sum += _scalar(loss.detach())
+        return loss_sum
+
+
+class _ScaledLoss:
+    """The schedule's loss on the last stage: summed cross-entropy times ``scale``, set per
+    step to ``dp / count`` (FSDP2 averages gradients over the dp ranks; see .evaluate)."""
+
+    def __init__(self):
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum") * self.scale
+
+
+class PipelineStepper:
+    """This rank's pipeline stages: the schedule runs every micro-batch's forward and
+    backward; only the last stage has losses to report (zero elsewhere)."""
+
+    def __init__(self, plan, model: nn.Module, mesh, device: torch.device, dp_scale: int):
+        self.plan, self.dp_scale = plan, dp_scale
+        self.loss_fn = _ScaledLoss()
+        # scale_grads off: the loss already carries the 1/count of the global mean.
+        self.pipe = plan.apply_pipeline(model, mesh, self.loss_fn, device, scale_grads=False)
+        self.parts = self.pipe.modules
+
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int) -> torch.Tensor:
+        targets = tokens[:, 1:]
+        if mask is not None:
+            targets = targets.masked_fill(~mask, IGNORE_INDEX)
+        self.loss_fn.scale = self.dp_scale / count
+        losses: list[torch.Tensor] = []
+        with self.plan.loss_context():
+            self.pipe.step(tokens[:, :-1], target=targets, losses=losses)
+        total = torch.zeros((), device=tokens.device)
+        for loss in losses:
+            total += _scalar(loss.detach())
+        return total / self.dp_scale
+
+
+def make_stepper(plan, model: nn.Module, mesh, device: torch.device, micro: int, accum: int,
+                 dp_scale: int):
+    """The stepper for the plan: parallelizes ``model`` (meta) via the public API."""
+    if plan.pipeline is not None:
+        return PipelineStepper(plan, model, mesh, device, dp_scale)
+    return PlainStepper(plan, plan.apply(model, mesh), micro, accum, dp_scale)
