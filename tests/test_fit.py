@@ -98,7 +98,8 @@ def test_405b_on_4096_h100s_does_not_fit_and_a_checked_change_makes_it_fit(capsy
     assert fitting["needed"] <= DEVICES["h100"].memory
     # tp 16 cannot split 8 KV heads: said, not proposed.
     tp16 = next(c for c in f["changes"] if c["set"] == ["mesh.tp=16"])
-    assert tp16["error"] and "n_kv_heads" in tp16["error"] and not tp16["fits"]
+    assert tp16["error"] and "8 heads" in tp16["error"] and not tp16["fits"]
+    assert "use a tp that divides 8" in tp16["error"]  # the built-in Llama: no kv_colwise
     out = Console(record=True, width=200)
     render_fit(out, f)
     text = out.export_text()

@@ -38,10 +38,15 @@ def check_heads(rule: Rule, path: str, module: nn.Module, parent: nn.Module | No
     heads = module.out_features // head_dim
     if heads % tp:
         kv = " (KV heads fewer than tp)" if heads < tp else ""
-        fix = ("give it 'kv_colwise' (each rank computes the "
-               "KV head its query heads use)" if tp % heads == 0 else
-               f"tp={tp} is not a multiple of {heads} either, so replicating KV heads "
-               f"(kv_colwise) does not fit; use a tp that divides {heads} or a multiple of it")
+        if tp % heads:
+            fix = (f"tp={tp} is not a multiple of {heads} either, so replicating KV heads "
+                   f"(kv_colwise) does not fit; use a tp that divides {heads} or a multiple of it")
+        elif hasattr(parent, "num_key_value_groups"):
+            fix = "give it 'kv_colwise' (each rank computes the KV head its query heads use)"
+        else:  # kv_colwise tells the attention its local groups through that attribute
+            fix = (f"use a tp that divides {heads} ('kv_colwise' needs an attention that reads "
+                   "its query heads per KV head from 'num_key_value_groups', as transformers' "
+                   f"does, and {type(parent).__name__} does not)")
         errs.add(f"module '{path}' projects {heads} heads of head_dim {head_dim}{kv} and "
                  f"tp={tp} does not divide {heads}: each rank would hold part of a head; {fix}",
                  rule.loc)
