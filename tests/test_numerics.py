@@ -8,7 +8,7 @@ batch on one device, which involves no tpplan code at all.
 import pytest
 
 import tpplan
-from tpplan.analysis.numerics import compare, make_batch, parallel_step, reference_step
+from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step
 
 CASES = [
     # plan, overrides, world size, mesh it must resolve to (dp_replicate, dp_shard, tp)
@@ -22,18 +22,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("plan_path,overrides,world,shape", CASES,
-                         ids=[" ".join([c[0], *c[1]]) for c in CASES])
-def test_parallel_matches_single_device(root, monkeypatch, plan_path, overrides, world, shape):
+@pytest.mark.parametrize("world", sorted({c[2] for c in CASES}))
+def test_parallel_matches_single_device(root, monkeypatch, world):
+    """Every case of this world size in one spawn of gloo processes (start-up paid once)."""
     monkeypatch.chdir(root)
-    plan = tpplan.load(plan_path, overrides)
-    assert plan.parallel_dims(world).shape == shape
+    cases = [c for c in CASES if c[2] == world]
     tokens = make_batch(vocab_size=256, batch=8, seq_len=32, seed=0)
-    ref = reference_step(plan, tokens, seed=0)
-    par = parallel_step(plan_path, overrides, world, tokens, seed=0)
-    result = compare(ref, par, tolerance=1e-4)
-    assert len(result.rows) == 2 + len(ref.grads)  # logits, loss, and every gradient
-    assert result.ok, "\n".join(f"{what}: {err:.2e}" for what, err in result.failures)
+    jobs = [(plan_path, overrides, tokens, 0) for plan_path, overrides, _, _ in cases]
+    for (plan_path, overrides, _, shape), par in zip(cases, parallel_steps(jobs, world)):
+        what = " ".join([plan_path, *overrides])
+        plan = tpplan.load(plan_path, overrides)
+        assert plan.parallel_dims(world).shape == shape, what
+        assert not isinstance(par, str), f"{what}: {par}"  # a job's failure is its error line
+        ref = reference_step(plan, tokens, seed=0)
+        result = compare(ref, par, tolerance=1e-4)
+        assert len(result.rows) == 2 + len(ref.grads), what  # logits, loss, every gradient
+        assert result.ok, what + "\n" + "\n".join(f"{w}: {e:.2e}" for w, e in result.failures)
 
 
 def test_comparison_catches_a_wrong_gradient(root, monkeypatch):
