@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
@@ -25,7 +24,7 @@ from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import step_batch
-from .evaluate import Evaluation, summed_loss
+from .evaluate import Evaluation, plain_loss, summed_loss
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
@@ -35,10 +34,6 @@ from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 
 __all__ = ["train"]
-
-
-def _to_local_scalar(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = None,
@@ -190,7 +185,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
                     loss = summed_loss(model(tokens[part, :-1]), tokens[part],
                                        None if mask is None else mask[part]) / count
                     (loss * dp_scale).backward()
-                loss_sum += _to_local_scalar(loss.detach())
+                loss_sum += plain_loss(loss.detach())
             # TP peers hold the same partial sums: the world's total over tp is the global mean.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
             loss_value = loss_sum.item() / dims.tp
