@@ -163,13 +163,13 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The resolved plan (extends and overrides applied) as plain data, for a run folder.
 
-        A relative ``model.hf_config``, and data paths found next to the plan, are made
-        absolute: the copy lives in another folder."""
+        Relative paths (``model.hf_config``, ``model.pretrained``, the data's) are made
+        absolute where the plan finds them: the copy lives in another folder."""
         out = plain(self.document) if self.document is not None else {}
         model = out.get("model")
-        if isinstance(model, dict) and isinstance(model.get("hf_config"), str):
-            base = Path(self.model.base_dir or ".")
-            model["hf_config"] = str((base / model["hf_config"]).resolve())
+        for key in ("hf_config", "pretrained"):
+            if isinstance(model, dict) and isinstance(model.get(key), str):
+                model[key] = str(self.model.path(model[key]).resolve())
         for section, key in (("data", "path"), ("data", "tokenizer"), ("eval", "path")):
             value = out.get(section, {}).get(key) if isinstance(out.get(section), dict) else None
             if isinstance(value, str):

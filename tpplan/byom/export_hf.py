@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import load
@@ -36,13 +35,13 @@ from ..checkpoint.stream import ModelTensors
 from ..models import build_model
 from ..models.hf import causal_lm_for, hf_config
 from ..models.hf_llama import hf_config_dict, interleaved_to_half, is_rotary
+from ..models.introspect import vocab_size
 from ..models.pretrained import expected_tensors
 from ..plan.errors import CommandError
 from ..plan.specs import torch_dtype
-from ..plan.yamlio import plain
 from .export import checked_checkpoint, find_plan, read_failure
 from .safetensors_out import Entry, parse_size, write_sharded
-from .tokenizer_files import copy_tokenizer_files, tokenizer_source, tokenizer_vocab
+from .tokenizer_files import copy_tokenizer_files, plan_tokenizer, tokenizer_vocab
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_hf"]
 
@@ -93,7 +92,7 @@ def _check_tokenizer(source: Path, model) -> None:
         vocab = tokenizer_vocab(source)
     except ValueError as e:
         raise CommandError(str(e)) from None
-    rows = next((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    rows = vocab_size(model)
     if vocab is not None and rows is not None and vocab > rows:
         raise CommandError(f"the tokenizer {source} has {vocab} tokens, more than the model's "
                            f"vocabulary of {rows}: it is not the tokenizer this model was "
@@ -137,8 +136,7 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     entries = _entries(model, tensors, torch_dtype(dtype) if dtype else None)
     floats = [e.dtype for e, _, _ in entries if e.dtype.is_floating_point]
     dtype_name = str(floats[0] if floats else torch.float32).removeprefix("torch.")
-    source = Path(tokenizer) if tokenizer else tokenizer_source(
-        plain(plan.document) if plan.document is not None else {}, plan_file.parent)
+    source = Path(tokenizer) if tokenizer else plan_tokenizer(plan, plan_file)
     if source is not None:
         _check_tokenizer(source, model)
     out = Path(out)

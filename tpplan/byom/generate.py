@@ -24,10 +24,10 @@ import torch.nn as nn
 from ..api import load
 from ..checkpoint import find_checkpoint
 from ..models import build_model
+from ..models.introspect import vocab_size
 from ..plan.errors import CommandError
-from ..plan.yamlio import plain
 from .export import checked_checkpoint, find_plan, read_weights
-from .tokenizer_files import has_tokenizer, tokenizer_source
+from .tokenizer_files import has_tokenizer, plan_tokenizer
 
 __all__ = ["Generator", "Tokenizer", "byte_tokenizer", "load_generator", "next_token",
            "sample"]
@@ -130,9 +130,9 @@ def sample(probs: torch.Tensor, top_p: float, rng: torch.Generator | None = None
 
 
 def _embedding_rows(model: nn.Module) -> int:
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            return m.num_embeddings
+    rows = vocab_size(model)
+    if rows is not None:
+        return rows
     raise CommandError(f"the model ({type(model).__name__}) has no token embedding to generate with")
 
 
@@ -170,8 +170,7 @@ def _from_run(checkpoint: Path, plan_path: Path | None) -> Generator:
     if left:
         raise CommandError(f"checkpoint {checkpoint} does not fit the plan's model: it lacks "
                            f"{len(left)} of its tensors ({', '.join(left[:3])})")
-    source = tokenizer_source(plain(plan.document) if plan.document is not None else {},
-                              plan_file.parent)
+    source = plan_tokenizer(plan, plan_file)
     tok = _hf_tokenizer(source) if source is not None else byte_tokenizer()
     cfg = getattr(model, "config", None)
     window = getattr(cfg, "max_seq_len", None) or getattr(cfg, "max_position_embeddings", None)

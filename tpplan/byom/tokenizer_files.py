@@ -14,8 +14,9 @@ from typing import Any
 
 from ..models.hf import TOKENIZER_FILES
 from ..plan.specs import plan_relative
+from ..plan.yamlio import plain
 
-__all__ = ["copy_tokenizer_files", "has_tokenizer", "tokenizer_source",
+__all__ = ["copy_tokenizer_files", "has_tokenizer", "plan_tokenizer", "tokenizer_source",
            "tokenizer_vocab"]
 
 # What AutoTokenizer (and generation) reads from a model folder, where present.
@@ -45,6 +46,12 @@ def tokenizer_source(plan_dict: dict[str, Any], base: Path | None = None) -> Pat
     if pretrained is not None and pretrained.is_dir() and has_tokenizer(pretrained):
         return pretrained
     return None
+
+
+def plan_tokenizer(plan: Any, plan_file: Path) -> Path | None:
+    """:func:`tokenizer_source` of a loaded plan (a :class:`tpplan.Plan`) read from ``plan_file``."""
+    return tokenizer_source(plain(plan.document) if plan.document is not None else {},
+                            Path(plan_file).parent)
 
 
 def copy_tokenizer_files(source: Path, dest: Path) -> list[str]:

@@ -34,8 +34,6 @@ DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "chat")
 def plan_relative(path: str, base_dir: str | None) -> str:
     """A path written in a plan: a relative one is looked for next to the plan first, then
     as given (from the working folder), as ``model.hf_config`` is."""
-    from pathlib import Path
-
     p = Path(path)
     if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).exists():
         return str(Path(base_dir) / p)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .data import Batch, Corpus, eval_batch
 
-__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "summed_loss"]
+__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss"]
 
 IGNORE_INDEX = -100
 
@@ -38,7 +38,8 @@ def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def plain_loss(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under ``loss_parallel`` it is a replicated DTensor)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -60,13 +61,12 @@ def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: 
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, targets)
     for i in range(batches):
         b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
-        tokens = b.tokens.to(device)
-        mask = None if b.mask is None else b.mask.to(device)
+        tokens, mask = b.to(device)
         for m in range(0, len(tokens), micro):
             part = None if mask is None else mask[m:m + micro]
             with loss_context():
                 s = summed_loss(model(tokens[m:m + micro, :-1]), tokens[m:m + micro], part)
-            total[0] += _local(s).double()
+            total[0] += plain_loss(s).double()
             total[1] += tokens[m:m + micro, 1:].numel() if part is None else part.sum()
     # TP peers add the same sums as their dp rank: both totals grow alike, the ratio holds.
     dist.all_reduce(total)

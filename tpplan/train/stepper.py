@@ -11,15 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .evaluate import IGNORE_INDEX, summed_loss
+from .evaluate import IGNORE_INDEX, plain_loss, summed_loss
 
 __all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
-
-
-def _scalar(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class PlainStepper:
@@ -41,7 +36,7 @@ class PlainStepper:
                 loss = summed_loss(self.model(tokens[part, :-1]), tokens[part],
                                    None if mask is None else mask[part]) / count
                 (loss * self.dp_scale).backward()
-            loss_sum += _scalar(loss.detach())
+            loss_sum += plain_loss(loss.detach())
         return loss_sum
 
 
@@ -78,7 +73,7 @@ class PipelineStepper:
             self.pipe.step(tokens[:, :-1], target=targets, losses=losses)
         total = torch.zeros((), device=tokens.device)
         for loss in losses:
-            total += _scalar(loss.detach())
+            total += plain_loss(loss.detach())
         return total / self.dp_scale
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.hf import TOKENIZER_FILES  # the files that decide its tokens: hashed
+from .cache import file_digest
 from .data import DataError
 
 __all__ = ["TextTokenizer", "EOS_NAMES"]
@@ -43,7 +44,7 @@ class TextTokenizer:
     def identity(self) -> str:
         h = hashlib.sha256()
         for f in self.files:
-            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+            h.update(f.name.encode() + b"\0" + bytes.fromhex(file_digest(f)))
         return h.hexdigest()
 
     @property
