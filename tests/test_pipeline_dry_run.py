@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import PLANS
 
+import tpplan
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
 from tpplan.analysis.schedule import bubble_fraction, in_flight, schedule_actions
@@ -25,6 +27,9 @@ SMALL = ["mesh.tp=2", "mesh.pp=2", "fsdp=null", "activation_checkpointing=null",
          "train.seq_len=32", "train.global_batch_size=8", "pipeline.schedule=1f1b",
          "pipeline.microbatches=4"]
 SMALL_NO_PP = ["train.seq_len=32", "train.global_batch_size=8"]
+# pp 2 × dp_shard 2 × tp 2 on 8 processes: the plan's FSDP2 and selective checkpointing too.
+SMALL_3D = ["mesh.tp=2", "mesh.pp=2", "train.seq_len=32", "train.global_batch_size=16",
+            "pipeline.schedule=1f1b", "pipeline.microbatches=4"]
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 12), (8, 16)])
@@ -41,6 +46,57 @@ def test_bubble_and_in_flight_follow_the_closed_forms(pp, m):
         actions = schedule_actions(name, pp, 2, m)
         assert bubble_fraction(actions, m) < (pp - 1) / (2 * m)
         assert all(1 <= k <= m for k in in_flight(actions).values())
+
+
+class _Recorder:
+    """Every collective a process issues, as (mesh dimension, kind, bytes of its buffer): a
+    dispatch mode of its own, written independently of tpplan's recorder (the same idea as
+    ``memory_measure``'s). Groups are named by the mesh dimension whose ranks they hold."""
+
+    KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
+             "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
+             "allgather_into_tensor_coalesced_": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+
+    def __init__(self, mesh):
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        dims = {tuple(sorted(mesh[d].mesh.flatten().tolist())): d
+                for d in ("pp", "dp_replicate", "dp_shard", "tp") if mesh[d].size() > 1}
+        rows = self.rows = []
+        kinds = self.KINDS
+
+        def dim(group) -> str:
+            pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else \
+                _resolve_process_group(group)
+            ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
+            return dims.get(ranks, str(ranks))
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                from torch.distributed.tensor import DTensor
+
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented  # see the collectives DTensor issues inside its ops
+                out = func(*args, **(kwargs or {}))
+                name = func._overloadpacket.__name__
+                if name in kinds and func.namespace in ("_c10d_functional", "c10d"):
+                    if func.namespace == "c10d":  # FSDP2: (output, input, process group, ...)
+                        pg = next(a for a in args if isinstance(a, torch.ScriptObject))
+                        t = args[1] if "reduce_scatter" in name else args[0]
+                        nbytes = sum(x.numel() * x.element_size() for x in
+                                     (t if isinstance(t, list) else [t]))
+                    else:  # DTensor: (input, ..., group name); all-gathers get a shard
+                        pg, t = args[-1], args[0]
+                        size = args[-2] if name == "all_gather_into_tensor" else 1
+                        nbytes = t.numel() * t.element_size() * size
+                    rows.append((dim(pg), kinds[name], nbytes))
+                return out
+
+        self.mode = Mode()
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
@@ -95,15 +151,25 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
             for name in ("get_fwd_send_ops", "get_bwd_send_ops", "get_fwd_recv_ops",
                          "get_bwd_recv_ops"):
                 setattr(stage, name, recording(getattr(stage, name)))
-        tokens = torch.randint(0, 256, (8, 33))
+        tokens = torch.randint(0, 256, (plan.step_shape(world).global_batch // mesh[
+            "dp_shard"].size(), 33))
         with plan.loss_context():  # the first step also builds the stages' buffers
             pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
         p2p.clear()
-        with plan.loss_context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rec = _Recorder(mesh)
+        with rec.mode, plan.loss_context(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
-        if mesh["tp"].get_local_rank() == 0:
+            # What the optimizer needs before it can use a gradient: its parameter's
+            # placement (a sequence-parallel norm's partial gradient summed over tp). FSDP2
+            # does this itself before its reduce-scatter; without FSDP2 it is done here.
+            for p in pipe.parameters():
+                g = p.grad
+                if hasattr(g, "placements") and g.placements != p.placements:
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
+        if mesh["tp"].get_local_rank() == 0 and mesh["dp_shard"].get_local_rank() == 0:
             (Path(out) / f"pp{mesh['pp'].get_local_rank()}.json").write_text(
-                json.dumps({"p2p": p2p, "saved": most[0]}))
+                json.dumps({"p2p": p2p, "saved": most[0], "collectives": rec.rows}))
     finally:
         dist.destroy_process_group()
 
@@ -146,6 +212,36 @@ def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
         assert mine["activations"] == pytest.approx(real["saved"], rel=0.15)
     comm = {(r["source"], r["kind"]): r for r in predicted["comm_per_step"]["collectives"]}
     assert comm[("pp", "send")]["count"] == 4
+    _assert_collectives_per_rank(predicted, tmp_path)
+
+
+def _assert_collectives_per_rank(predicted: dict, out: Path) -> None:
+    """Each pp rank's TP and FSDP collectives in one real step: counts and bytes per (mesh
+    dimension, kind) equal what the dry run predicts for that rank's stages."""
+    ranks = predicted["comm_per_step"]["pp_ranks"]
+    assert len(ranks) == 2
+    for r in ranks:
+        real = json.loads((out / f"pp{r['pp_rank']}.json").read_text())["collectives"]
+        count, nbytes = Counter(), Counter()
+        for dim, kind, b in real:
+            count[(dim, kind)] += 1
+            nbytes[(dim, kind)] += b
+        rows = [c for c in r["collectives"] if c["source"] != "pp"]
+        assert {(c["mesh_dim"], c["kind"]): c["count"] for c in rows} == count, r["pp_rank"]
+        assert {(c["mesh_dim"], c["kind"]): c["bytes"] for c in rows} == nbytes, r["pp_rank"]
+
+
+def test_tp_and_fsdp_collectives_of_each_stage_match_a_real_8_process_run(tmp_path):
+    """pp 2 × dp_shard 2 × tp 2, FSDP2 and selective checkpointing: each pp rank all-gathers
+    and reduce-scatters only its own stage's units, and FSDP2 inside the schedule gathers a
+    unit m + 1 times per step (1F1B), reduce-scatters it once."""
+    predicted = _dry_run(8, SMALL_3D)
+    assert predicted["comm_per_step"]["grad_accum"] == 4
+    spawn(_worker, 8, SMALL_3D, str(tmp_path))
+    _assert_collectives_per_rank(predicted, tmp_path)
+    for r in predicted["comm_per_step"]["pp_ranks"]:
+        fsdp = {c["kind"]: c["count"] for c in r["collectives"] if c["source"] == "fsdp"}
+        assert fsdp["all_gather"] == 5 * fsdp["reduce_scatter"]  # m + 1 gathers per unit
 
 
 # Llama 3 405B as Meta trained it ("The Llama 3 Herd of Models", 2024): tp 8 × pp 16 × dp 128
@@ -168,3 +264,21 @@ def test_llama3_405b_on_16384_ranks_fits_80gb_per_stage_with_the_1f1b_bubble():
     assert pipe["bubble_fraction"] == pytest.approx((16 - 1) / 16)
     # one activation of 1 × 8192/8 (sequence parallel) × 16384 in bf16 per micro-batch
     assert pipe["boundary"]["bytes"] == 1 * 8192 // 8 * 16384 * 2
+
+
+# The issue's command, exactly: `tpplan validate --plan plans/llama-3d.yaml --set
+# model.config=405b --set mesh.tp=8 --set mesh.pp=16 --world-size 16384`. The plan is
+# scale-free (16 sequences per data-parallel rank, 16 micro-batches), so it runs as written.
+ISSUE_405B = ["model.config=405b", "mesh.tp=8", "mesh.pp=16"]
+
+
+def test_the_issue_405b_command_fits_80gb_per_stage_and_reports_the_bubble():
+    result = _dry_run(16384, ISSUE_405B, memory_only=True)
+    mem, pipe = result["memory_per_rank"], result["pipeline"]
+    plan = tpplan.load(PLAN, ISSUE_405B)
+    p, m = plan.mesh.pp, plan.pipeline.microbatches
+    assert len(mem["pp_ranks"]) == 3  # first, middle, last
+    for r in mem["pp_ranks"]:
+        assert 0 < r["peak"] < 80e9
+    assert pipe["bubble_fraction"] == pytest.approx((p - 1) / m)
+    assert pipe["bubble_closed_form"] == pytest.approx((p - 1) / m)

@@ -73,8 +73,9 @@ def test_microbatches_must_divide_the_rank_batch(root):
     with pytest.raises(PlanErrors) as e:
         plan.step_shape(4)  # 16 sequences over dp=1: not 3 equal micro-batches
     assert "pipeline.microbatches=3 does not divide the 16 sequences" in str(e.value)
-    shape = tpplan.load(str(root / PLAN_3D)).step_shape(8)  # 4 microbatches of 8 per dp rank
-    assert (shape.micro_batch, shape.grad_accum) == (2, 4)
+    # pp 2 × dp 2 × tp 2: 16 sequences per dp rank (local_batch_size), pp = 2 micro-batches
+    shape = tpplan.load(str(root / PLAN_3D)).step_shape(8)
+    assert (shape.global_batch, shape.micro_batch, shape.grad_accum) == (32, 8, 2)
 
 
 @pytest.mark.parametrize("split, message, column", [

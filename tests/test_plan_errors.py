@@ -263,6 +263,35 @@ def test_a_batch_that_does_not_split_over_the_mesh_is_an_error(write_plan):
     assert "train.global_batch_size=8 (the default; set train.global_batch_size)" in e.message
 
 
+def test_local_batch_size_scales_the_global_batch_with_the_mesh(write_plan):
+    """``train.local_batch_size`` alone: the global batch is local × dp at any world size."""
+    path = write_plan(BASE + "train: {local_batch_size: 3, seq_len: 32}\n")
+    for world, dp in ((4, 2), (64, 32)):
+        shape = tpplan.load(path).step_shape(world)
+        assert (shape.global_batch, shape.micro_batch, shape.grad_accum) == (3 * dp, 3, 1)
+
+
+def test_local_and_global_batch_sizes_must_agree(write_plan):
+    path = write_plan(BASE + "train: {global_batch_size: 8, local_batch_size: 2}\n")
+    assert tpplan.load(path).step_shape(8).global_batch == 8  # dp 4: 2 × 4 = 8, consistent
+    e = one_error(path, world=4)  # dp 2: 2 × 2 = 4, not 8
+    assert e.message.startswith("train.local_batch_size=2 × dp=2 is 4 sequences per step, but "
+                                "train.global_batch_size=8")
+    assert (e.loc.line, e.loc.column) == (4, 49)  # the local value
+
+
+def test_one_batch_size_given_later_replaces_the_other(write_plan):
+    """A child plan or a --set that gives one of the two replaces the other given earlier:
+    they say one thing two ways."""
+    parent = write_plan(BASE + "train: {global_batch_size: 8}\n", name="parent.yaml")
+    child = write_plan(f"extends: {parent}\ntrain: {{local_batch_size: 5}}\n", name="child.yaml")
+    assert tpplan.load(child).step_shape(4).global_batch == 10
+    assert tpplan.load(child, ["train.global_batch_size=6"]).step_shape(4).global_batch == 6
+    assert tpplan.load(parent, ["train.local_batch_size=1"]).step_shape(4).global_batch == 2
+    both = ["train.global_batch_size=6", "train.local_batch_size=1"]  # both in one place
+    assert "but train.global_batch_size=6" in one_error(child, world=4, overrides=both).message
+
+
 def test_activation_checkpointing_every_only_with_selective(write_plan):
     e = one_error(write_plan(BASE + "activation_checkpointing: {mode: full, every: 2}\n"))
     assert "'activation_checkpointing.every' applies to mode selective only" in e.message

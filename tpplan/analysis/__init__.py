@@ -62,40 +62,39 @@ def compute_dtypes(result: DryRun) -> tuple[torch.dtype, torch.dtype]:
 
 
 def analyze_comm(result: DryRun) -> None:
-    """``comm_per_step`` (TP traced on meta, FSDP from its units) and ``comm_minimum``."""
+    """``comm_per_step`` (TP traced on meta, FSDP from its units) and ``comm_minimum``; with
+    pipeline stages, per pp rank, for its own stages (:mod:`tpplan.analysis.stagecomm`)."""
     spec, res, shape = result.plan.spec, result.report.resolution, result.step
     dims = res.dims
     param, reduce = compute_dtypes(result)
-    if dims.tp > 1:
-        trace = trace_tp(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
-                         shape.seq_len, shape.micro_batch, param)
-    else:
-        trace = TPTrace(Counter(), [], None)
-    result.tp_trace = trace
-    fsdp = fsdp_collectives(result.fsdp_units, spec.fsdp, shape, dims, param.itemsize,
-                            reduce.itemsize)
     step = _accumulation(result, param, reduce)
+    parts = None
+    if spec.pipeline is not None:
+        from .stagecomm import pipeline_comm
+
+        comm, trace, parts = pipeline_comm(result, param, reduce, step)
+    else:
+        if dims.tp > 1:
+            trace = trace_tp(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
+                             shape.seq_len, shape.micro_batch, param)
+        else:
+            trace = TPTrace(Counter(), [], None)
+        fsdp = fsdp_collectives(result.fsdp_units, spec.fsdp, shape, dims, param.itemsize,
+                                reduce.itemsize)
+        comm = dict(collectives=rows(trace, fsdp, step, dims))
+    result.tp_trace = trace
     by_module: dict[tuple, list[int]] = {}
     for (kind, _dim, bw, nbytes, module), n in trace.counts.items():
         a = by_module.setdefault((module, "backward" if bw else "forward", kind), [0, 0])
         n *= step.count(module)
         a[0] += n
         a[1] += n * step.nbytes(module, nbytes)
-    collectives = rows(trace, fsdp, step, dims)
-    p2p = result.extra.get("pipeline", {}).get("p2p")
-    if p2p:  # the busiest pp rank's sends and receives
-        busiest = max(p2p, key=lambda r: r["send_forward"] + r["send_backward"] + r["recv_forward"])
-        for kind in ("send", "recv"):
-            n = busiest[f"{kind}_forward"] + busiest[f"{kind}_backward"]
-            b = n * busiest["bytes_each"]
-            collectives.append(dict(source="pp", kind=kind, mesh_dim="pp", count=n, bytes=b,
-                                    wire_bytes=b if kind == "send" else 0))
     result.extra["comm_per_step"] = dict(
-        grad_accum=shape.grad_accum, collectives=collectives,
+        grad_accum=shape.grad_accum, **comm,
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
                       for (m, p, k), v in sorted(by_module.items())],
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
-    result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize)
+    result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize, parts)
 
 
 def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:
@@ -105,12 +104,21 @@ def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -
     return Accumulation(k, (reduce if upcast else param).itemsize, param.itemsize)
 
 
-def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int) -> dict[str, Any]:
+def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
+             stages: list | None = None) -> dict[str, Any]:
     """The traced TP collectives per step against the Megatron minimum, kind by kind:
     ``extra`` lists every (kind, pass) that differs, with signed differences; ``verdict``
-    says whether the plan moves more, as much or less than the minimum over the wire."""
+    says whether the plan moves more, as much or less than the minimum over the wire.
+    ``stages``: a pipeline rank's stages (``StageComm``), whose minimum is summed."""
     spec, res, shape = result.plan.spec, result.report.resolution, result.step
-    counts, nbytes = megatron_minimum(result.model, res, spec, shape, e, step.grad_bytes)
+    if stages is None:
+        counts, nbytes = megatron_minimum(result.model, res, spec, shape, e, step.grad_bytes)
+        parts = [(result.model, res)]
+    else:
+        from .stagecomm import stage_minimum
+
+        counts, nbytes = stage_minimum(stages, spec, shape, e, step.grad_bytes)
+        parts = [(s.module, s.res) for s in stages]
     measured_n: Counter = Counter()
     measured_b: Counter = Counter()
     for (kind, _dim, bw, b, module), n in trace.counts.items():
@@ -134,7 +142,15 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int) -> dict
     return dict(mesh_dim="tp", style="sequence parallel" if spec.uses_sequence_parallel
                 else "tensor parallel", collectives=minimum, wire_bytes=wire,
                 measured_wire_bytes=wire_measured, at_minimum=not extra, verdict=verdict,
-                extra=extra, reasons=diagnose(result.model, res, spec) if extra else [])
+                extra=extra, reasons=_reasons(parts, spec) if extra else [])
+
+
+def _reasons(parts: list, spec) -> list[dict[str, Any]]:
+    """:func:`diagnose` on each part (the model, or a rank's stages), each reason once."""
+    out: list[dict[str, Any]] = []
+    for model, res in parts:
+        out += [r for r in diagnose(model, res, spec) if r not in out]
+    return out
 
 
 ANALYSES: list[Analysis] = [("memory_per_rank", analyze_memory), ("comm_per_step", analyze_comm)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -40,23 +40,25 @@ def wire_bytes(kind: str, nbytes: int, n: int) -> int:
 
 
 def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepShape,
-                     dims: ParallelDims, param_bytes: int, reduce_bytes: int) -> list[dict[str, Any]]:
+                     dims: ParallelDims, param_bytes: int, reduce_bytes: int,
+                     gathers: Callable[[str], int] | None = None) -> list[dict[str, Any]]:
     """FSDP2 per optimizer step, as the trainer runs it: each micro-batch all-gathers each
     unit in forward (and again in backward when ``reshard_after_forward``; never the root,
     FSDP2 keeps it unsharded); gradients are reduce-scattered once per step (the trainer
     turns gradient sync off until the last micro-batch) and, with HSDP, the gradient shard
     all-reduced over ``dp_replicate`` once. ``param_bytes``/``reduce_bytes``: bytes per
-    element of the compute and reduce dtypes."""
+    element of the compute and reduce dtypes. ``gathers(unit)``: all-gathers per step where
+    a pipeline schedule decides them (:func:`tpplan.analysis.schedule.fsdp_gathers`)."""
     out: list[dict[str, Any]] = []
     if fsdp is None:
         return out
     k = shape.grad_accum
     for unit in units:
         name, elems = unit.unit, unit.elements
-        gathers = k * (1 + (fsdp.reshard_after_forward and name != ROOT))
+        n = gathers(name) if gathers else k * (1 + (fsdp.reshard_after_forward and name != ROOT))
         if dims.dp_shard > 1:
-            out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=gathers,
-                            bytes=gathers * elems * param_bytes, unit=name))
+            out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=n,
+                            bytes=n * elems * param_bytes, unit=name))
             out.append(dict(kind="reduce_scatter", mesh_dim="dp_shard", count=1,
                             bytes=elems * reduce_bytes, unit=name))
         if dims.dp_replicate > 1:

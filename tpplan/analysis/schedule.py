@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..plan.pipeline import SCHEDULES
 
 __all__ = ["Action", "schedule_actions", "in_flight", "rank_in_flight", "bubble_fraction",
-           "TIME"]
+           "TIME", "fsdp_order", "fsdp_gathers"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,55 @@ def schedule_actions(name: str, pp: int, stages_per_rank: int, m: int) -> dict[i
         return out
     table = _torch_table(name, pp, stages_per_rank, m)
     return {r: [c for a in acts for c in _computations(a)] for r, acts in table.items()}
+
+
+def fsdp_order(name: str, pp: int, stages_per_rank: int, m: int) -> dict[int, list[Action]]:
+    """Each pp rank's order as FSDP2 sees it: the computations, and for the multi-stage
+    schedules the ``UNSHARD``/``RESHARD`` of a whole stage that torch's runtime inserts
+    (``_PipelineScheduleRuntime._prepare_schedule_with_comms`` lowers its table with
+    ``_add_unshard_reshard``; kinds ``U`` and ``R`` here). GPipe and 1F1B insert none."""
+    if not SCHEDULES[name].multi:
+        return schedule_actions(name, pp, stages_per_rank, m)
+    from torch.distributed.pipelining.schedules import _add_unshard_reshard
+
+    out = {}
+    for rank, acts in _torch_table(name, pp, stages_per_rank, m).items():
+        order = []
+        for a in _add_unshard_reshard(list(acts)):
+            kind = a.computation_type.value
+            if kind in ("UNSHARD", "RESHARD"):
+                order.append(Action(kind[0], a.stage_index, -1))
+            else:
+                order += _computations(a)
+        out[rank] = order
+    return out
+
+
+def fsdp_gathers(order: list[Action], stage: int, reshard_after_forward: bool) -> int:
+    """How often FSDP2 all-gathers one unit of ``stage`` in a step run in ``order``.
+
+    Inside a schedule, ``PipelineStage.backward_maybe_with_nosync`` turns gradient sync and
+    resharding after backward off for every micro-batch, and ``perform_reduce_grad`` turns
+    both back on once, after the stage's last backward (one reduce-scatter per unit, then
+    every unit resharded). Resharding after forward stays as the plan sets it (never for the
+    root: FSDP2 keeps the root unsharded after forward). So a unit is gathered when a
+    forward, backward or ``UNSHARD`` finds it sharded: at the step's start, after a forward
+    that resharded it, after a ``RESHARD``. In 1F1B that is ``m + 1`` times with resharding
+    after forward (every forward but those right after a backward, and the first backward
+    after a forward), once without."""
+    sharded, n = True, 0
+    for a in order:
+        if a.stage != stage:
+            continue
+        if a.kind == "R":
+            sharded = True
+            continue
+        if sharded:
+            n += 1
+            sharded = False
+        if a.kind == "F" and reshard_after_forward:
+            sharded = True
+    return n
 
 
 def _last_backward(actions: list[Action]) -> set[str]:

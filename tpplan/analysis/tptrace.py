@@ -32,6 +32,7 @@ from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
+from .steptrace import StageIO
 
 __all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
 
@@ -72,18 +73,29 @@ def identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, s
 
 
 def _truncated(container: nn.Module, depth: int) -> nn.Module:
-    if isinstance(container, nn.ModuleDict):
-        return nn.ModuleDict(dict(list(container.items())[:depth]))
+    if isinstance(container, nn.ModuleDict):  # its own class: a stage's iterates its blocks
+        return type(container)(dict(list(container.items())[:depth]))
     return nn.ModuleList(list(container)[:depth])
 
 
-def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str]) -> Counter:
+def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str],
+         io: StageIO | None = None) -> Counter:
     model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
+    io = io or StageIO(True, True)
     with CollectiveRecorder() as rec, fused_attention_on_meta():
         with loss_context(plan):
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
-            loss.backward()  # loss parallelism's backward also needs the context
+            if io.first:
+                inputs = tokens
+            else:  # what the previous stage sent (PipelineStage's receive buffer)
+                inputs = torch.zeros(io.received[0], dtype=io.received[1], device="meta",
+                                     requires_grad=True)
+            logits = model(inputs)
+            if io.last:
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+                loss.backward()  # loss parallelism's backward also needs the context
+            else:  # the gradient the next stage sends back
+                io.sent = (tuple(logits.shape), logits.dtype)
+                logits.backward(torch.zeros_like(logits))
         in_backward = len(rec.collectives)
         _reduce_partial_grads(model)
     counts: Counter = Counter()
@@ -116,10 +128,14 @@ def _reduce_partial_grads(model: nn.Module) -> None:
 
 
 def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Module], seq_len: int,
-             micro_batch: int, dtype: torch.dtype, extrapolate: bool = True) -> TPTrace:
+             micro_batch: int, dtype: torch.dtype, extrapolate: bool = True,
+             io: StageIO | None = None) -> TPTrace:
     """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up).
 
-    ``extrapolate=False`` traces every block (slower; the result must be the same)."""
+    ``extrapolate=False`` traces every block (slower; the result must be the same). ``io``:
+    ``build`` makes one pipeline stage (``res`` resolved on it): a stage after the first
+    takes an activation of ``io.received``, one before the last runs backward from a
+    gradient of its output, whose (shape, dtype) goes to ``io.sent``."""
     import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
@@ -144,14 +160,14 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         model = build()
         found = identical_blocks(model, res.rule_of) if extrapolate else None
         if found is None:
-            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
+            return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
         parent, attr, path = found
         depth = len(getattr(parent, attr))
         # Selective checkpointing of every k-th block repeats with period k, not 1.
         ac = plan.activation_checkpointing
         period = ac.every
         if depth % period or depth < 3 * period:
-            return TPTrace(_run(prepared(model), plan, tokens, groups), [], None)
+            return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
         depths = [period, 2 * period, 3 * period]
         # Cut before applying TP: the blocks past the traced ones are never run.
         kept = _truncated(getattr(parent, attr), depths[-1])
@@ -160,12 +176,12 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         traced = []
         for k in depths:
             setattr(parent, attr, _truncated(kept, k))
-            traced.append(_run(model, plan, tokens, groups))
+            traced.append(_run(model, plan, tokens, groups, io))
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}
         if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
             log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
-            return TPTrace(_run(prepared(build()), plan, tokens, groups), [], None)
+            return TPTrace(_run(prepared(build()), plan, tokens, groups, io), [], None)
         total = Counter({k: c1[k] + (depth // period - 1) * delta[k] for k in keys})
         return TPTrace(+total, depths, path)

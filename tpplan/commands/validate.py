@@ -175,8 +175,10 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    where = "" if "pp_rank" not in comm else \
+        f", the busiest pp rank: {comm['pp_rank']}, stage {', '.join(map(str, comm['stages']))}"
     t = Table(title=f"communication per rank per optimizer step ({comm['grad_accum']} "
-                    "micro-batches)", header_style="bold")
+                    f"micro-batches{where})", header_style="bold")
     for col in ("source", "collective", "mesh dim", "count", "bytes", "wire bytes"):
         t.add_column(col, justify="right" if col in ("count", "bytes", "wire bytes") else "left")
     for r in comm["collectives"]:

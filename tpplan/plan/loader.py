@@ -17,12 +17,24 @@ __all__ = ["read_document", "apply_override"]
 
 MAX_EXTENDS = 16
 REPLACE_WHOLE = ("tensor_parallel",)  # sections whose entries replace, never merge
+# Keys that say one thing two ways: a child plan or a --set giving one of them replaces the
+# other where the parent (or the file) gave it; given together in one place they must agree.
+ALTERNATIVES = {"train": ("global_batch_size", "local_batch_size")}
+
+
+def _given_one(keys: set[str], section: str) -> str | None:
+    """The one key of ``section``'s alternatives in ``keys``, or None (neither or both)."""
+    given = [k for k in ALTERNATIVES.get(section, ()) if k in keys]
+    return given[0] if len(given) == 1 else None
 
 
 def merge(base: LMap, child: LMap, path: tuple = ()) -> LMap:
     out = LMap(child.loc)
+    one = _given_one({k for k, v in child.items() if v is not None}, path[0]) \
+        if len(path) == 1 else None
     for key, value in base.items():
-        out.put(key, value, base.key_loc(key), base.value_loc(key))
+        if one is None or key not in ALTERNATIVES[path[0]]:
+            out.put(key, value, base.key_loc(key), base.value_loc(key))
     for key, value in child.items():
         if key == "extends" and not path:
             continue
@@ -118,4 +130,12 @@ def read_document(path: str | Path, overrides: Sequence[str] = ()) -> LMap:
     doc = _read(p, (str(p.resolve()),))
     for text in overrides:
         apply_override(doc, text)
+    for section in ALTERNATIVES:
+        keys = {t.partition("=")[0].strip().removeprefix(section + ".") for t in overrides
+                if t.partition("=")[2].strip() not in ("", "null", "~")}
+        one, node = _given_one(keys, section), doc.get(section)
+        if one is not None and isinstance(node, LMap):
+            for key in ALTERNATIVES[section]:
+                if key != one:
+                    node.pop(key, None)
     return doc

@@ -193,7 +193,10 @@ class TrainSpec:
 
     steps: int = 100
     seq_len: int = 256
-    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    # Sequences per optimizer step, over all data-parallel ranks; None when the plan gives
+    # local_batch_size instead (then local × dp, known once the mesh is: plan.step_shape).
+    global_batch_size: int | None = 8
+    local_batch_size: int | None = None  # sequences per data-parallel rank per optimizer step
     micro_batch_size: int | None = None  # per data-parallel rank per forward; None = no accum
     seed: int = 0
     lr: float = 3e-4

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .errors import ErrorList
 from .specs import PlanSpec
 
-__all__ = ["StepShape", "step_shape"]
+__all__ = ["StepShape", "step_shape", "global_batch"]
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,39 @@ def _given(spec: PlanSpec, key: str) -> str:
     return "" if key in spec.train.locs else " (the default; set train." + key + ")"
 
 
-def _pipeline_micro(spec: PlanSpec, dp: int, errs: ErrorList) -> tuple[int, int]:
+def global_batch(spec: PlanSpec, dp: int, errs: ErrorList) -> int:
+    """``train.global_batch_size``, or ``local_batch_size × dp`` when the plan gives the
+    local one; both given must agree (else an error at ``local_batch_size``)."""
+    t = spec.train
+    if t.local_batch_size is None:
+        return t.global_batch_size
+    total = t.local_batch_size * dp
+    if t.global_batch_size is not None and t.global_batch_size != total:
+        errs.add(f"train.local_batch_size={t.local_batch_size} × dp={dp} is {total} sequences per "
+                 f"step, but train.global_batch_size={t.global_batch_size}; give one of them (the "
+                 "other follows from the mesh) or make them agree", _where(spec, "local_batch_size"))
+        return t.global_batch_size
+    return total
+
+
+def _batch_text(spec: PlanSpec, total: int) -> str:
+    t = spec.train
+    if t.local_batch_size is not None:
+        return f"train.local_batch_size={t.local_batch_size}"
+    return f"train.global_batch_size={total}"
+
+
+def _pipeline_micro(spec: PlanSpec, dp: int, total: int, errs: ErrorList) -> tuple[int, int]:
     """Under a pipeline the schedule's micro-batches are the accumulation: each data-parallel
     rank's share of the batch is cut into ``pipeline.microbatches`` equal parts."""
     t, pipe = spec.train, spec.pipeline
-    per_rank, m = t.global_batch_size // dp, pipe.microbatches
+    per_rank, m = total // dp, pipe.microbatches
     if per_rank % m:
+        whose = f"{_batch_text(spec, total)}" if t.local_batch_size is not None else \
+            f"train.global_batch_size={total} over dp={dp}"
         errs.add(f"pipeline.microbatches={m} does not divide the {per_rank} sequences each "
-                 f"data-parallel rank takes (train.global_batch_size={t.global_batch_size} over "
-                 f"dp={dp}); the schedule cuts them into equal micro-batches",
+                 f"data-parallel rank takes ({whose}); the schedule cuts them into equal "
+                 "micro-batches",
                  pipe.locs.get("microbatches", pipe.loc))
         return max(per_rank // m, 1), m
     if t.micro_batch_size is not None and t.micro_batch_size != per_rank // m:
@@ -69,20 +93,22 @@ def step_shape(spec: PlanSpec, dp: int, tp: int, errs: ErrorList) -> StepShape:
     under sequence parallelism ``seq_len`` over ``tp``; mistakes go to ``errs``.
     """
     t = spec.train
-    micro = t.micro_batch_size or max(t.global_batch_size // dp, 1)
+    total = global_batch(spec, dp, errs)
+    micro = t.micro_batch_size or max(total // dp, 1)
     accum = 1
-    if spec.pipeline is not None and not t.global_batch_size % dp:
-        micro, accum = _pipeline_micro(spec, dp, errs)
-    elif t.global_batch_size % dp:
-        low = t.global_batch_size // dp * dp
+    if spec.pipeline is not None and not total % dp:
+        micro, accum = _pipeline_micro(spec, dp, total, errs)
+    elif total % dp:
+        low = total // dp * dp
         options = " or ".join(str(n) for n in (low, low + dp) if n > 0)
-        errs.add(f"train.global_batch_size={t.global_batch_size}{_given(spec, 'global_batch_size')}"
+        errs.add(f"train.global_batch_size={total}{_given(spec, 'global_batch_size')}"
                  f" is not divisible by the data-parallel size {dp}; each data-parallel rank needs "
-                 f"the same number of sequences (e.g. {options})", _where(spec, "global_batch_size"))
+                 f"the same number of sequences (e.g. {options}), or give train.local_batch_size "
+                 "(sequences per data-parallel rank) instead", _where(spec, "global_batch_size"))
     else:
-        per_rank = t.global_batch_size // dp
+        per_rank = total // dp
         if per_rank % micro:
-            errs.add(f"train.global_batch_size={t.global_batch_size} over dp={dp} is {per_rank} "
+            errs.add(f"{_batch_text(spec, total)} over dp={dp} is {per_rank} "
                      f"sequences per rank, not a multiple of train.micro_batch_size={micro} "
                      "(gradient accumulation needs whole micro-batches)",
                      _where(spec, "micro_batch_size"))
@@ -95,4 +121,4 @@ def step_shape(spec: PlanSpec, dp: int, tp: int, errs: ErrorList) -> StepShape:
     fsdp = spec.fsdp
     param = (fsdp.param_dtype if fsdp else None) or "float32"
     reduce = (fsdp.reduce_dtype if fsdp else None) or param
-    return StepShape(t.seq_len, t.global_batch_size, micro, accum, param, reduce)
+    return StepShape(t.seq_len, total, micro, accum, param, reduce)

@@ -36,7 +36,10 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
     r = Reader.section(errs, doc, "train", _fields(TrainSpec))
     spec = TrainSpec(
         steps=r.get("steps", int, d.steps), seq_len=r.get("seq_len", int, d.seq_len),
-        global_batch_size=r.get("global_batch_size", int, d.global_batch_size),
+        # local_batch_size alone: the global batch follows from the mesh (local × dp).
+        global_batch_size=r.get("global_batch_size", int, None if "local_batch_size" in r.m
+                                else d.global_batch_size),
+        local_batch_size=r.get("local_batch_size", int, None),
         micro_batch_size=r.get("micro_batch_size", int, d.micro_batch_size),
         seed=r.get("seed", int, d.seed), lr=r.number("lr", d.lr), min_lr=r.number("min_lr", d.min_lr),
         warmup_steps=r.get("warmup_steps", int, d.warmup_steps), eps=r.number("eps", d.eps),
@@ -56,7 +59,7 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
                              f"{b} as beta{i + 1}", betas.item_loc(i))
         else:
             errs.add(f"'train.betas' must be a list of two numbers, got {betas!r}", r.loc("betas"))
-    for key in ("steps", "seq_len", "global_batch_size", "micro_batch_size"):
+    for key in ("steps", "seq_len", "global_batch_size", "local_batch_size", "micro_batch_size"):
         r.at_least(key, getattr(spec, key), 1)
     for key in ("warmup_steps", "weight_decay", "min_lr"):
         r.at_least(key, getattr(spec, key), 0)

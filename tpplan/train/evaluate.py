@@ -83,7 +83,7 @@ class Evaluation:
             prep, model, micro, dp_rank, device
         t, corpus = prep.plan.train, prep.eval_corpus
         self.batches = 0 if corpus is None else eval_batches(
-            corpus, prep.plan.eval.batches, t.global_batch_size, t.seq_len)
+            corpus, prep.plan.eval.batches, prep.step.global_batch, t.seq_len)
         self.last: dict[str, float] = {}
 
     def after(self, step: int) -> dict[str, float]:
@@ -94,7 +94,7 @@ class Evaluation:
         if not self.batches or not (step == t.steps or (interval and step % interval == 0)):
             return {}
         loss, ppl = evaluate(self.model, plan.loss_context, self.prep.eval_corpus, self.batches,
-                             t.global_batch_size, t.seq_len, self.micro, self.dp_rank,
+                             self.prep.step.global_batch, t.seq_len, self.micro, self.dp_rank,
                              self.prep.dims.dp, self.device)
         self.last = {"eval loss": loss, "eval perplexity": ppl}
         return {"eval_loss": loss, "eval_ppl": ppl}

@@ -150,13 +150,13 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     local_params = sum(p.numel() for part in parts for p in part.parameters())
 
     dp_rank, tp_rank = data_parallel_rank(mesh), mesh["tp"].get_local_rank()
-    tokens_per_step = t.global_batch_size * t.seq_len
+    tokens_per_step = prep.step.global_batch * t.seq_len
     peak = peak_flops(device_type)
     flops_token = flops_per_token(prep.model, n_params, t.seq_len)
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
               f"{n_params / 1e6:.2f}M params{trained_summary(trained, local_params)} "
               f"({init_method}) | data {prep.corpus.source}, "
-              f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {t.global_batch_size}×"
+              f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {prep.step.global_batch}×"
               f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
               f"run folder {prep.run_dir}")
     if prep.restarted:
@@ -185,7 +185,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     with Preemption(plan.checkpoint.on_signal) as preemption:
         for step in range(start + 1, t.steps + 1):
             t0 = time.perf_counter()
-            batch = step_batch(prep.corpus, t.seed, step, t.global_batch_size, t.seq_len,
+            batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch, t.seq_len,
                                dp_rank, dims.dp)
             record(step, batch.tokens)
             tokens, mask = batch.to(device)

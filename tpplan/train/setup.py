@@ -135,13 +135,13 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     if len(corpus) < t.seq_len + 2:
         errs.add(f"the data has {len(corpus)} tokens, fewer than one sequence of "
                  f"{t.seq_len} + 1", where)
-    elif corpus.packed and corpus.windows(t.seq_len) < t.global_batch_size:
+    elif corpus.packed and corpus.windows(t.seq_len) < step.global_batch:
         errs.add(f"the data packs into {corpus.windows(t.seq_len)} windows of {t.seq_len} "
-                 f"tokens, fewer than one global batch of {t.global_batch_size}", where)
+                 f"tokens, fewer than one global batch of {step.global_batch}", where)
     ev = corpora.eval
-    if ev is not None and ev.windows(t.seq_len) < t.global_batch_size:
+    if ev is not None and ev.windows(t.seq_len) < step.global_batch:
         errs.add(f"the held-out data has {ev.windows(t.seq_len)} windows of {t.seq_len} tokens, "
-                 f"fewer than one global batch of {t.global_batch_size}",
+                 f"fewer than one global batch of {step.global_batch}",
                  plan.eval.locs.get("path", plan.eval.locs.get("fraction", plan.eval.loc)))
     errs.raise_if_any()
     if problem := restart_problem():
