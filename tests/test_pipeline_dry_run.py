@@ -248,8 +248,8 @@ def test_tp_and_fsdp_collectives_of_each_stage_match_a_real_8_process_run(tmp_pa
 # on 16,384 GPUs, 8,192-token sequences, 16M-token batches (2,048 sequences: 16 per data-
 # parallel rank, one per micro-batch), bf16; here with selective checkpointing (every other
 # block) and gradients reduced in bf16.
+# The plan's own local_batch_size (16) and microbatches (pp) give exactly that batch.
 LLAMA3_405B = ["model.config=405b", "mesh.tp=8", "mesh.pp=16", "train.seq_len=8192",
-               "train.global_batch_size=2048", "pipeline.microbatches=16",
                "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: bfloat16}"]
 
 
@@ -261,6 +261,7 @@ def test_llama3_405b_on_16384_ranks_fits_80gb_per_stage_with_the_1f1b_bubble():
         assert 0 < r["peak"] < 80e9
         assert r["stages"][0]["in_flight"] == min(16, 16 - r["stages"][0]["index"])
     assert mem["peak"] == max(r["peak"] for r in mem["pp_ranks"])
+    assert (mem["batch"]["micro_batch_size"], mem["batch"]["grad_accum"]) == (1, 16)  # × dp 128
     assert pipe["bubble_fraction"] == pytest.approx((16 - 1) / 16)
     # one activation of 1 × 8192/8 (sequence parallel) × 16384 in bf16 per micro-batch
     assert pipe["boundary"]["bytes"] == 1 * 8192 // 8 * 16384 * 2

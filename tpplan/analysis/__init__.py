@@ -2,7 +2,8 @@
 
 ``dryrun`` (apply at any world size on meta tensors and a fake process group), ``counting``
 (collectives with their sizes), ``tptrace`` (TP collectives of one micro-batch, traced),
-``comm`` (communication per step and the Megatron minimum), ``memory`` (bytes per rank)
+``comm`` (communication per step and the Megatron minimum; ``stagecomm`` per pp rank of a
+pipeline), ``memory`` (bytes per rank)
 and ``numerics`` (``tpplan verify``: a real gloo run against one device). The analyses
 ``tpplan validate`` runs are :data:`ANALYSES`; each adds its figures to ``DryRun.extra``.
 Imports the plan, models and parallel layers and the façade; not the trainer or byom.
