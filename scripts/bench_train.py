@@ -1,12 +1,19 @@
 """Step time of ``tpplan train`` against the same torch calls written out by hand.
 
-One run, 4 CPU processes (gloo), a 2×2 mesh: the debug Llama of ``plans/llama.yaml``
-(TP + SP + loss parallel + FSDP2). Rounds alternate a hand-written loop and
-``tpplan.train.train`` inside the same processes and process group (which goes first
-alternates too), so both see the same machine load; the median step time of each (first
-steps of each round dropped) and their ratio are printed.
+One run, 4 CPU processes (gloo), two rows, each side by side:
 
-    OMP_NUM_THREADS=1 python scripts/bench_train.py [--steps 12] [--rounds 3]
+- ``train``: a 2×2 mesh (dp_shard 2 × tp 2), the debug Llama of ``plans/llama.yaml``
+  (TP + SP + loss parallel + FSDP2);
+- ``pipeline``: pp 2 × tp 2, the same model as ``plans/llama-3d.yaml`` cuts it (2 blocks
+  per stage, 1F1B over 4 micro-batches, selective AC every 2nd block, FSDP2 units on the
+  stage's dp_shard of 1), against ``PipelineStage`` + ``Schedule1F1B`` + the same
+  ``parallelize_module``/``checkpoint``/``fully_shard`` calls written by hand.
+
+Rounds alternate the hand-written loop and ``tpplan.train.train`` inside the same processes
+and process group (which goes first alternates too), so both see the same machine load; the
+median step time of each (first steps of each round dropped) and their ratio are printed.
+
+    OMP_NUM_THREADS=1 python scripts/bench_train.py [--rows train,pipeline] [--steps 12]
 
 The hand-written side is what a user would write without tpplan: ``init_device_mesh``,
 ``parallelize_module`` with the styles spelled out, ``fully_shard`` per block and root,
@@ -31,6 +38,142 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PLAN = str(ROOT / "plans" / "llama.yaml")
+PLAN_3D = str(ROOT / "plans" / "llama-3d.yaml")
+MICROBATCHES = 4
+
+
+class Blocks(torch.nn.ModuleDict):
+    """A stage's blocks under their whole-model keys, iterated like a list (the built-in
+    Llama's forward runs ``for layer in self.layers``); torchtitan keeps a ModuleDict too."""
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+def _clip(params: list, max_norm: float, pp_group) -> None:
+    """The global grad norm over both stages: per (mesh, placements) group, squares summed
+    over pp, then ``clip_grads_with_norm_``."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else "local"
+        groups.setdefault(key, []).append(p.grad)
+    total = torch.zeros(())
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads)
+        total += (n.full_tensor() if isinstance(n, DTensor) else n) ** 2
+    dist.all_reduce(total, group=pp_group)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.sqrt())
+
+
+def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
+    """pp 2 × tp 2 by hand: each rank builds the whole model on meta, deletes what its stage
+    does not own (torchtitan's way), applies TP + SP, AC on the stage's first block,
+    ``fully_shard`` units, wraps it in ``PipelineStage`` and runs ``Schedule1F1B``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+    from torch.utils.checkpoint import checkpoint
+
+    from tpplan.models.llama import build
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_shard", "tp"))
+    stage = mesh["pp"].get_local_rank()
+    first, last = stage == 0, stage == 1
+    with torch.device("meta"):
+        model = build("debug")  # 4 blocks: 0-1 on stage 0 with the embedding, 2-3 with the head
+    mine = Blocks({str(i): model.layers[i] for i in (range(0, 2) if first else range(2, 4))})
+    model.layers = mine
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm, model.output = None, None
+    tp = mesh["tp"]
+    if first:
+        parallelize_module(model.tok_embeddings, tp, RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1)))
+    if last:
+        parallelize_module(model.norm, tp, SequenceParallel())
+        parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1),
+                                                             use_local_output=False))
+    for block in mine:
+        parallelize_module(block, tp, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                            desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+        block.attention.n_heads //= 2
+        block.attention.n_kv_heads //= 2
+    ac = next(iter(mine))  # selective AC, every 2nd block: the stage's first
+    ac.forward = lambda *a, _f=ac.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+    dp = mesh["dp_shard"]
+    if first:
+        fully_shard(model.tok_embeddings, mesh=dp)
+    for block in mine:
+        fully_shard(block, mesh=dp)
+    if last:
+        fully_shard([model.norm, model.output], mesh=dp)
+    fully_shard(model, mesh=dp)
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = model.init_std(name)
+            p.fill_(1.0) if std is None else p.normal_(0.0, std)
+    count = batch * seq_len  # dp 1: the rank's share is the global batch
+
+    def loss_fn(logits, targets):  # each micro-batch's share of the global mean
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               reduction="sum") / count
+
+    pipe = PipelineStage(model, stage, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = Schedule1F1B(pipe, n_microbatches=MICROBATCHES, loss_fn=loss_fn,
+                            scale_grads=False)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
+        x = tokens[starts[:, None] + torch.arange(seq_len + 1)]
+        losses: list = []
+        with loss_parallel():
+            if first:
+                schedule.step(x[:, :-1])
+            else:
+                schedule.step(target=x[:, 1:], losses=losses)
+        _clip(params, 1.0, mesh["pp"].get_group())
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = sum(v.detach().full_tensor() if hasattr(v, "full_tensor") else v.detach()
+                   for v in losses) if losses else torch.zeros(())
+        dist.all_reduce(loss)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor,
@@ -127,30 +270,43 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
     dist.init_process_group("gloo")
     tokens = load_corpus(None, 4_000_000).tokens
     sets = [f"train.steps={args.steps}", f"train.seq_len={args.seq_len}",
-            f"train.global_batch_size={args.batch}", f"train.micro_batch_size={args.batch // 2}",
-            f"train.lr={args.lr}", "checkpoint.enabled=false", "metrics.log_interval=1000",
-            f"metrics.run_dir={out}/run"]
-    hand, tp = [], []
+            f"train.global_batch_size={args.batch}", f"train.lr={args.lr}",
+            "checkpoint.enabled=false", "metrics.log_interval=1000", f"metrics.run_dir={out}/run"]
+    rows = {
+        "train": (PLAN, [*sets, f"train.micro_batch_size={args.batch // 2}"],
+                  lambda: hand_written(args.steps, args.seq_len, args.batch, args.lr, tokens,
+                                       args.naive_clip)),
+        "pipeline": (PLAN_3D, [*sets, "mesh.pp=2", "mesh.tp=2", "mesh.dp_shard=1",
+                               "pipeline.schedule=1f1b", f"pipeline.microbatches={MICROBATCHES}",
+                               "pipeline.split=auto", "activation_checkpointing.mode=selective",
+                               "activation_checkpointing.every=2"],
+                     lambda: hand_pipeline(args.steps, args.seq_len, args.batch, args.lr, tokens)),
+    }
     skip = 3  # first steps warm allocators and caches
-    for r in range(args.rounds):
-        # Alternate which side goes first, so neither always runs on a warmer process.
-        for side in ("hand", "tpplan") if r % 2 == 0 else ("tpplan", "hand"):
-            if side == "hand":
-                hand += hand_written(args.steps, args.seq_len, args.batch, args.lr, tokens,
-                                     args.naive_clip)[skip:]
-            else:
-                summary = tpplan.train.train(PLAN, sets, overwrite=True, device_type="cpu")
-                tp += summary["step_times"][skip:]
-    if rank == 0:
-        h, t = statistics.median(hand), statistics.median(tp)
-        print(f"\nhand-written: median step {h * 1e3:.1f} ms over {len(hand)} steps")
-        print(f"tpplan train: median step {t * 1e3:.1f} ms over {len(tp)} steps")
-        print(f"ratio tpplan / hand-written: {t / h:.3f}x")
+    for row in args.rows.split(","):
+        plan, plan_sets, by_hand = rows[row]
+        hand, tp = [], []
+        for r in range(args.rounds):
+            # Alternate which side goes first, so neither always runs on a warmer process.
+            for side in ("hand", "tpplan") if r % 2 == 0 else ("tpplan", "hand"):
+                if side == "hand":
+                    hand += by_hand()[skip:]
+                else:
+                    summary = tpplan.train.train(plan, plan_sets, overwrite=True,
+                                                 device_type="cpu")
+                    tp += summary["step_times"][skip:]
+        if rank == 0:
+            h, t = statistics.median(hand), statistics.median(tp)
+            print(f"\n[{row}] hand-written: median step {h * 1e3:.1f} ms over {len(hand)} steps")
+            print(f"[{row}] tpplan train: median step {t * 1e3:.1f} ms over {len(tp)} steps")
+            print(f"[{row}] ratio tpplan / hand-written: {t / h:.3f}x", flush=True)
     dist.destroy_process_group()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="train,pipeline",
+                   help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--naive-clip", action="store_true",

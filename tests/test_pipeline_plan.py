@@ -105,16 +105,6 @@ def test_more_stages_than_blocks(root):
                in e.message for e in errors)
 
 
-def test_hf_models_are_refused_under_pp(write_plan, root):
-    path = write_plan(f"extends: {root}/plans/llama-3d.yaml\nmodel: {{name: null, hf: LlamaForCausalLM, "
-                      "config: {hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-                      "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}}\n")
-    plan = tpplan.load(path)
-    model = build_model(plan.model, device="meta")
-    errors = split_stages(model, plan.spec).errors
-    assert len(errors) == 1 and "HuggingFace models are not supported yet" in errors[0].message
-
-
 def test_auto_split_balances_parameters_with_embedding_and_head(root):
     """Llama-3 405B's layout: 126 blocks on 16 stages; the embedding and head weigh about
     two thirds of a block, so the first and last stages hold one block fewer."""

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
+from .hf_stages import mark_stageable
 
 __all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
            "require_transformers"]
@@ -207,4 +208,5 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     model.register_forward_hook(_logits_only)
     model.register_forward_pre_hook(_meta_mask, with_kwargs=True)
     model.init_std = _init_std_for(model, getattr(config, "initializer_range", 0.02))
+    mark_stageable(model)  # pipeline stages: how to cut it, or why it cannot be cut
     return model

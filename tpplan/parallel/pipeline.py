@@ -82,12 +82,36 @@ def stage_ranks(stages: int, pp: int, v_shape: bool) -> list[int]:
 
 
 def _find_blocks(model: nn.Module) -> str | None:
-    """The root's child that holds the repeated blocks: the largest ModuleList/ModuleDict."""
+    """The path of the repeated blocks: the model's ``stage_blocks`` if it names them (an HF
+    decoder: ``model.layers``), else the root's largest ModuleList/ModuleDict child."""
+    declared = getattr(model, "stage_blocks", None)
+    if declared:
+        return declared
     best, size = None, 0
     for name, child in model.named_children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and len(child) > size:
             best, size = name, len(child)
     return best
+
+
+def _around(model: nn.Module, blocks: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules before and after the blocks, as paths: at each level from the root down
+    to the blocks' parent, the siblings registered before go first, those after go last;
+    those the model names in ``stage_shared`` (rotary tables) stay on every stage."""
+    first: list[str] = []
+    last: list[str] = []
+    shared = set(getattr(model, "stage_shared", ()))
+    parts = blocks.split(".")
+    parent = model
+    for depth, name in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        children = [n for n, _ in parent.named_children()]
+        at = children.index(name)
+        paths = [f"{prefix}.{n}" if prefix else n for n in children]
+        first += [p for p in paths[:at] if p not in shared]
+        last[:0] = [p for p in paths[at + 1:] if p not in shared]
+        parent = getattr(parent, name)
+    return tuple(first), tuple(last)
 
 
 def _count(module: nn.Module | None) -> int:
@@ -135,21 +159,19 @@ def split_stages(model: nn.Module, spec: PlanSpec, pp: int | None = None) -> Pip
     pp = pp or spec.mesh.pp
     out = PipelineSplit(pp=pp)
     errs = out.errors
-    if spec.model is not None and spec.model.is_hf:
-        errs.add("pipeline stages of HuggingFace models are not supported yet: their forward "
-                 "builds positions, masks and rotary tables from the input ids, which middle "
-                 "stages do not have (docs/pipeline.md); use the built-in llama3 or a factory "
-                 "model that meets the stage contract", pipe.loc)
+    why = getattr(model, "stage_refusal", None)  # set by the model's source (HF: models/hf_stages.py)
+    if why:
+        errs.add(f"this model cannot be split into pipeline stages: {why} (docs/pipeline.md, "
+                 "'HuggingFace models')", pipe.loc)
         return out
     blocks = _find_blocks(model)
     if blocks is None:
         errs.add("pipeline stages need the model's blocks in a ModuleList or ModuleDict that is "
                  "a direct child of the model (like 'layers'); found none", pipe.loc)
         return out
-    children = [name for name, _ in model.named_children()]
-    at = children.index(blocks)
-    out.blocks_path, out.first, out.last = blocks, tuple(children[:at]), tuple(children[at + 1:])
-    container = getattr(model, blocks)
+    out.blocks_path = blocks
+    out.first, out.last = _around(model, blocks)
+    container = model.get_submodule(blocks)
     keys = [k for k, _ in container.named_children()]
     paths = [f"{blocks}.{k}" for k in keys]
     weights = [_count(m) for m in container.children()]
@@ -160,8 +182,8 @@ def split_stages(model: nn.Module, spec: PlanSpec, pp: int | None = None) -> Pip
                  f"'{blocks}': every stage needs at least one", pipe.loc)
         return out
     if pipe.split == "auto":
-        first = sum(_count(getattr(model, n)) for n in out.first)
-        last = sum(_count(getattr(model, n)) for n in out.last)
+        first = sum(_count(model.get_submodule(n)) for n in out.first)
+        last = sum(_count(model.get_submodule(n)) for n in out.last)
         starts = _balanced(weights, first, last, stages)
     else:
         starts = _explicit(pipe, paths, errs)
@@ -174,7 +196,7 @@ def split_stages(model: nn.Module, spec: PlanSpec, pp: int | None = None) -> Pip
         extras += out.last if s == stages - 1 else ()
         own = tuple(paths[bounds[s]:bounds[s + 1]])
         params = sum(weights[bounds[s]:bounds[s + 1]]) + sum(
-            _count(getattr(model, n)) for n in extras)
+            _count(model.get_submodule(n)) for n in extras)
         out.stages.append(Stage(s, ranks[s], own, extras, params))
     return out
 
@@ -204,28 +226,48 @@ def _explicit(pipe: PipelineSpec, paths: list[str], errs: ErrorList) -> list[int
 
 def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit) -> nn.Module:
     """A new root holding only what ``stage`` owns, copied from ``model`` (whose parts are
-    left as they were): the root's children it does not own are ``None`` and the blocks
-    container holds only its blocks under their whole-model keys (:class:`StageBlocks`).
-    Only the owned parts are copied, so a meta model costs nothing and a real one costs
-    what the stage holds."""
-    saved = dict(model._modules)
+    left as they were): the modules around the blocks it does not own are ``None`` and the
+    blocks container holds only its blocks under their whole-model keys
+    (:class:`StageBlocks`). Only the owned parts are copied, so a meta model costs nothing
+    and a real one costs what the stage holds. A model with a ``stage_forward`` (an HF
+    decoder) runs it on the stage in place of its own forward."""
     owned = set(stage.extras)
-    container = saved[split.blocks_path]
     mine = {p.rsplit(".", 1)[1] for p in stage.blocks}
+    edits: dict[str, nn.Module | None] = {p: None for p in split.first + split.last
+                                          if p not in owned}
+    container = model.get_submodule(split.blocks_path)
+    if isinstance(container, nn.ModuleList):
+        kept = StageBlocks()
+        for key, block in container.named_children():
+            if key in mine:
+                kept[key] = block
+    else:
+        kept = copy.copy(container)
+        kept._modules = {k: v for k, v in container._modules.items() if k in mine}
+    edits[split.blocks_path] = kept
+    parents = {p.rpartition(".")[0] for p in edits}
+    saved = {p: dict(model.get_submodule(p)._modules) for p in parents}
     try:
-        for name in split.first + split.last:
-            if name not in owned:
-                model._modules[name] = None
-        if isinstance(container, nn.ModuleList):
-            kept = StageBlocks()
-            for key, block in container.named_children():
-                if key in mine:
-                    kept[key] = block
-        else:
-            kept = copy.copy(container)
-            kept._modules = {k: v for k, v in container._modules.items() if k in mine}
-        model._modules[split.blocks_path] = kept
-        return copy.deepcopy(model)
+        for path, module in edits.items():
+            parent, _, name = path.rpartition(".")
+            model.get_submodule(parent)._modules[name] = module
+        out = copy.deepcopy(model)
     finally:
-        model._modules.clear()
-        model._modules.update(saved)
+        for p, modules in saved.items():
+            model.get_submodule(p)._modules.clear()
+            model.get_submodule(p)._modules.update(modules)
+    forward = getattr(model, "stage_forward", None)
+    if forward is not None:
+        out.__class__ = _stage_class(type(model), forward)
+    return out
+
+
+_STAGE_CLASSES: dict[tuple[type, object], type] = {}
+
+
+def _stage_class(cls: type, forward) -> type:
+    """``cls`` with ``forward`` as its forward (one class per model class)."""
+    key = (cls, forward)
+    if key not in _STAGE_CLASSES:
+        _STAGE_CLASSES[key] = type(f"Stage{cls.__name__}", (cls,), {"forward": forward})
+    return _STAGE_CLASSES[key]
