@@ -22,7 +22,7 @@ from ..plan.patterns import generalize
 from .packing import FUSED, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
-           "group_pattern"]
+           "group_pattern", "whole_sequence_modules"]
 
 Rule = tuple[str, Any, str]
 
@@ -136,12 +136,33 @@ def _whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
     as parameters, a router reading flattened tokens) gets the whole sequence and hands
     back its shard: its replicated weights see every token."""
     notes.append(f"'{generalize(branch.path)}' runs on the whole sequence: {why}")
+    rest = [None] * (branch.arity - 1)  # attention's weights pass through as they are
+    out, back = (["replicate", *rest], ["shard(1)", *rest]) if rest else ("replicate", "shard(1)")
     return (generalize(branch.path),
             {"style": "prepare_input_output", **input_layouts(branch, hidden, "shard(1)",
                                                                "replicate"),
-             "use_local_input": True, "output_layouts": "replicate",
-             "desired_output_layouts": "shard(1)", "use_local_output": True},
+             "use_local_input": True, "output_layouts": out,
+             "desired_output_layouts": back, "use_local_output": True},
             "the whole sequence in, its shard back out")
+
+
+def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) -> list[Rule]:
+    """Under sequence parallelism inside a block, a direct child of the block with weights of
+    its own and no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the
+    sequence) may mix tokens: it gets the whole sequence and hands back its shard."""
+    ruled = [p for p, _, _ in rules]
+    out = []
+    for c in trace.within(block):
+        if c.path.rpartition(".")[0] != block or is_norm(c.module) or not c.inputs or \
+                not any(True for _ in c.module.parameters()):
+            continue
+        pattern = generalize(c.path)
+        if any(p == pattern or p.startswith(pattern + ".") for p in ruled + [r[0] for r in out]):
+            continue
+        hidden = c.args[0] if c.args and c.args[0] is not None else c.inputs[0]
+        out.append(_whole_sequence(s.notes, trace, c, hidden, "it has weights of its own and "
+                                   "may mix tokens (a convolution along the sequence?)"))
+    return out
 
 
 def _branch(path: str, block: str) -> str:
@@ -206,6 +227,13 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         if c is not rowwise:
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
+    channelwise, scalar_rules = _channelwise(trace, colwise)
+    if channelwise:
+        s.notes.append(f"left replicated: {group_pattern([c.path for c in colwise])} feed "
+                       f"'{generalize(channelwise.path)}' ({type(channelwise.module).__name__}), "
+                       "which holds weights over the projection's channels (a per-channel "
+                       "convolution?); tpplan has no style that shards it with the projection")
+        return rules
     mine = [n for n in inner_norms if n.path.startswith(parent + ".")]
     container = common_parent([c.path for c in colwise])
     call = trace.first_call(container)
@@ -232,7 +260,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                   ("; packs several projections: each part split over tp, every rank gets its "
                    "slice of each" if parts is not None else "")))
     if not gather:
-        rules += norm_rules
+        rules += norm_rules + scalar_rules
     row = {"style": "rowwise"}
     if gather:
         row["input_layouts"] = "replicate"
@@ -245,3 +273,27 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         s.divide_by_tp += [f"{generalize(container)}.{name}"
                            for name in _head_counts(call.module, colwise) if name not in per_rank]
     return rules
+
+
+def _channelwise(trace: Trace, colwise: list[Call]) -> tuple[Call | None, list[Rule]]:
+    """Modules with weights, not norms or linears, reading a colwise projection's output.
+    One with scalar weights acts on each element alike (Apertus's xIELU): it runs on this
+    rank's slice, weights replicated, gradients summed over tp. Any other (Inkling's
+    ``k_sconv``, a convolution over ``k_proj``'s channels) is returned, to refuse."""
+    rules: list[Rule] = []
+    for c in colwise:
+        for out in c.outputs:
+            for user in trace.consumers(out):
+                params = list(user.module.parameters())
+                if isinstance(user.module, nn.Linear) or is_norm(user.module) or not params:
+                    continue
+                if any(p.numel() != 1 for p in params):
+                    return user, []
+                dim = len(user.shapes.get(out, (0, 0, 0))) - 1
+                rule = (generalize(user.path), {"style": "sequence_parallel", "sequence_dim": dim,
+                                                "use_local_output": True},
+                        "scalar weights on each element of a sharded projection: weights "
+                        "replicated, gradients summed over tp")
+                if rule[0] not in [r[0] for r in rules]:
+                    rules.append(rule)
+    return None, rules

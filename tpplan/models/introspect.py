@@ -15,14 +15,23 @@ __all__ = ["find_blocks", "first_block", "is_norm", "vocab_size", "small_hf_fiel
            "shrink_overrides"]
 
 
-def find_blocks(model: nn.Module) -> str | None:
-    """Path of the repeated blocks: the longest ``ModuleList``/``ModuleDict`` of two or more
-    children that all share one type (``layers`` in a Llama, ``model.layers`` in HF)."""
-    best, size = None, 1
+def find_blocks(model: nn.Module, called: set[str] | None = None) -> str | None:
+    """Path of the repeated blocks: of the ``ModuleList``/``ModuleDict`` of two or more
+    children that all share one type (``layers`` in a Llama, ``model.layers`` in HF), the one
+    holding the most parameters (then the longest); with ``called`` (the paths a traced forward
+    ran), only one whose first block ran (Phi-4-multimodal's vision encoder layers hold more
+    than its decoder layers, but a text forward does not run them)."""
+    best, score = None, (0, 1)
     for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > size:
-            if len({type(m) for m in module.children()}) == 1:
-                best, size = path, len(module)
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2 or \
+                len({type(m) for m in module.children()}) != 1:
+            continue
+        first = next(iter(module.named_children()))[0]
+        if called is not None and (f"{path}.{first}" if path else first) not in called:
+            continue
+        mine = (sum(p.numel() for p in module.parameters()), len(module))
+        if mine > score:
+            best, score = path, mine
     return best
 
 
@@ -73,6 +82,14 @@ SMALL_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
              "qk_nope_head_dim": 8, "v_head_dim": 8}
 
 
+# A multimodal model's vision and audio encoders, shrunk (Phi-4-multimodal's causal LM holds
+# them; a text forward does not run them, but verify builds them).
+SMALL_ENCODER = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_blocks": 2, "num_attention_heads": 2, "ext_pw_out_channel": 64,
+                 "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
+                 "image_size": 28}
+
+
 def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     """HF config fields of a tiny model of the same architecture with every relation of the
     real one to ``tp`` kept: head and KV-head counts (:func:`_heads`), width 8 per head,
@@ -97,6 +114,12 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= small["vocab_size"]:
             out[key] = None
+    for key in ("vision_config", "audio_config"):  # encoders a text forward never runs
+        sub = getattr(config, key, None)
+        if hasattr(sub, "to_dict"):
+            data = sub.to_dict()
+            out[key] = {**data, **{k: v for k, v in SMALL_ENCODER.items()
+                                   if isinstance(data.get(k), int)}}
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and len(layer_types) > layers:
         out["layer_types"] = list(layer_types[:layers])
