@@ -5,10 +5,8 @@ linear layers (``layers.*.self_attn.q_proj: colwise`` ...). A training plan need
 full module paths (``model.layers.*...`` in the causal-LM wrapper), the embedding and the
 head, a parent ``prepare_input`` so sibling projections share one input (one gradient
 all-reduce instead of one each), loss parallelism, FSDP units, and optionally sequence
-parallelism. The linear styles come from ``transformers``; the rest from the same dataflow
-analysis as ``tpplan suggest``, and where the two disagree ``transformers`` wins and the
-disagreement is written into the plan as a note.
-"""
+parallelism. The linear styles come from ``transformers``, the rest from ``tpplan suggest``'s
+dataflow analysis; where the two disagree ``transformers`` wins, with a note in the plan."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
+from .packing import experts_modules
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -111,7 +110,6 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
 
 
 COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}  # tpplan's
-LINEAR_KINDS = (nn.Linear, nn.Embedding)
 
 
 def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
@@ -127,7 +125,10 @@ def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
         return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
                 "plan covers variants of the architecture); left out")
     name = ALIASES.get(style, (style, {}))[0]
-    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], LINEAR_KINDS):
+    if name == "experts_colwise_rowwise" and not experts_modules(nn.ModuleDict({"e": hits[0]})):
+        return (f"'{pattern}' ({style}): {type(hits[0]).__name__} holds its experts in a layout "
+                "experts_colwise_rowwise does not shard (transposed, biases, no gate); replicated")
+    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], (nn.Linear, nn.Embedding)):
         return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
                 f"{name} cannot shard: left replicated")
     return None
@@ -230,8 +231,9 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
-        if set(hits(pattern)) <= covered:  # blocks the dataflow's rules already handle
-            sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above")
+        if set(hits(pattern)) & covered:  # blocks the dataflow's rules handle (some or all)
+            sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above "
+                              "where the blocks are like the first; the others run replicated")
             continue
         if sequence_parallel and sugg.blocks and not all(
                 any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
@@ -261,10 +263,8 @@ def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
 
 def _expand(pattern: str) -> list[str]:
     """``a.*.{x,y}`` -> ``[a.*.x, a.*.y]`` (the last alternatives only)."""
-    if not pattern.endswith("}"):
-        return [pattern]
     head, _, alts = pattern[:-1].rpartition("{")
-    return [f"{head}{a}" for a in alts.split(",")]
+    return [f"{head}{a}" for a in alts.split(",")] if pattern.endswith("}") else [pattern]
 
 
 def _regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:

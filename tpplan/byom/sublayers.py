@@ -250,6 +250,9 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                                                           src, "replicate")}
         why = ("one all-gather of the sequence, shared by " if seq else
                "siblings share one replicated input: one gradient all-reduce for ")
+        if any(u.path.startswith(container + ".") and u not in colwise
+               for u in trace.consumers(x)):  # plain modules read it too (DeepSeek's indexer)
+            opts["use_local_output"], why = True, "a plain tensor: " + why
         rules.append((generalize(container), opts,
                       why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
     opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
@@ -276,9 +279,8 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
 
 
 def _channelwise(trace: Trace, colwise: list[Call]) -> tuple[Call | None, list[Rule]]:
-    """Modules with weights, not norms or linears, reading a colwise projection's output.
-    One with scalar weights acts on each element alike (Apertus's xIELU): it runs on this
-    rank's slice, weights replicated, gradients summed over tp. Any other (Inkling's
+    """Modules with weights (not norms, linears) reading a colwise output. Scalar weights
+    (Apertus's xIELU) run on this rank's slice, gradients summed over tp; any other (Inkling's
     ``k_sconv``, a convolution over ``k_proj``'s channels) is returned, to refuse."""
     rules: list[Rule] = []
     for c in colwise:
@@ -294,6 +296,5 @@ def _channelwise(trace: Trace, colwise: list[Call]) -> tuple[Call | None, list[R
                                                 "use_local_output": True},
                         "scalar weights on each element of a sharded projection: weights "
                         "replicated, gradients summed over tp")
-                if rule[0] not in [r[0] for r in rules]:
-                    rules.append(rule)
+                rules += [rule] if rule[0] not in [r[0] for r in rules] else []
     return None, rules
