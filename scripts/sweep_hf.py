@@ -63,6 +63,19 @@ def families() -> list[str]:
     return out
 
 
+# What a released checkpoint's config.json sets and the config class's defaults leave out
+# (those defaults do not build a model): MoE sizes of dots.llm1, LFM2-MoE's layer pattern,
+# Cohere Compass's rotary parameters per layer type.
+FIXUPS = {
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+              "first_k_dense_replace": 1},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "cohere_compass_text": {"rope_parameters": {
+        t: {"rope_type": "default", "rope_theta": 10000.0}
+        for t in ("full_attention", "sliding_attention")}},
+}
+
+
 def tiny_config(model_type: str, tp: int = 2, **fields) -> dict:
     """A tiny configuration of ``model_type`` (tpplan's verify shrinking), as a dict."""
     from transformers import AutoConfig
@@ -70,8 +83,9 @@ def tiny_config(model_type: str, tp: int = 2, **fields) -> dict:
     from tpplan.models.introspect import small_hf_fields
 
     config = AutoConfig.for_model(model_type)
-    small = {**small_hf_fields(config, tp), **fields}
-    small.pop("layer_types", None)  # derived from the layer count by the config itself
+    small = {**small_hf_fields(config, tp), **FIXUPS.get(model_type, {}), **fields}
+    if "layer_types" not in FIXUPS.get(model_type, {}):
+        small.pop("layer_types", None)  # derived from the layer count by the config itself
     data = type(config)(**small).to_dict()
     data["model_type"] = model_type
     return data

@@ -6,9 +6,7 @@ to the next. Its linear layers are taken in groups, one per module that holds th
 (``self_attn``, ``mlp``, ``mlp.shared_expert``): in a group, the linears that read the
 group's input are *colwise* and the last one, writing back the hidden width, is *rowwise*.
 Cohere's and Phi's parallel attention and MLP are two groups of one sub-layer; an MoE
-block's shared expert is a group of its own, its routed experts (parameters, not linear
-layers) stay replicated.
-"""
+block's shared expert is a group of its own, its routed experts a rule of their own."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
-from .packing import FUSED, experts_modules, packed_parts
+from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
            "group_pattern", "whole_sequence_modules"]
@@ -131,13 +129,14 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = Fal
 
 
 def _whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
-                    why: str) -> Rule:
+                    why: str, every: bool = False) -> Rule:
     """Under sequence parallelism, a branch tpplan cannot shard on the sequence (experts held
     as parameters, a router reading flattened tokens) gets the whole sequence and hands
     back its shard: its replicated weights see every token."""
     notes.append(f"'{generalize(branch.path)}' runs on the whole sequence: {why}")
-    rest = [None] * (branch.arity - 1)  # attention's weights pass through as they are
-    out, back = (["replicate", *rest], ["shard(1)", *rest]) if rest else ("replicate", "shard(1)")
+    n = branch.arity - 1  # attention's weights pass through as they are; ``every`` output
+    rest, back_rest = (["replicate"] * n, ["shard(1)"] * n) if every else ([None] * n, [None] * n)
+    out, back = (["replicate", *rest], ["shard(1)", *back_rest]) if n else ("replicate", "shard(1)")
     return (generalize(branch.path),
             {"style": "prepare_input_output", **input_layouts(branch, hidden, "shard(1)",
                                                                "replicate"),
@@ -147,9 +146,9 @@ def _whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
 
 
 def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) -> list[Rule]:
-    """Under sequence parallelism inside a block, a direct child of the block with weights of
-    its own and no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the
-    sequence) may mix tokens: it gets the whole sequence and hands back its shard."""
+    """Under sequence parallelism inside a block, a direct child of the block with weights and
+    no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the sequence) may
+    mix tokens: it gets the whole sequence and hands back its shard (of every output)."""
     ruled = [p for p, _, _ in rules]
     out = []
     for c in trace.within(block):
@@ -161,7 +160,7 @@ def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) 
             continue
         hidden = c.args[0] if c.args and c.args[0] is not None else c.inputs[0]
         out.append(_whole_sequence(s.notes, trace, c, hidden, "it has weights of its own and "
-                                   "may mix tokens (a convolution along the sequence?)"))
+                                   "may mix tokens (a convolution along the sequence?)", True))
     return out
 
 
@@ -227,7 +226,14 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         if c is not rowwise:
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
-    channelwise, scalar_rules = _channelwise(trace, colwise)
+    channelwise, scalar_rules = channelwise_readers(trace, colwise)
+    holder = trace.first_call(parent)
+    own = [n for n, p in holder.module.named_parameters(recurse=False) if p.numel() > 1] \
+        if holder is not None else []
+    if own:  # Beam's attention adds its own gate_bias[heads]: it would meet this rank's heads
+        s.notes.append(f"left replicated: '{generalize(parent)}' uses parameters of its own "
+                       f"({', '.join(own)}) beside its projections; tpplan cannot shard them")
+        return rules
     if channelwise:
         s.notes.append(f"left replicated: {group_pattern([c.path for c in colwise])} feed "
                        f"'{generalize(channelwise.path)}' ({type(channelwise.module).__name__}), "
@@ -276,25 +282,3 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         s.divide_by_tp += [f"{generalize(container)}.{name}"
                            for name in _head_counts(call.module, colwise) if name not in per_rank]
     return rules
-
-
-def _channelwise(trace: Trace, colwise: list[Call]) -> tuple[Call | None, list[Rule]]:
-    """Modules with weights (not norms, linears) reading a colwise output. Scalar weights
-    (Apertus's xIELU) run on this rank's slice, gradients summed over tp; any other (Inkling's
-    ``k_sconv``, a convolution over ``k_proj``'s channels) is returned, to refuse."""
-    rules: list[Rule] = []
-    for c in colwise:
-        for out in c.outputs:
-            for user in trace.consumers(out):
-                params = list(user.module.parameters())
-                if isinstance(user.module, nn.Linear) or is_norm(user.module) or not params:
-                    continue
-                if any(p.numel() != 1 for p in params):
-                    return user, []
-                dim = len(user.shapes.get(out, (0, 0, 0))) - 1
-                rule = (generalize(user.path), {"style": "sequence_parallel", "sequence_dim": dim,
-                                                "use_local_output": True},
-                        "scalar weights on each element of a sharded projection: weights "
-                        "replicated, gradients summed over tp")
-                rules += [rule] if rule[0] not in [r[0] for r in rules] else []
-    return None, rules

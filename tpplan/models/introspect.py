@@ -95,6 +95,8 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     real one to ``tp`` kept: head and KV-head counts (:func:`_heads`), width 8 per head,
     hidden widths in multiples of 64·tp and the vocabulary's remainder modulo tp. Only the
     fields this architecture has."""
+    if hasattr(config, "allow_global_per_layer_attribute_access"):  # Gemma 4: per-layer
+        config.allow_global_per_layer_attribute_access = True  # fields read as the global one
     heads, kv = _heads(config, tp)
     small = {"num_hidden_layers": layers, "num_attention_heads": heads,
              "num_key_value_heads": kv, "hidden_size": heads * 8, "head_dim": 8,
@@ -103,7 +105,8 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
              "ffn_dim": 64 * tp, "word_embed_proj_dim": heads * 8,
              "moe_intermediate_size": 16 * tp, "shared_expert_intermediate_size": 32 * tp,
              "vocab_size": _keep_residue(getattr(config, "vocab_size", None), tp, 64 * tp),
-             **SMALL_MOE}
+             "vocab_size_per_layer_input": 64 * tp, "hidden_size_per_layer_input": 8,
+             "laurel_rank": 8, "num_kv_shared_layers": 0, **SMALL_MOE}
     out = {k: v for k, v in small.items() if isinstance(getattr(config, k, None), int)}
     if hasattr(config, "num_experts_per_tok") and "n_routed_experts" in out:
         out["num_experts_per_tok"] = SMALL_MOE["num_experts_per_tok"]  # DeepSeek-V2: None
@@ -113,7 +116,11 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the tiny vocab
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= small["vocab_size"]:
-            out[key] = None
+            out[key] = None if key == "pad_token_id" else 0  # (CWM requires bos and eos)
+    expand, mamba_heads = getattr(config, "mamba_expand", None), getattr(config, "mamba_n_heads", 0)
+    if isinstance(expand, int) and isinstance(mamba_heads, int) and mamba_heads > 0:
+        out.update(mamba_n_heads=2 * tp, mamba_d_state=16, mamba_n_groups=1,  # Granite 4
+                   mamba_d_head=expand * small["hidden_size"] // (2 * tp))
     for key in ("vision_config", "audio_config"):  # encoders a text forward never runs
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict"):

@@ -98,6 +98,14 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
                 r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)
                 and p.rpartition(".")[0] == parent for p, r in res.rule_of.items()):
             continue
+        own = [n for n, p in modules[parent].named_parameters(recurse=False) if p.numel() > 1]
+        if own and parent not in seen:
+            seen.add(parent)
+            res.errors.add(f"module '{parent}' ({type(modules[parent]).__name__}) uses parameters "
+                           f"of its own ({', '.join(own)}) beside '{path}', which rule "
+                           f"'{rule.pattern}' shards colwise: tpplan cannot shard a module's own "
+                           "parameters with its projections; leave this module replicated",
+                           rule.loc)
         for name, child in modules[parent].named_children():
             norm = f"{parent}.{name}"
             weight = getattr(child, "weight", None)
