@@ -235,10 +235,10 @@ def _params(plan) -> int:
     return sum(p.numel() for p in build_model(plan.model, device="meta").parameters())
 
 
-def table(cells: list[Cell], modes: list[str]) -> str:
+def table(cells: list[Cell], modes: list[str], header: bool = True) -> str:
     """Markdown: one row per family, one column per mode, the worst error, the reasons."""
     rows = ["| family | " + " | ".join(modes) + " | worst error | not supported / notes |",
-            "|---" * (len(modes) + 3) + "|"]
+            "|---" * (len(modes) + 3) + "|"] if header else []
     by_family: dict[str, list[Cell]] = {}
     for c in cells:
         by_family.setdefault(c.family, []).append(c)
@@ -269,8 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tpplan-sweep-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         start = time.perf_counter()
-        cells = run(names, modes, out, log=lambda s: print(s, file=sys.stderr, flush=True))
-        print(table(cells, modes))
+        cells: list[Cell] = []
+        print(table([], modes), flush=True)
+        for i in range(0, len(names), 8):  # rows as each chunk ends
+            chunk = run(names[i:i + 8], modes, out,
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
+            print(table(chunk, modes, header=False), flush=True)
+            cells += chunk
         passed = sum(all(c.status == "ok" for c in cells if c.family == n) for n in names)
         print(f"\n{passed} of {len(names)} families pass all of {', '.join(modes)} "
               f"({time.perf_counter() - start:.0f} s)")

@@ -79,7 +79,7 @@ def _heads(config: Any, tp: int) -> tuple[int, int]:
 SMALL_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
              "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
              "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-             "qk_nope_head_dim": 8, "v_head_dim": 8}
+             "qk_nope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 4, "index_head_dim": 16}
 
 
 # A multimodal model's vision and audio encoders, shrunk (Phi-4-multimodal's causal LM holds
