@@ -18,9 +18,10 @@ import sweep_hf  # noqa: E402
 # q/k norms per head (qwen3, gemma3_text), fused qkv/gate_up (phi3), a norm over the whole
 # projection (olmo2), parallel attention+MLP (cohere), MoE with experts held as parameters
 # (mixtral, qwen3_moe: experts_colwise_rowwise), a shared expert (qwen2_moe), dense-then-MoE
-# blocks (glm4_moe); phi3 gets packed_colwise.
+# blocks (glm4_moe); phi3 gets packed_colwise; multi-head latent attention (deepseek_v2:
+# mla_kv_a_proj, the rotary key's gradient summed over tp).
 FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3_moe",
-            "qwen2_moe", "glm4_moe"]
+            "qwen2_moe", "glm4_moe", "deepseek_v2"]
 
 
 def test_families_import_suggest_validate_and_verify(tmp_path):
@@ -42,6 +43,9 @@ def test_families_import_suggest_validate_and_verify(tmp_path):
         for moe in ("mixtral", "qwen3_moe"):
             assert "mlp.experts\": experts_colwise_rowwise" in \
                 (tmp_path / moe / f"{mode}.yaml").read_text()
+    for mode in ("import", "import-sp"):
+        assert "kv_a_proj_with_mqa\": mla_kv_a_proj" in \
+            (tmp_path / "deepseek_v2" / f"{mode}.yaml").read_text()
 
 
 def test_a_per_head_norm_left_without_a_rule_is_a_located_error(write_plan, tmp_path, capsys):
@@ -58,3 +62,20 @@ fsdp: {{units: ["model.layers.*"]}}
     assert rc == 1 and "Traceback" not in out
     assert "plan.yaml:4:3: error: module 'model.layers.0.self_attn.q_norm'" in out
     assert "partial sum" in out and "sequence_dim: 2" in out
+
+
+def test_an_attention_with_per_head_parameters_of_its_own_is_refused_where_sharded(tmp_path,
+                                                                                   capsys):
+    """Beam's attention adds ``gate_bias[heads]`` itself: transformers' plan shards its
+    projections colwise, which would meet this rank's heads with every head's bias. import-hf
+    refuses, located; suggest leaves that attention replicated."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("beam")))
+    rc, out = run_main(capsys, "import-hf", str(config), "-o", str(tmp_path / "plan.yaml"))
+    assert rc == 1 and "Traceback" not in out
+    assert "plan.yaml:" in out and "uses parameters of its own (gate_bias)" in out
+    (tmp_path / "model.yaml").write_text("model: {hf_config: config.json}\n")
+    rc, out = run_main(capsys, "suggest", str(tmp_path / "model.yaml"), "-o",
+                       str(tmp_path / "suggest.yaml"))
+    assert rc == 0, out
+    assert "self_attn.q_proj" not in (tmp_path / "suggest.yaml").read_text().split("# Not")[0]

@@ -5,10 +5,8 @@ linear layers (``layers.*.self_attn.q_proj: colwise`` ...). A training plan need
 full module paths (``model.layers.*...`` in the causal-LM wrapper), the embedding and the
 head, a parent ``prepare_input`` so sibling projections share one input (one gradient
 all-reduce instead of one each), loss parallelism, FSDP units, and optionally sequence
-parallelism. The linear styles come from ``transformers``; the rest from the same dataflow
-analysis as ``tpplan suggest``, and where the two disagree ``transformers`` wins and the
-disagreement is written into the plan as a note.
-"""
+parallelism. The linear styles come from ``transformers``, the rest from ``tpplan suggest``'s
+dataflow analysis; where the two disagree ``transformers`` wins, with a note in the plan."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
+from .packing import experts_modules
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -110,9 +109,7 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
     return {"style": name, **opts} if opts else name
 
 
-# transformers' styles tpplan does with a rule of its own, from the dataflow (or not at all)
-COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}
-LINEAR_KINDS = (nn.Linear, nn.Embedding)
+COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}  # tpplan's
 
 
 def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
@@ -128,18 +125,22 @@ def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
         return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
                 "plan covers variants of the architecture); left out")
     name = ALIASES.get(style, (style, {}))[0]
-    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], LINEAR_KINDS):
+    if name == "experts_colwise_rowwise" and not experts_modules(nn.ModuleDict({"e": hits[0]})):
+        return (f"'{pattern}' ({style}): {type(hits[0]).__name__} holds its experts in a layout "
+                "experts_colwise_rowwise does not shard (transposed, biases, no gate); replicated")
+    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], (nn.Linear, nn.Embedding)):
         return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
                 f"{name} cannot shard: left replicated")
     return None
 
 
-def _drop_per_head_under_gather(rules: list) -> list:
-    """A projection transformers gathers (colwise with replicated output) hands whole heads
-    to the norms after it: they need no per-head rule there (it would treat the whole as a
-    shard)."""
+def _drop_per_head_under_gather(rules: list, unfed: dict[str, bool]) -> list:
+    """A projection transformers gathers (colwise with replicated output) or does not shard
+    (``unfed``) hands whole heads to the norms after it: they need no per-head rule there (it
+    would treat the whole as a shard)."""
     gathered = {p.rpartition(".")[0] for p, st, _ in rules if isinstance(st, dict)
                 and st.get("style") == "colwise" and st.get("output_layouts") == "replicate"}
+    gathered |= {p for p, whole in unfed.items() if whole}
     return [(p, st, c) for p, st, c in rules
             if not (isinstance(st, dict) and "sequence_dim" in st
                     and p.rpartition(".")[0] in gathered)]
@@ -184,14 +185,14 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
         return [m for m in modules if rx.fullmatch(m)]
 
     in_blocks = re.compile(rf"{re.escape(sugg.blocks or '')}\.(\*|\d+|\{{[\d,]+\}})\.")
-    rules, used = [], set()
+    rules, used, unfed = [], set(), {}  # unfed: parent -> whether all its input readers stay whole
     for pattern, style, comment in sugg.rules:
         name = style if isinstance(style, str) else style["style"]
         if name not in ("colwise", "rowwise") or not in_blocks.match(pattern):
             rules.append((pattern, style, comment))
             continue
         # A suggested linear rule: replace it by transformers' style for the same modules.
-        kept = []
+        kept, idle = [], []
         for member in _expand(pattern):
             found = hits(member)
             hf = next((p for p in hf_rules if found and compile_pattern(p).fullmatch(found[0])),
@@ -199,6 +200,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
             if hf is None:
                 sugg.notes.append(f"transformers' plan does not shard '{member}' (the dataflow "
                                   f"suggests {name}); left replicated")
+                idle.append(member)
                 if isinstance(style, dict) and style.get("output_layouts") == "shard(1)":
                     rules.append((member, {"style": "prepare_output", "output_layouts":
                                            "replicate", "desired_output_layouts": "shard(1)",
@@ -217,8 +219,11 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
             if hf_rules[hf] != name:
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}, the dataflow "
                                   f"suggests {name}; using transformers'")
-        for group, hf_style in _regroup(kept):
-            rules.append((group, _mapped(hf_style, sequence_parallel), f"transformers: {hf_style}"))
+        if name == "colwise" and idle:
+            unfed[pattern.rpartition(".")[0]] = len(idle) == len(_expand(pattern))
+        seq = isinstance(style, dict) and style.get("output_layouts") == "shard(1)"
+        for group, hf_style in _regroup(kept):  # (not in a branch run on the whole sequence)
+            rules.append((group, _mapped(hf_style, seq), f"transformers: {hf_style}"))
     covered = {m for p, _, _ in rules for m in hits(p)}
     sp_blocks = {m for p, st, _ in rules if isinstance(st, dict)
                  and st["style"] == "prepare_input_output" and p.startswith(f"{sugg.blocks}.")
@@ -226,8 +231,9 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
-        if set(hits(pattern)) <= covered:  # blocks the dataflow's rules already handle
-            sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above")
+        if set(hits(pattern)) & covered:  # blocks the dataflow's rules handle (some or all)
+            sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above "
+                              "where the blocks are like the first; the others run replicated")
             continue
         if sequence_parallel and sugg.blocks and not all(
                 any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
@@ -236,7 +242,8 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                               "left replicated")
             continue
         rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules), hits)
+    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules, unfed), hits, unfed)
+    sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]
     if tp:
         fit_to_tp(sugg, model, tp)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
@@ -256,10 +263,8 @@ def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
 
 def _expand(pattern: str) -> list[str]:
     """``a.*.{x,y}`` -> ``[a.*.x, a.*.y]`` (the last alternatives only)."""
-    if not pattern.endswith("}"):
-        return [pattern]
     head, _, alts = pattern[:-1].rpartition("{")
-    return [f"{head}{a}" for a in alts.split(",")]
+    return [f"{head}{a}" for a in alts.split(",")] if pattern.endswith("}") else [pattern]
 
 
 def _regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -272,9 +277,11 @@ def _regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:
              style) for (parent, style), names in groups.items()]
 
 
-def _without_idle_prepares(rules: list, hits) -> list:
+def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:
     """A parent's prepare_input is there for the projections it shares one input among; where
-    transformers shards none of them, it goes (replicated in, replicated out), or under
+    transformers shards none of them (none below) or leaves one reading the parent's input
+    whole (``unfed``: DeepSeek-V2's attention shards q_b_proj and kv_b_proj, not q_a_proj,
+    which a DTensor input would break), it goes (replicated in, replicated out), or under
     sequence parallelism the module gets the whole sequence as a local tensor (its last
     projection hands back the shard): never a DTensor that plain layers cannot take."""
     sharded = {m for p, st, _ in rules
@@ -282,8 +289,8 @@ def _without_idle_prepares(rules: list, hits) -> list:
                for m in hits(p)}
     out = []
     for p, st, c in rules:
-        if isinstance(st, dict) and st["style"] == "prepare_input" and not any(
-                m.startswith(h + ".") for h in hits(p) for m in sharded):
+        if isinstance(st, dict) and st["style"] == "prepare_input" and (p in unfed or not any(
+                m.startswith(h + ".") for h in hits(p) for m in sharded)):
             layouts = [v for k, v in st.items() if "layouts" in k]
             if all("shard" not in str(v) for v in layouts):
                 continue

@@ -13,7 +13,11 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["FUSED", "experts_modules", "packed_parts"]
+from ..models.dataflow import Call, Trace
+from ..models.introspect import is_norm
+from ..plan.patterns import generalize
+
+__all__ = ["FUSED", "channelwise_readers", "experts_modules", "packed_parts"]
 
 FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
 
@@ -58,3 +62,25 @@ def experts_modules(branch: nn.Module) -> list[str]:
                 and not any("bias" in n for n in own):
             out.append(rel)
     return out
+
+
+def channelwise_readers(trace: Trace, colwise: list[Call]) -> tuple[Call | None, list[tuple[str, Any, str]]]:
+    """Modules with weights (not norms, linears) reading a colwise output. Scalar weights
+    (Apertus's xIELU) run on this rank's slice, gradients summed over tp; any other (Inkling's
+    ``k_sconv``, a convolution over ``k_proj``'s channels) is returned, to refuse."""
+    rules: list[tuple[str, Any, str]] = []
+    for c in colwise:
+        for out in c.outputs:
+            for user in trace.consumers(out):
+                params = list(user.module.parameters())
+                if isinstance(user.module, nn.Linear) or is_norm(user.module) or not params:
+                    continue
+                if any(p.numel() != 1 for p in params):
+                    return user, []
+                dim = len(user.shapes.get(out, (0, 0, 0))) - 1
+                rule = (generalize(user.path), {"style": "sequence_parallel", "sequence_dim": dim,
+                                                "use_local_output": True},
+                        "scalar weights on each element of a sharded projection: weights "
+                        "replicated, gradients summed over tp")
+                rules += [rule] if rule[0] not in [r[0] for r in rules] else []
+    return None, rules

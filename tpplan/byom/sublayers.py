@@ -6,9 +6,7 @@ to the next. Its linear layers are taken in groups, one per module that holds th
 (``self_attn``, ``mlp``, ``mlp.shared_expert``): in a group, the linears that read the
 group's input are *colwise* and the last one, writing back the hidden width, is *rowwise*.
 Cohere's and Phi's parallel attention and MLP are two groups of one sub-layer; an MoE
-block's shared expert is a group of its own, its routed experts (parameters, not linear
-layers) stay replicated.
-"""
+block's shared expert is a group of its own, its routed experts a rule of their own."""
 
 from __future__ import annotations
 
@@ -19,10 +17,10 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
-from .packing import FUSED, experts_modules, packed_parts
+from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
-           "group_pattern"]
+           "group_pattern", "whole_sequence_modules"]
 
 Rule = tuple[str, Any, str]
 
@@ -131,17 +129,39 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = Fal
 
 
 def _whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
-                    why: str) -> Rule:
+                    why: str, every: bool = False) -> Rule:
     """Under sequence parallelism, a branch tpplan cannot shard on the sequence (experts held
     as parameters, a router reading flattened tokens) gets the whole sequence and hands
     back its shard: its replicated weights see every token."""
     notes.append(f"'{generalize(branch.path)}' runs on the whole sequence: {why}")
+    n = branch.arity - 1  # attention's weights pass through as they are; ``every`` output
+    rest, back_rest = (["replicate"] * n, ["shard(1)"] * n) if every else ([None] * n, [None] * n)
+    out, back = (["replicate", *rest], ["shard(1)", *back_rest]) if n else ("replicate", "shard(1)")
     return (generalize(branch.path),
             {"style": "prepare_input_output", **input_layouts(branch, hidden, "shard(1)",
                                                                "replicate"),
-             "use_local_input": True, "output_layouts": "replicate",
-             "desired_output_layouts": "shard(1)", "use_local_output": True},
+             "use_local_input": True, "output_layouts": out,
+             "desired_output_layouts": back, "use_local_output": True},
             "the whole sequence in, its shard back out")
+
+
+def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) -> list[Rule]:
+    """Under sequence parallelism inside a block, a direct child of the block with weights and
+    no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the sequence) may
+    mix tokens: it gets the whole sequence and hands back its shard (of every output)."""
+    ruled = [p for p, _, _ in rules]
+    out = []
+    for c in trace.within(block):
+        if c.path.rpartition(".")[0] != block or is_norm(c.module) or not c.inputs or \
+                not any(True for _ in c.module.parameters()):
+            continue
+        pattern = generalize(c.path)
+        if any(p == pattern or p.startswith(pattern + ".") for p in ruled + [r[0] for r in out]):
+            continue
+        hidden = c.args[0] if c.args and c.args[0] is not None else c.inputs[0]
+        out.append(_whole_sequence(s.notes, trace, c, hidden, "it has weights of its own and "
+                                   "may mix tokens (a convolution along the sequence?)", True))
+    return out
 
 
 def _branch(path: str, block: str) -> str:
@@ -206,6 +226,20 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         if c is not rowwise:
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
+    channelwise, scalar_rules = channelwise_readers(trace, colwise)
+    holder = trace.first_call(parent)
+    own = [n for n, p in holder.module.named_parameters(recurse=False) if p.numel() > 1] \
+        if holder is not None else []
+    if own:  # Beam's attention adds its own gate_bias[heads]: it would meet this rank's heads
+        s.notes.append(f"left replicated: '{generalize(parent)}' uses parameters of its own "
+                       f"({', '.join(own)}) beside its projections; tpplan cannot shard them")
+        return rules
+    if channelwise:
+        s.notes.append(f"left replicated: {group_pattern([c.path for c in colwise])} feed "
+                       f"'{generalize(channelwise.path)}' ({type(channelwise.module).__name__}), "
+                       "which holds weights over the projection's channels (a per-channel "
+                       "convolution?); tpplan has no style that shards it with the projection")
+        return rules
     mine = [n for n in inner_norms if n.path.startswith(parent + ".")]
     container = common_parent([c.path for c in colwise])
     call = trace.first_call(container)
@@ -222,6 +256,9 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                                                           src, "replicate")}
         why = ("one all-gather of the sequence, shared by " if seq else
                "siblings share one replicated input: one gradient all-reduce for ")
+        if any(u.path.startswith(container + ".") and u not in colwise
+               for u in trace.consumers(x)):  # plain modules read it too (DeepSeek's indexer)
+            opts["use_local_output"], why = True, "a plain tensor: " + why
         rules.append((generalize(container), opts,
                       why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
     opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
@@ -232,7 +269,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                   ("; packs several projections: each part split over tp, every rank gets its "
                    "slice of each" if parts is not None else "")))
     if not gather:
-        rules += norm_rules
+        rules += norm_rules + scalar_rules
     row = {"style": "rowwise"}
     if gather:
         row["input_layouts"] = "replicate"

@@ -27,7 +27,9 @@ from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
 from .tp_fit import fit_to_tp
-from .sublayers import input_layouts, sp_norm, sub_layer_rules, sub_layers
+from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
+                        whole_sequence_modules)
+from ..parallel.checks import composite_children
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 
@@ -65,6 +67,11 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if head is None or embed is None:
         s.notes.append("found no output head (a final Linear) with a matching vocabulary "
                        "embedding: embedding and head rules left out")
+    whole = embed is not None and composite_children(embed.module)
+    if whole:
+        s.notes.append(f"left '{embed.path}' ({type(embed.module).__name__}) replicated: it holds "
+                       f"modules with parameters of their own ({', '.join(whole)}), which "
+                       "PyTorch's rowwise embedding sharding does not handle")
     tied = head is not None and embed is not None and head.module.weight is embed.module.weight
     if tied:
         s.notes.append(f"'{head.path}' shares its weight with '{embed.path}' (tied embeddings): "
@@ -75,7 +82,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     hidden0 = embed.outputs[0] if embed and embed.outputs else None
     users = [c for c in trace.consumers(hidden0) if not c.path.startswith(first + ".")] \
         if hidden0 is not None else []
-    s.sequence_parallel = sequence_parallel == "auto" and bool(block_call) and \
+    s.sequence_parallel = sequence_parallel == "auto" and bool(block_call) and not whole and \
         hidden0 is not None and [c.path for c in users] == [first]
     if sequence_parallel == "auto" and hidden0 is not None and not s.sequence_parallel:
         others = ", ".join(sorted({c.path for c in users if c.path != first}))
@@ -95,7 +102,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
                         "is gathered back for the code between blocks"))
         s.sequence_parallel = True
 
-    if embed:
+    if embed and not whole:
         opts = {"style": "rowwise", "input_layouts": "replicate"}
         if sp:
             opts["output_layouts"] = "shard(1)"
@@ -106,6 +113,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
             s.rules.append(sp_norm(trace, norm, first))
         s.rules += sub_layer_rules(s, model, trace, first, block_call, norm, linears,
                                    inner_norms, inner)
+    if inner:
+        s.rules += whole_sequence_modules(s, trace, first, s.rules)
 
     final_norms = [c for c in outside if is_norm(c.module) and head and
                    trace.calls.index(c) < trace.calls.index(head) and
@@ -198,5 +207,6 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
             trace = trace_forward(model, torch.randint(0, small.vocab_size, (2, 16)))
         except Exception as e:  # noqa: BLE001 - one line, not transformers' traceback
             _untraceable(e)
+    blocks = find_blocks(meta, {c.path for c in trace.calls}) or blocks
     s = analyse(model, trace, blocks, sequence_parallel)
     return fit_to_tp(s, meta, tp) if tp else s

@@ -38,6 +38,7 @@ class Call:
     kwargs: dict[str, int]  # keyword arguments that are tensors
     outputs: list[int] = field(default_factory=list)
     shapes: dict[int, tuple] = field(default_factory=dict)  # id -> shape
+    arity: int = 1  # entries of a tuple output (attention's (output, weights))
 
     @property
     def inputs(self) -> list[int]:
@@ -82,6 +83,7 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
         keep.append(output)
         call = stack.pop()
         call.outputs = _tensor_ids(output)
+        call.arity = len(output) if isinstance(output, tuple) else 1
         if isinstance(output, torch.Tensor):
             call.shapes[id(output)] = tuple(output.shape)
 

@@ -15,14 +15,23 @@ __all__ = ["find_blocks", "first_block", "is_norm", "vocab_size", "small_hf_fiel
            "shrink_overrides"]
 
 
-def find_blocks(model: nn.Module) -> str | None:
-    """Path of the repeated blocks: the longest ``ModuleList``/``ModuleDict`` of two or more
-    children that all share one type (``layers`` in a Llama, ``model.layers`` in HF)."""
-    best, size = None, 1
+def find_blocks(model: nn.Module, called: set[str] | None = None) -> str | None:
+    """Path of the repeated blocks: of the ``ModuleList``/``ModuleDict`` of two or more
+    children that all share one type (``layers`` in a Llama, ``model.layers`` in HF), the one
+    holding the most parameters (then the longest); with ``called`` (the paths a traced forward
+    ran), only one whose first block ran (Phi-4-multimodal's vision encoder layers hold more
+    than its decoder layers, but a text forward does not run them)."""
+    best, score = None, (0, 1)
     for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > size:
-            if len({type(m) for m in module.children()}) == 1:
-                best, size = path, len(module)
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) < 2 or \
+                len({type(m) for m in module.children()}) != 1:
+            continue
+        first = next(iter(module.named_children()))[0]
+        if called is not None and (f"{path}.{first}" if path else first) not in called:
+            continue
+        mine = (sum(p.numel() for p in module.parameters()), len(module))
+        if mine > score:
+            best, score = path, mine
     return best
 
 
@@ -70,7 +79,15 @@ def _heads(config: Any, tp: int) -> tuple[int, int]:
 SMALL_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
              "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
              "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-             "qk_nope_head_dim": 8, "v_head_dim": 8}
+             "qk_nope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 4, "index_head_dim": 16}
+
+
+# A multimodal model's vision and audio encoders, shrunk (Phi-4-multimodal's causal LM holds
+# them; a text forward does not run them, but verify builds them).
+SMALL_ENCODER = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_blocks": 2, "num_attention_heads": 2, "ext_pw_out_channel": 64,
+                 "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
+                 "image_size": 28}
 
 
 def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
@@ -78,6 +95,8 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     real one to ``tp`` kept: head and KV-head counts (:func:`_heads`), width 8 per head,
     hidden widths in multiples of 64·tp and the vocabulary's remainder modulo tp. Only the
     fields this architecture has."""
+    if hasattr(config, "allow_global_per_layer_attribute_access"):  # Gemma 4: per-layer
+        config.allow_global_per_layer_attribute_access = True  # fields read as the global one
     heads, kv = _heads(config, tp)
     small = {"num_hidden_layers": layers, "num_attention_heads": heads,
              "num_key_value_heads": kv, "hidden_size": heads * 8, "head_dim": 8,
@@ -86,7 +105,8 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
              "ffn_dim": 64 * tp, "word_embed_proj_dim": heads * 8,
              "moe_intermediate_size": 16 * tp, "shared_expert_intermediate_size": 32 * tp,
              "vocab_size": _keep_residue(getattr(config, "vocab_size", None), tp, 64 * tp),
-             **SMALL_MOE}
+             "vocab_size_per_layer_input": 64 * tp, "hidden_size_per_layer_input": 8,
+             "laurel_rank": 8, "num_kv_shared_layers": 0, **SMALL_MOE}
     out = {k: v for k, v in small.items() if isinstance(getattr(config, k, None), int)}
     if hasattr(config, "num_experts_per_tok") and "n_routed_experts" in out:
         out["num_experts_per_tok"] = SMALL_MOE["num_experts_per_tok"]  # DeepSeek-V2: None
@@ -96,7 +116,17 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the tiny vocab
         value = getattr(config, key, None)
         if isinstance(value, int) and value >= small["vocab_size"]:
-            out[key] = None
+            out[key] = None if key == "pad_token_id" else 0  # (CWM requires bos and eos)
+    expand, mamba_heads = getattr(config, "mamba_expand", None), getattr(config, "mamba_n_heads", 0)
+    if isinstance(expand, int) and isinstance(mamba_heads, int) and mamba_heads > 0:
+        out.update(mamba_n_heads=2 * tp, mamba_d_state=16, mamba_n_groups=1,  # Granite 4
+                   mamba_d_head=expand * small["hidden_size"] // (2 * tp))
+    for key in ("vision_config", "audio_config"):  # encoders a text forward never runs
+        sub = getattr(config, key, None)
+        if hasattr(sub, "to_dict"):
+            data = sub.to_dict()
+            out[key] = {**data, **{k: v for k, v in SMALL_ENCODER.items()
+                                   if isinstance(data.get(k), int)}}
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and len(layer_types) > layers:
         out["layer_types"] = list(layer_types[:layers])

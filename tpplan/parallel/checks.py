@@ -12,7 +12,8 @@ from ..plan.errors import ErrorList
 from ..plan.specs import Rule
 from .tied import tied_groups
 
-__all__ = ["check_heads", "check_norms_beside_colwise", "check_tied"]
+__all__ = ["check_composite", "check_latent", "check_heads", "check_norms_beside_colwise", "check_tied",
+           "composite_children"]
 
 
 def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
@@ -24,6 +25,34 @@ def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
 def _gathered(rule: Rule) -> bool:
     out = rule.style.options.get("output_layouts")
     return getattr(out, "kind", None) == "replicate"
+
+
+def composite_children(module: nn.Module) -> list[str]:
+    """Children of a linear or embedding that hold parameters of their own (Inkling's
+    embedding with its ``embed_norm`` inside)."""
+    return [n for n, m in module.named_children() if any(True for _ in m.parameters())]
+
+
+def check_composite(rule: Rule, path: str, module: nn.Module, errs: ErrorList) -> None:
+    """PyTorch's colwise/rowwise styles shard every parameter under the module as its own
+    (``register_parameter('embed_norm.weight')`` fails): refuse, located at the rule."""
+    inner = composite_children(module)
+    if inner:
+        errs.add(f"module '{path}' ({type(module).__name__}) holds modules with parameters of "
+                 f"their own ({', '.join(inner)}): PyTorch's {rule.style.name} style shards a "
+                 "bare nn.Linear or nn.Embedding only; leave it replicated (no rule)", rule.loc)
+
+
+def check_latent(rule: Rule, path: str, module: nn.Module, parent: nn.Module | None,
+                 errs: ErrorList) -> None:
+    """``mla_kv_a_proj`` needs a linear layer and the rotary key's width."""
+    from .latent import rope_dim_of
+
+    rope = rule.style.options.get("rope_dim") or rope_dim_of(parent)
+    if not isinstance(module, nn.Linear) or not rope or rope >= module.out_features:
+        errs.add(f"rule '{rule.pattern}' (mla_kv_a_proj) on '{path}' ({type(module).__name__}) "
+                 "needs a linear layer whose output ends with the rotary key: give rope_dim, "
+                 "or an attention with 'qk_rope_head_dim'", rule.loc)
 
 
 def check_heads(rule: Rule, path: str, module: nn.Module, parent: nn.Module | None, tp: int,
@@ -69,14 +98,27 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
                 r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)
                 and p.rpartition(".")[0] == parent for p, r in res.rule_of.items()):
             continue
+        own = [n for n, p in modules[parent].named_parameters(recurse=False) if p.numel() > 1]
+        if own and parent not in seen:
+            seen.add(parent)
+            res.errors.add(f"module '{parent}' ({type(modules[parent]).__name__}) uses parameters "
+                           f"of its own ({', '.join(own)}) beside '{path}', which rule "
+                           f"'{rule.pattern}' shards colwise: tpplan cannot shard a module's own "
+                           "parameters with its projections; leave this module replicated",
+                           rule.loc)
         for name, child in modules[parent].named_children():
             norm = f"{parent}.{name}"
             weight = getattr(child, "weight", None)
             width = weight.numel() if isinstance(weight, nn.Parameter) else 0
             # A norm over the block's width reads the residual stream (OPT keeps those
             # beside its fc1); one over heads or a projection's width acts on its output.
-            acts_on_output = width and width != modules[path].in_features and \
-                modules[path].out_features % width == 0
+            # A norm as wide as some projection's input there feeds it (DeepSeek's
+            # q_a_layernorm before q_b_proj), one as wide as an unsharded projection's output
+            # reads it (AXK2's q_a_layernorm after q_a_proj): it sees a whole tensor.
+            feeds = any(isinstance(m, nn.Linear) and (m.in_features == width or (
+                m.out_features == width and f"{parent}.{n}" not in res.rule_of))
+                for n, m in modules[parent].named_children())
+            acts_on_output = width and not feeds and modules[path].out_features % width == 0
             if "norm" in type(child).__name__.lower() and acts_on_output \
                     and norm not in res.rule_of and norm not in seen:
                 seen.add(norm)

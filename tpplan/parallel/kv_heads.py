@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from .latent import LatentKVParallel, rope_dim_of
+
 __all__ = ["KVColwiseParallel", "check_kv_colwise", "head_dim_of", "head_slice", "kv_style",
            "local_kv_groups", "localize_kv_groups"]
 
@@ -112,6 +114,8 @@ def kv_style(style: ParallelStyle, rule: Any, path: str, modules: dict[str, nn.M
     if isinstance(style, KVColwiseParallel) and style.head_dim is None:
         return KVColwiseParallel(head_dim=head_dim_of(rule, modules[path.rpartition(".")[0]]),
                                  input_layouts=style.input_layout)
+    if isinstance(style, LatentKVParallel) and style.rope_dim is None:
+        return LatentKVParallel(rope_dim=rope_dim_of(modules.get(path.rpartition(".")[0])))
     return style
 
 

@@ -14,7 +14,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
-from .checks import check_heads, check_norms_beside_colwise, check_tied
+from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .kv_heads import check_kv_colwise
 from .packed import check_packed
@@ -124,11 +124,14 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             res.rule_of[path] = rule
             if rule.style.name in SHARDING_STYLES:
                 _check_sharding(rule, path, modules[path], tp, errs)
+                check_composite(rule, path, modules[path], errs)
                 check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
             elif rule.style.name in PACKED_STYLES:
                 check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
+            elif rule.style.name == "mla_kv_a_proj":
+                check_latent(rule, path, modules[path], modules.get(path.rpartition(".")[0]), errs)
             elif rule.style.name == "kv_colwise":
                 check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                                  tp, errs)

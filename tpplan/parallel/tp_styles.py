@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..plan.styles import TPPLAN_OPTIONS, Layout, StyleSpec
 from .kv_heads import KVColwiseParallel
+from .latent import LatentKVParallel
 
 __all__ = ["ReplicateParallel", "build_style"]
 
@@ -66,6 +67,7 @@ _CLASSES = {
     "prepare_input_output": PrepareModuleInputOutput,
     "replicate": ReplicateParallel,
     "kv_colwise": KVColwiseParallel,
+    "mla_kv_a_proj": LatentKVParallel,
 }
 
 

@@ -18,6 +18,10 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
   value projection with fewer heads than tp: the weight stays whole (replicated on tp), each
   rank computes the KV head its query heads use, gradients summed over tp
+- ``mla_kv_a_proj`` (tpplan's LatentKVParallel, transformers' name): multi-head latent
+  attention's ``kv_a_proj_with_mqa``, whole on every rank; the gradient of its last
+  ``rope_dim`` output columns (the rotary key shared by all heads; default: the attention's
+  ``qk_rope_head_dim``) is summed over tp, since each rank's heads read it
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
@@ -114,6 +118,7 @@ STYLES: dict[str, dict[str, str]] = {
     "packed_colwise": {"parts": PARTS, "input_layouts": LAYOUT},
     "experts_colwise_rowwise": {},
     "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
+    "mla_kv_a_proj": {"rope_dim": INT},
 }
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``

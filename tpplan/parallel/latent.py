@@ -1,0 +1,72 @@
+"""``mla_kv_a_proj``: the latent key/value projection of multi-head latent attention
+(DeepSeek-V2/V3, GLM-4-MoE-Lite, LongCat-Flash), transformers' ``MlaKvAProjParallel``.
+
+``kv_a_proj_with_mqa`` stays whole on every rank; its output is the latent ``k_pass`` (into
+``kv_a_layernorm`` and the colwise ``kv_b_proj``, whose input gradient is already summed
+over tp) followed by ``rope_dim`` columns of ``k_rot``, which go straight to this rank's
+heads. Each rank's gradient of ``k_rot`` covers its own heads only: it is summed over tp
+(one all-reduce of ``batch × seq × rope_dim`` per layer in backward), so the replicated
+weight gets the whole gradient on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = ["LatentKVParallel", "rope_dim_of"]
+
+
+class _SumGradOverTp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mesh):  # noqa: D102 - identity forward
+        ctx.mesh = mesh
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102 - all-reduce backward
+        return funcol.all_reduce(grad.contiguous(), "sum", (ctx.mesh, 0)), None
+
+
+class LatentKVParallel(ParallelStyle):
+    """The latent KV projection of MLA: parameters whole, the gradient of the last
+    ``rope_dim`` output columns (the shared rotary key) summed over tp.
+
+    Example::
+
+        >>> parallelize_module(attn.kv_a_proj_with_mqa, tp_mesh, LatentKVParallel(rope_dim=64))
+    """
+
+    def __init__(self, *, rope_dim: int | None = None) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.rope_dim is None:
+            raise ValueError("LatentKVParallel needs rope_dim")
+        rope = self.rope_dim
+
+        def output_fn(mod, inputs, out):
+            if isinstance(out, DTensor):
+                out = out.full_tensor()
+            latent, rot = out.split([out.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, _SumGradOverTp.apply(rot, device_mesh)], dim=-1)
+
+        module.register_forward_hook(output_fn)
+        return module
+
+    def __repr__(self) -> str:
+        return f"LatentKVParallel(rope_dim={self.rope_dim})"
+
+
+def rope_dim_of(parent: nn.Module | None) -> int | None:
+    """The attention's rotary key width: ``qk_rope_head_dim`` on it or its config."""
+    for owner in (parent, getattr(parent, "config", None)):
+        value = getattr(owner, "qk_rope_head_dim", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
