@@ -90,9 +90,11 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
-def model_flops(model: nn.Module, seq_len: int) -> ModelFlops:
-    """Forward FLOPs per token of each unit of ``model`` at sequence length ``seq_len``."""
-    blocks = find_blocks(model)
+def model_flops(model: nn.Module, seq_len: int, blocks: str | None = None) -> ModelFlops:
+    """Forward FLOPs per token of each unit of ``model`` at sequence length ``seq_len``;
+    ``blocks``: the path of the blocks' container when the model's own structure does not
+    show it (a single block is not "repeated")."""
+    blocks = find_blocks(model) or blocks
     width = _attention_width(model) if blocks else 0
     forward: dict[str, float] = {}
     block_units = []
