@@ -113,3 +113,39 @@ def test_constants_from_the_command_line():
                       ("compute=0", "must be in (0, 1]"), ("intra_node=1.5", "must be in")):
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace("]", r"\]")):
             DEFAULT_CONSTANTS.with_values(bad)
+
+
+def test_calibration_reproduces_a_real_runs_step_time(reference_run, capsys):
+    """``calibrate`` on a real ``tpplan train`` run (one CPU process): with no communication
+    every term scales as 1/efficiency, so the fit is the estimate at efficiency 1 over the
+    measured median step, and the fitted model gives that step back. ``validate
+    --calibrate`` says which constants it used and how well they reproduce the run."""
+    import json
+    from dataclasses import replace
+
+    from helpers import run_main
+
+    from tpplan.analysis.calibration import measured_step
+    from tpplan.analysis.cost import calibrate
+
+    metrics = reference_run / "metrics.jsonl"
+    measured = measured_step(metrics)
+    cpu = Device("cpu", 8 * 2**30, bf16_flops=50e9, intra_node_bandwidth=2e9,
+                 inter_node_bandwidth=1e9)
+    fitted = calibrate([metrics], None, [], cpu, 1)
+    r = dry_run(str(reference_run / "plan.yaml"), 1, [], ANALYSES)
+    at_one = estimate_step(r, cpu, 1, replace(DEFAULT_CONSTANTS, compute_efficiency=1.0))
+    assert fitted.compute_efficiency == pytest.approx(at_one.step_time / measured["step_time"],
+                                                      rel=1e-3)
+    assert estimate_step(r, cpu, 1, fitted).step_time == pytest.approx(measured["step_time"],
+                                                                       rel=1e-3)
+    assert fitted.source.startswith(f"calibrated from {metrics}")
+    code, out = run_main(capsys, "validate", "--plan", reference_run / "plan.yaml",
+                         "--world-size", 1, "--device", "h100", "--calibrate", metrics, "--json")
+    st = json.loads(out)["step_time"]
+    assert code == 0 and st["constants"]["source"].startswith("calibrated from")
+    assert st["calibration"][0]["ratio"] == pytest.approx(1.0, rel=1e-3)
+    with pytest.raises(SystemExit) as exit_:  # a usage error, as argparse's, no traceback
+        run_main(capsys, "validate", "--plan", PLAN, "--world-size", 1, "--device", "h100",
+                 "--calibrate", reference_run / "nothing.jsonl")
+    assert exit_.value.code == 2 and "nothing.jsonl: no such file" in capsys.readouterr().err
