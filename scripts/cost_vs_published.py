@@ -67,16 +67,12 @@ CONFIGS = [
                          "train.global_batch_size=1536", "train.micro_batch_size=1",
                          "activation_checkpointing={mode: full}", pipe("1f1b", 192)],
      ("seconds", 32.0)),
-    ("Llama 3 405B, 8,192 H100", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
-     "h100", 8192, [llama("405b"), FLAT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=8192",
-                    "train.global_batch_size=2048", "train.micro_batch_size=1",
-                    "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", 32, 2)],
-     ("tflops", 430)),
-    ("Llama 3 405B, 16,384 H100", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
-     "h100", 16384, [llama("405b"), FLAT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=8192",
-                     "train.global_batch_size=2048", "train.micro_batch_size=1",
-                     "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", 16, 2)],
-     ("tflops", 400)),
+    *[(f"Llama 3 405B, {gpus:,} H100 (v={v})", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
+       "h100", gpus, [llama("405b"), FLAT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=8192",
+                      "train.global_batch_size=2048", "train.micro_batch_size=1",
+                      "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", m, v)],
+       ("tflops", tflops))
+      for gpus, m, tflops in ((8192, 32, 430), (16384, 16, 400)) for v in (2, 4)],
 ]
 
 
