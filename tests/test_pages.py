@@ -173,3 +173,24 @@ def test_the_report_page_draws_validation_loss_when_the_run_logs_it(browser, run
 def test_report_on_a_folder_that_is_not_a_run_says_so(tmp_path):
     proc = tpplan_cli("report", tmp_path)
     assert proc.returncode == 1 and "no metrics.jsonl" in proc.stderr
+
+
+def test_the_validate_page_shows_the_estimated_step_time(browser, tmp_path):
+    """``validate --device h100``'s step-time estimate: every term and the total, as --json."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.cost import estimate_step
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.commands.page import write_page
+    from tpplan.plan.devices import DEVICES
+
+    r = dry_run(PLAN, 4, ["train.seq_len=32", "train.global_batch_size=4"], ANALYSES)
+    data = r.to_json()
+    data["step_time"] = estimate_step(r, DEVICES["h100"]).to_json()
+    page_file = tmp_path / "plan.html"
+    write_page(str(page_file), "plan", data, "step time")
+    page = _clean(*rendered_dom(browser, page_file))
+    terms = {t.attrs["data-term"]: float(t.attrs["data-seconds"])
+             for t in page.by_id("step-time-terms").find_all("tr") if "data-term" in t.attrs}
+    assert terms == pytest.approx(data["step_time"]["terms"])
+    assert float(page.by_id("step-time").attrs["data-step-time"]) == \
+        pytest.approx(data["step_time"]["step_time"])

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from . import steptime
 from ._common import add_plan_args, console, print_errors, size
 
 
@@ -21,12 +22,14 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.add_argument("--device", metavar="NAME",
                    help="check memory per rank against a device preset (h100, h200, a100-80gb, "
-                        "a100-40gb, l40s) and, if it does not fit, changes that make it fit")
+                        "a100-40gb, l40s) and, if it does not fit, changes that make it fit; "
+                        "and estimate the step time on it (docs/search.md)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="the same against a capacity, e.g. 80GiB or 85520809984")
     p.add_argument("--html", metavar="FILE",
                    help="also write the result as one self-contained page (mesh, modules, "
                         "memory, communication), drawn from the --json data")
+    steptime.add_args(p)
     p.add_argument("--strict", action="store_true",
                    help="exit 1 when an analysis (memory, communication) cannot be computed "
                         "for this model; without it such a failure is reported and the exit "
@@ -68,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
     device = _device(args)
+    constants, calibration = steptime.constants(args, device)
     from ..train.pretrained import plan_problems
 
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
@@ -77,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
         from ..analysis.fit import fit
 
         result.extra["fit"] = fit(result, device, args.plan, args.overrides)
+    estimate = steptime.estimate(result, device, args, constants, calibration)
+    if estimate is not None:
+        result.extra["step_time"] = estimate
     if args.html:
         from .page import write_page
 
@@ -99,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
     if "fit" in result.extra:
         render_fit(out, result.extra["fit"])
+    if "step_time" in result.extra:
+        steptime.render(out, result.extra["step_time"])
     if result.checkpoint_bytes:
         out.print(f"one training checkpoint (model + AdamW state, all ranks): "
                   f"{size(result.checkpoint_bytes)} on disk", highlight=False)

@@ -79,6 +79,7 @@
     renderModules(d.modules || [], root);
     if (d.memory_per_rank) renderMemory(d.memory_per_rank, d.fit, root);
     if (d.comm_per_step) renderComm(d.comm_per_step, d.comm_minimum, d.modules || [], root);
+    if (d.step_time) renderStepTime(d.step_time, root);
     if (d.analysis_errors && d.analysis_errors.length)
       root.append(el("h2", { text: "Analyses that could not run" }),
         el("pre", { id: "analysis-errors", text: d.analysis_errors.map((e) => `${e.analysis}: ${e.message}`).join("\n") }));
@@ -225,6 +226,20 @@
     root.append(el("p", { id: "fit-conclusion", text: f.fitting ?
       `Fits with ${f.fitting.change}: ${f.fitting.set.map((s) => `--set '${s}'`).join(" ")}` :
       "None of these fits; pipeline stages (mesh.pp and a pipeline section) would divide the blocks' memory further." }));
+  }
+
+  function renderStepTime(st, root) {  // the cost model's estimate (docs/search.md)
+    root.append(el("h2", { text: "Estimated step time" }));
+    if (st.error) { root.append(el("p", { class: "bad", id: "step-time-error", text: st.error })); return; }
+    const d = st.details, c = st.constants, s = (v) => `${v.toPrecision(4)} s`;
+    root.append(table("step-time-terms", ["term", { text: "seconds per step", num: true }, { text: "share", num: true }],
+      Object.entries(st.terms).map(([k, v]) => ({ attrs: { "data-term": k, "data-seconds": v },
+        cells: [k === st.dominant ? `${k} (dominant)` : k, num(s(v)), num(`${(100 * v / st.step_time).toFixed(1)}%`)] }))));
+    root.append(el("p", { id: "step-time", "data-step-time": st.step_time, "data-mfu": st.mfu,
+      text: `${s(st.step_time)} per step on ${d.device.name} (${d.gpus_per_node} per node): ` +
+        `${Math.round(st.tokens_per_s_per_device).toLocaleString("en-US")} tokens/s per device, MFU ${(100 * st.mfu).toFixed(1)}%. ` +
+        `Constants (${c.source}): compute ${c.compute_efficiency}, intra-node ${c.intra_node_efficiency}, ` +
+        `inter-node ${c.inter_node_efficiency}, fsdp_overlap ${c.fsdp_overlap}, tp_overlap ${c.tp_overlap}.` }));
   }
 
   function renderComm(c, mini, modules, root) {

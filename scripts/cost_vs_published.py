@@ -1,0 +1,124 @@
+"""tpplan's estimated step time against published measurements (docs/search.md).
+
+Each configuration is a published training run: its model (as a Llama with the same matmul
+shapes), GPU count, layout and batch, run through ``tpplan validate``'s dry run and cost
+model with the default constants, next to the throughput its authors measured. Usage:
+
+    PYTHONPATH=. python scripts/cost_vs_published.py [--cost compute=0.5,...] [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tpplan.analysis import ANALYSES  # noqa: E402
+from tpplan.analysis.cost import DEFAULT_CONSTANTS, estimate_step  # noqa: E402
+from tpplan.analysis.dryrun import dry_run  # noqa: E402
+from tpplan.plan.devices import DEVICES  # noqa: E402
+
+BF16 = "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"
+FLAT = "mesh.dp_replicate=1"
+DDP = "mesh={pp: 16, dp_replicate: 8, dp_shard: 1, tp: 8}"  # replicated weights, as Megatron's DP
+# GPT-3 175B as a Llama with the same matmuls: 96 heads of 128 (no GQA), an MLP of
+# 8h² weights (SwiGLU 3 × h × 8h/3 = GPT's 2 × h × 4h), a 51,200-token vocabulary.
+GPT3 = "model={name: llama3, config: 405b, kwargs: {dim: 12288, n_layers: 96, n_heads: 96, " \
+       "n_kv_heads: 96, vocab_size: 51200, ffn_hidden: 32768, max_seq_len: 2048}}"
+
+
+ASYNC_TP = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (bf16, vanilla TP)"
+
+
+def llama(size: str) -> str:
+    return f"model={{name: llama3, config: {size}, kwargs: {{max_seq_len: 8192}}}}"
+
+
+def pipe(schedule: str, m: int, v: int = 1) -> str:
+    extra = f", stages_per_rank: {v}" if v > 1 else ""
+    return f"pipeline={{schedule: {schedule}, microbatches: {m}{extra}}}"
+
+
+# name, source, device, world, --set lines, measured: ("tps", tokens/s per GPU) |
+# ("tflops", model TFLOP/s per GPU, converted with tpplan's FLOP count) | ("seconds", step)
+CONFIGS = [
+    ("torchtitan 8B, 8 GPUs", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP, no compile)",
+     "h100", 8, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
+                 "train.global_batch_size=16", "activation_checkpointing={mode: selective, every: 2}"],
+     ("tps", 5762)),
+    ("torchtitan 8B, 128 GPUs", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (FSDP, no compile)",
+     "h100", 128, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
+                   "train.global_batch_size=256", "activation_checkpointing={mode: selective, every: 2}"],
+     ("tps", 5605)),
+    ("torchtitan 8B, 64 GPUs, TP 8", ASYNC_TP,
+     "h100", 64, [llama("8b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
+                  "train.global_batch_size=96", "activation_checkpointing={mode: selective, every: 2}"],
+     ("tps", 4378)),
+    ("torchtitan 70B, 256 GPUs, TP 8", ASYNC_TP,
+     "h100", 256, [llama("70b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
+                   "train.global_batch_size=512", "activation_checkpointing={mode: full}"],
+     ("tps", 597.3)),
+    ("Megatron-LM GPT-3 175B, 1024 A100", "Megatron-LM README (2022), 'GPT-3 Example'; examples/pretrain_gpt3_175B.sh",
+     "a100-80gb", 1024, [GPT3, DDP, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=2048",
+                         "train.global_batch_size=1536", "train.micro_batch_size=1",
+                         "activation_checkpointing={mode: full}", pipe("1f1b", 192)],
+     ("seconds", 32.0)),
+    *[(f"Llama 3 405B, {gpus:,} H100 (v={v})", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
+       "h100", gpus, [llama("405b"), FLAT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=8192",
+                      "train.global_batch_size=2048", "train.micro_batch_size=1",
+                      "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", m, v)],
+       ("tflops", tflops))
+      for gpus, m, tflops in ((8192, 32, 430), (16384, 16, 400)) for v in (2, 4)],
+]
+
+
+def measured_seconds(kind: str, value: float, est, world: int) -> float:
+    if kind == "seconds":
+        return value
+    if kind == "tps":
+        return est.tokens_per_step / (value * world)
+    flops = est.details["model_flops_per_step"]
+    return flops / (value * 1e12 * world)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--plan", default="plans/llama.yaml")
+    ap.add_argument("--cost", default="")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    constants = DEFAULT_CONSTANTS.with_values(args.cost)
+    rows = []
+    for name, source, dev, world, sets, (kind, value) in CONFIGS:
+        if args.only and args.only not in name:
+            continue
+        t0 = time.perf_counter()
+        r = dry_run(args.plan, world, sets, ANALYSES)
+        if not r.ok:
+            why = r.errors[0].message if r.errors else r.analysis_errors[0].message
+            print(f"{name}: dry run failed: {why}", file=sys.stderr)
+            continue
+        est = estimate_step(r, DEVICES[dev], 8, constants)
+        measured = measured_seconds(kind, value, est, world)
+        rows.append(dict(name=name, source=source, world=world, mesh=r.resolution.dims.as_dict(),
+                         measured_step=measured, estimated_step=est.step_time,
+                         ratio=est.step_time / measured, dominant=est.dominant,
+                         measured_tps=est.tokens_per_step / measured / world,
+                         estimated_tps=est.tokens_per_s_per_device, mfu=est.mfu,
+                         terms=est.terms, seconds=time.perf_counter() - t0))
+        print(f"{name}: measured {measured:.3f} s, estimated {est.step_time:.3f} s, "
+              f"ratio {est.step_time / measured:.3f}, "
+              + ", ".join(f"{k} {v:.3f}" for k, v in est.terms.items() if v)
+              + f" ({rows[-1]['seconds']:.0f} s)", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""Model FLOPs per token, counted from the model itself, unit by unit.
+
+Forward FLOPs per token of a unit are ``2 × (weights of its Linear layers)`` (one multiply
+and one add per weight; embeddings are lookups, not matmuls) plus, in each repeated block,
+attention's two matmuls ``QKᵀ`` and ``AV``: ``2 × 2 × s × d_attn`` with ``d_attn = n_heads ×
+head_dim`` (counted over the whole ``s × s`` score matrix, as PaLM's appendix B and
+torchtitan count it; causal kernels skip about half of it, which the compute efficiency
+absorbs). Backward costs twice forward, so a training step costs ``3 ×`` forward: the
+familiar ``6N + 12·L·d·s`` per token. Weights are counted from global shapes (a DTensor's
+``shape`` is the whole tensor), so the same figure comes out at any tp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..models.introspect import find_blocks
+
+__all__ = ["ModelFlops", "model_flops"]
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward FLOPs per token by unit (top-level modules, each block its own), in order."""
+
+    forward: dict[str, float]  # unit path -> forward FLOPs per token
+    blocks: tuple[str, ...]  # the units that are repeated blocks
+    matmul_params: int  # weights of every Linear (the N of 6N)
+    attention_width: int  # n_heads × head_dim (0: unknown, attention not counted)
+
+    @property
+    def train_per_token(self) -> float:
+        """Forward + backward FLOPs per token: ``3 ×`` forward."""
+        return 3 * sum(self.forward.values())
+
+    def forward_of(self, units) -> float:
+        return sum(self.forward.get(u, 0.0) for u in units)
+
+    def rank_units(self, stages: list[dict] | None) -> list[list[str]]:
+        """The units each pp rank runs, for a pipeline's stages (``pipeline.stages``: first
+        and last module, pp rank); one rank with every unit without a pipeline, or when a
+        stage's modules are not units of this count."""
+        order = list(self.forward)
+        if not stages:
+            return [order]
+        per_rank: dict[int, list[str]] = {}
+        for s in stages:
+            if s["first_module"] not in order or s["last_module"] not in order:
+                return [order]
+            lo, hi = order.index(s["first_module"]), order.index(s["last_module"])
+            per_rank.setdefault(s["pp_rank"], []).extend(order[lo:hi + 1])
+        return list(per_rank.values())
+
+
+def _attention_width(model: nn.Module) -> int:
+    """``n_heads × head_dim`` from the model's config (ours or a HuggingFace one), 0 if none."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return 0
+    heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    dim = getattr(cfg, "dim", None) or getattr(cfg, "hidden_size", None)
+    if not heads or not dim:
+        return 0
+    head_dim = getattr(cfg, "head_dim", None) or dim // heads
+    return int(heads * head_dim)
+
+
+def _units(model: nn.Module, blocks: str | None) -> list[tuple[str, nn.Module, bool]]:
+    """(path, module, is a block) in order: top-level modules, the blocks' container
+    opened (and any module on the way to it), so each block is a unit."""
+    out: list[tuple[str, nn.Module, bool]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if blocks is not None and path == blocks:
+                out.extend((f"{path}.{n}", c, True) for n, c in child.named_children())
+            elif blocks is not None and blocks.startswith(path + "."):
+                walk(path + ".", child)
+            else:
+                out.append((path, child, False))
+
+    walk("", model)
+    return out
+
+
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def model_flops(model: nn.Module, seq_len: int, blocks: str | None = None) -> ModelFlops:
+    """Forward FLOPs per token of each unit of ``model`` at sequence length ``seq_len``;
+    ``blocks``: the path of the blocks' container when the model's own structure does not
+    show it (a single block is not "repeated")."""
+    blocks = find_blocks(model) or blocks
+    width = _attention_width(model) if blocks else 0
+    forward: dict[str, float] = {}
+    block_units = []
+    for path, module, is_block in _units(model, blocks):
+        f = 2.0 * _linear_weights(module)
+        if is_block:
+            f += 4.0 * seq_len * width
+            block_units.append(path)
+        forward[path] = f
+    return ModelFlops(forward, tuple(block_units), _linear_weights(model), width)

@@ -1,0 +1,121 @@
+"""``validate --device``'s estimated step time: options, computing it, printing it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+TERM_NAMES = {
+    "compute": "compute (forward + backward)", "recompute": "recompute (activation checkpointing)",
+    "tp": "tp collectives (critical path)", "fsdp": "fsdp all-gather / reduce-scatter (exposed)",
+    "dp": "dp_replicate all-reduce (exposed)", "pp_p2p": "pipeline send/recv",
+    "bubble": "pipeline bubble"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="N",
+                   help="GPUs per node for the step-time estimate: a mesh dimension whose "
+                        "groups fit in N consecutive ranks uses NVLink, else the network "
+                        "(default 8)")
+    p.add_argument("--cost", metavar="NAME=V,...", default="",
+                   help="the cost model's constants, e.g. compute=0.45,fsdp_overlap=0.9 "
+                        "(compute, intra_node, inter_node: fractions of peak; fsdp_overlap, "
+                        "tp_overlap: fractions hidden; docs/search.md)")
+    p.add_argument("--calibrate", metavar="METRICS", action="append", default=[],
+                   help="fit compute efficiency to a `tpplan train` run's metrics.jsonl (its "
+                        "plan.yaml next to it gives the layout), repeatable; needs --device")
+
+
+def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]:
+    """The constants ``--cost`` and ``--calibrate`` give (and the calibration's per-run
+    report), or SystemExit(2) with the reason."""
+    from ..analysis.cost import DEFAULT_CONSTANTS
+
+    if args.gpus_per_node < 1:
+        _fail(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    try:
+        c = DEFAULT_CONSTANTS.with_values(args.cost)
+    except ValueError as e:
+        _fail(f"--cost {e}")
+    if not args.calibrate:
+        return c, None
+    if device is None or not device.bf16_flops:
+        _fail("--calibrate needs --device (a preset with a bf16 peak)")
+    from pathlib import Path
+
+    from ..analysis.calibration import fit_report
+
+    for m in args.calibrate:
+        if not Path(m).is_file():
+            _fail(f"--calibrate {m}: no such file")
+    plans = [Path(m).parent / "plan.yaml" for m in args.calibrate]
+    own = all(p.is_file() for p in plans)
+    try:
+        return fit_report(args.calibrate, None if own else args.plan,
+                          [] if own else args.overrides, device, args.gpus_per_node, c)
+    except ValueError as e:
+        _fail(f"--calibrate {e}")
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def estimate(result, device, args, c, calibration) -> dict[str, Any] | None:
+    """``step_time`` for the JSON: the estimate, or ``{"error": ...}``; None when there is
+    nothing to estimate against (no device, or one without a bf16 peak)."""
+    from ..analysis.cost import estimate_step
+
+    if device is None or not device.bf16_flops or result.errors:
+        return None
+    try:
+        out = estimate_step(result, device, args.gpus_per_node, c).to_json()
+    except (ValueError, KeyError) as e:
+        return {"error": f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)}
+    if calibration is not None:
+        out["calibration"] = calibration
+    return out
+
+
+def render(out, st: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    if "error" in st:
+        out.print(Text(f"step time: not estimated: {st['error']}"))
+        return
+    d, c = st["details"], st["constants"]
+    dev = d["device"]
+    t = Table(title=f"estimated step time on {dev['name']} ({d['gpus_per_node']} per node; "
+                    f"links: " + ", ".join(f"{k} {v}" for k, v in d["links"].items()
+                                           if k != "dp") + ")", header_style="bold")
+    t.add_column("term")
+    t.add_column("seconds per step", justify="right")
+    t.add_column("share", justify="right")
+    for k, v in st["terms"].items():
+        name = TERM_NAMES.get(k, k) + (" ◀" if k == st["dominant"] else "")
+        t.add_row(name, f"{v:.4g}", f"{v / st['step_time']:.1%}" if st["step_time"] else "")
+    t.add_row("[bold]step time[/bold]", f"[bold]{st['step_time']:.4g}[/bold]", "")
+    out.print(t)
+    out.print(Text(
+        f"{st['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {st['mfu']:.1%} "
+        f"({d['flops_per_token'] / 1e9:,.3g} GFLOP per token: 6 × {d['matmul_params']:,} matmul "
+        f"weights + attention; {st['tokens_per_step']:,} tokens per step); dominant: "
+        f"{st['dominant']}"))
+    out.print(Text(
+        f"constants ({c['source']}): compute {c['compute_efficiency']:.3g} of "
+        f"{dev['bf16_flops'] / 1e12:,.1f} TFLOP/s, intra-node {c['intra_node_efficiency']:.3g} "
+        f"of {_bw(dev['intra_node_bandwidth'])} (one direction: half), inter-node "
+        f"{c['inter_node_efficiency']:.3g} of {_bw(dev['inter_node_bandwidth'])}, fsdp_overlap "
+        f"{c['fsdp_overlap']:.3g}, tp_overlap {c['tp_overlap']:.3g}; device figures: "
+        "docs/search.md"))
+    for r in st.get("calibration") or []:
+        out.print(Text(f"calibration: {r['path']} (world size {r['world_size']}, "
+                       f"{r['steps']} steps): measured {r['measured']:.4g} s, the fitted "
+                       f"model gives {r['predicted']:.4g} s ({r['ratio']:.3f}×)"))
+
+
+def _bw(v: float | None) -> str:
+    return "n/a" if not v else f"{v / 1e9:,.0f} GB/s"
