@@ -38,7 +38,7 @@ __all__ = ["search", "reason_of"]
 def reason_of(message: str) -> str:
     """An error's reason without its numbers: candidates dropped for the same reason count
     together (``... not divisible by the data-parallel size N ...``)."""
-    text = re.sub(r"\d+(?:[,.]\d+)*", "N", message.split(";")[0])
+    text = re.sub(r"(?<![A-Za-z_])\d+(?:[,.]\d+)*(?![A-Za-z_])", "N", message.split(";")[0])
     return re.sub(r"^--set [^:]*: ", "", text).strip()
 
 

@@ -42,7 +42,7 @@ from ..plan.pipeline import SCHEDULES
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
-from .dryrun import DryRun, _run
+from .dryrun import DryRun, _forget_meshes, _run
 from .memory import memory_per_rank
 from .steptrace import StageIO
 from .tptrace import trace_tp
@@ -83,6 +83,7 @@ class Evaluator:
         self.memories: dict[tuple, tuple] = {}
         self.tp_traces: dict[tuple, Any] = {}
         self.traces: Counter = Counter()
+        self._last: ParallelDims | None = None
 
     def check(self, sets: Sequence[str]) -> DryRun:
         """The plan with ``sets``: its errors (sections, model, batch against the mesh) or
@@ -118,6 +119,11 @@ class Evaluator:
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
             self.meshes[dims] = dims.build_mesh("cpu")
+        if self._last is not dims:
+            # DTensor's caches key on meshes that compare equal across groups (dryrun's
+            # _forget_meshes): a trace on this mesh must not reuse another mesh's groups.
+            _forget_meshes()
+            self._last = dims
         return self.meshes[dims]
 
     def memory(self, result: DryRun) -> None:
