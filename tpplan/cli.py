@@ -19,7 +19,8 @@ from .plan.errors import CommandError, PlanError, PlanErrors
 
 __all__ = ["main"]
 
-COMMANDS = ("validate", "verify", "train", "report", "suggest", "import-hf", "export", "generate")
+COMMANDS = ("validate", "search", "verify", "train", "report", "suggest", "import-hf", "export",
+            "generate")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ Imports the plan, models and parallel layers and the façade; not the trainer or
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -27,24 +27,25 @@ from .tptrace import TPTrace, identical_blocks, trace_tp
 __all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "compute_dtypes"]
 
 
-def analyze_memory(result: DryRun) -> None:
+def analyze_memory(result: DryRun, trace: Callable = memory_per_rank) -> None:
     """``memory_per_rank``: bytes per rank by part and the step's peak, from the trainer's
-    step run on fake tensors (docs/dry-run.md)."""
+    step run on fake tensors (docs/dry-run.md). ``trace``: :func:`memory_per_rank` or a
+    function with its signature that answers the same (``search``'s cache)."""
     spec = result.plan.spec
     if spec.pipeline is not None:
         from .stagemem import pipeline_memory
 
         mem, result.extra["pipeline"] = pipeline_memory(
             spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
-            result.resolution.dims)
+            result.resolution.dims, trace)
         mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
         result.extra["memory_per_rank"] = mem
         return
     found = identical_blocks(result.model, result.resolution.rule_of)
     blocks = found[2] if found else None
     n_blocks = len(result.model.get_submodule(blocks)) if blocks else 0
-    mem = memory_per_rank(spec, result.mesh, lambda: build_model(spec.model, "meta"),
-                          result.step, n_blocks, blocks)
+    mem = trace(spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
+                n_blocks, blocks)
     mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
     result.extra["memory_per_rank"] = mem
 
@@ -62,10 +63,12 @@ def compute_dtypes(result: DryRun) -> tuple[torch.dtype, torch.dtype]:
     return param, reduce
 
 
-def analyze_comm(result: DryRun) -> None:
+def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp) -> None:
     """``comm_per_step`` (TP traced on meta, FSDP from its units) and ``comm_minimum``; with
-    pipeline stages, per pp rank, for its own stages (:mod:`tpplan.analysis.stagecomm`)."""
-    spec, res, shape = result.plan.spec, result.report.resolution, result.step
+    pipeline stages, per pp rank, for its own stages (:mod:`tpplan.analysis.stagecomm`).
+    ``tp_trace``: :func:`trace_tp` or a function with its signature (``search``'s cache; a
+    pipeline's stages are traced with their ends by ``stagecomm`` itself)."""
+    spec, res, shape = result.plan.spec, result.resolved, result.step
     dims = res.dims
     param, reduce = compute_dtypes(result)
     step = _accumulation(result, param, reduce)
@@ -76,7 +79,7 @@ def analyze_comm(result: DryRun) -> None:
         comm, trace, parts = pipeline_comm(result, param, reduce, step)
     else:
         if dims.tp > 1:
-            trace = trace_tp(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
+            trace = tp_trace(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
                              shape.seq_len, shape.micro_batch, param)
         else:
             trace = TPTrace(Counter(), [], None)
@@ -111,7 +114,7 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
     ``extra`` lists every (kind, pass) that differs, with signed differences; ``verdict``
     says whether the plan moves more, as much or less than the minimum over the wire.
     ``stages``: a pipeline rank's stages (``StageComm``), whose minimum is summed."""
-    spec, res, shape = result.plan.spec, result.report.resolution, result.step
+    spec, res, shape = result.plan.spec, result.resolved, result.step
     if stages is None:
         counts, nbytes = megatron_minimum(result.model, res, spec, shape, e, step.grad_bytes)
         parts = [(result.model, res)]

@@ -67,17 +67,24 @@ class DryRun:
     def ok(self) -> bool:
         return not self.errors and not self.analysis_errors
 
+    @property
+    def resolved(self) -> Any:
+        """The resolution the plan was applied with (the report's), or the checked one when
+        the plan was not applied (``apply=False``, ``search``): the same rules and units."""
+        return self.report.resolution if self.report is not None else self.resolution
+
     @functools.cached_property
     def fsdp_units(self) -> list:
-        """The applied plan's FSDP2 parameter groups (``UnitSize``), computed once for every
-        analysis that needs them."""
+        """The plan's FSDP2 parameter groups (``UnitSize``, from shapes: the same on the
+        applied model or the one not yet parallelized), computed once for every analysis
+        that needs them."""
         from ..parallel.fsdp_units import unit_sizes
 
-        res = self.report.resolution
+        res = self.resolved
         return unit_sizes(self.model, res, res.dims)
 
     def to_json(self) -> dict[str, Any]:
-        dims = self.report.dims if self.report is not None else None
+        dims = self.resolved.dims if self.resolved is not None and not self.errors else None
         out = {
             "ok": self.ok,
             "errors": [e.to_json() for e in self.errors],

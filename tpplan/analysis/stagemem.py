@@ -58,10 +58,12 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
 
 
 def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                    dims: ParallelDims) -> tuple[dict[str, Any], dict[str, Any]]:
+                    dims: ParallelDims, trace: Callable = memory_per_rank,
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
     usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
-    with the activation a stage sends (``boundary``) and the p2p traffic per rank."""
+    with the activation a stage sends (``boundary``) and the p2p traffic per rank. ``trace``:
+    :func:`memory_per_rank` or a function with its signature (``search``'s cache)."""
     whole = build()
     split = split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
@@ -77,7 +79,7 @@ def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
         module = stage_module(whole, stage, split)
         blocks = find_blocks(module)
         n_blocks = len(module.get_submodule(blocks)) if blocks else 0
-        per_stage[stage.index] = memory_per_rank(
+        per_stage[stage.index] = trace(
             spec, mesh, lambda stage=stage: stage_module(whole, stage, split), shape, n_blocks,
             blocks, io=io)
         boundary = boundary or io.sent

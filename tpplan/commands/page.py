@@ -38,7 +38,7 @@ TEMPLATE = """<!doctype html>
 
 
 def render_page(kind: str, data: dict[str, Any], title: str, subtitle: str = "") -> str:
-    """The page for ``data``: ``kind`` is ``plan`` (``validate --json``) or ``run``
+    """The page for ``data``: ``kind`` is ``plan`` (``validate --json``), ``search`` or ``run``
     (``report --json``)."""
     # Inside <script>, "</" would end the element: JSON allows "<\\/" for "</".
     payload = json.dumps(data).replace("</", "<\\/")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from .errors import Loc, PlanError
 from .yamlio import LMap, LSeq, load_file, load_text
 
-__all__ = ["read_document", "apply_override"]
+__all__ = ["read_document", "apply_override", "overridden"]
 
 MAX_EXTENDS = 16
 REPLACE_WHOLE = ("tensor_parallel",)  # sections whose entries replace, never merge
@@ -122,6 +122,29 @@ def _shift(value: Any, columns: int) -> None:
         value.item_locs = [Loc(x.file, 1, x.column + columns) for x in value.item_locs]
         for v in value:
             _shift(v, columns)
+
+
+def _copy(m: LMap) -> LMap:
+    out = LMap(m.loc)
+    out.update(m)
+    out.key_locs, out.value_locs = dict(m.key_locs), dict(m.value_locs)
+    return out
+
+
+def overridden(doc: LMap, overrides: Sequence[str]) -> LMap:
+    """``doc`` with ``overrides`` applied, ``doc`` itself untouched: the mappings on each
+    override's key path are copied before :func:`apply_override` changes them (the rest is
+    shared, never changed). Many variants of one plan (``search``) without rereading it."""
+    out = _copy(doc)
+    for text in overrides:
+        node = out
+        for key in text.partition("=")[0].strip().split(".")[:-1]:
+            child = node.get(key)
+            if not isinstance(child, LMap):
+                break
+            node[key] = node = _copy(child)
+        apply_override(out, text)
+    return out
 
 
 def read_document(path: str | Path, overrides: Sequence[str] = ()) -> LMap:

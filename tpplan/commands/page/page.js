@@ -335,10 +335,29 @@
     return el("div", { class: "chart-box" }, el("h3", { text: `${label}: ${fmt(points[points.length - 1][1])} at step ${points[points.length - 1][0]}` }), box);
   }
 
+  function renderSearch(d, root) {  // `tpplan search --json`: the ranked layouts, the drops
+    root.append(el("h2", { text: `The ${d.ranked.length} fastest layouts that fit (estimated)` }));
+    root.append(table("ranked", [{ text: "#", num: true }, { text: "tokens/s/GPU", num: true },
+      { text: "step", num: true }, { text: "MFU", num: true }, "dominant", { text: "headroom", num: true }, "--set"],
+      d.ranked.map((r, i) => ({
+        attrs: { "data-rank": i + 1, "data-tokens": r.tokens_per_s_per_device, "data-peak": r.peak,
+                 "data-headroom": r.headroom, "data-dominant": r.dominant },
+        cells: [num(i + 1), num(Math.round(r.tokens_per_s_per_device).toLocaleString("en-US"), r.tokens_per_s_per_device),
+          num(`${r.step_time.toFixed(2)} s`, r.step_time), num(`${(100 * r.mfu).toFixed(1)}%`, r.mfu),
+          r.dominant, num(size(r.headroom), r.headroom), r.sets.map((s) => `--set '${s}'`).join(" ")] }))));
+    root.append(el("p", { id: "search-counts", text: `${d.candidates} candidates: ${d.passed_checks} pass the plan's ` +
+      `checks, ${d.fitting} checked to fit, ${d.not_checked_for_memory} ranked below them not checked for memory.` }));
+    root.append(el("h2", { text: "Dropped, by reason" }));
+    root.append(table("dropped", [{ text: "count", num: true }, "reason", "example"], d.dropped.map((x) => ({
+      attrs: { "data-count": x.count }, cells: [num(x.count), x.reason, x.example.join(" ")] }))));
+  }
+
   try {
     const data = JSON.parse(document.getElementById("data").textContent);
     const main = document.getElementById("main");
-    if (document.body.dataset.kind === "run") renderRun(data, main); else renderPlan(data, main);
+    const kind = document.body.dataset.kind;
+    if (kind === "run") renderRun(data, main); else if (kind === "search") renderSearch(data, main);
+    else renderPlan(data, main);
     document.body.dataset.rendered = "yes";
   } catch (e) {
     report(String(e && e.stack ? e.stack : e));

@@ -1,0 +1,107 @@
+"""``tpplan search``: every layout enumerated, the ones that do not divide or fit dropped with
+their reason, the cached analyses equal to uncached dry runs, and the top layout's ``--set``
+lines giving ``validate`` the same memory and estimate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from helpers import PLANS
+
+from tpplan.analysis import ANALYSES
+from tpplan.analysis.candidates import Options, candidates, factorizations
+from tpplan.analysis.cost import estimate_step
+from tpplan.analysis.dryrun import dry_run, fake_process_group
+from tpplan.analysis.fit import needed
+from tpplan.analysis.search import search
+from tpplan.analysis.tracecache import Evaluator
+from tpplan.api import load
+from tpplan.cli import main
+from tpplan.plan.devices import DEVICES
+from tpplan.plan.pipeline import SCHEDULES
+
+PLAN = str(PLANS / "llama.yaml")
+SMALL = ["train.seq_len=32", "train.global_batch_size=8"]
+
+
+def test_every_factorization_and_option_is_enumerated():
+    n = 8
+    meshes = {(a, b, c, d) for a in range(1, n + 1) for b in range(1, n + 1)
+              for c in range(1, n + 1) for d in range(1, 5) if a * b * c * d == n}
+    assert set(factorizations(n, 4)) == meshes and len(factorizations(n, 4)) == len(meshes)
+    spec = load(PLAN, SMALL).spec
+    got = candidates(spec, n, Options(max_tp=4, ac_every=(2,), stages_per_rank=(2,)))
+    per_schedule = len(SCHEDULES)  # one stages_per_rank each: 1, or the 2 asked (or forced)
+    expected = 0
+    for pp, r, s, _ in meshes:
+        per_rank = 8 // (r * s)  # the global batch is 8 sequences: every dp divides it
+        divs = sum(1 for k in range(1, per_rank + 1) if per_rank % k == 0)
+        expected += 3 * divs * (1 if pp == 1 else per_schedule)  # none, full, selective 2
+    assert len(got) == expected
+    assert all(c.pp * c.dp * c.tp == n for c in got)
+
+
+def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
+    tiny = dataclasses.replace(DEVICES["h100"], name="tiny", memory=1)  # nothing fits
+    data = search(PLAN, 4, tiny, SMALL + ["train.global_batch_size=2"], top=3,
+                  options=Options(max_tp=2, schedules=("1f1b",)))
+    reasons = {d["reason"]: d for d in data["dropped"]}
+    batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
+    assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
+    assert reasons["does not fit tiny memory"]["count"] >= 1
+    assert data["ranked"] == []
+    counted = sum(d["count"] for d in data["dropped"]) + data["not_checked_for_memory"]
+    assert counted == data["candidates"]
+
+
+def _comparable(result) -> tuple:
+    mem = dict(result.extra["memory_per_rank"])
+    mem.pop("pp_ranks", None)
+    return mem, result.extra["comm_per_step"]["collectives"], result.extra.get("pipeline")
+
+
+def test_cached_analyses_equal_uncached_dry_runs():
+    sets = [  # share traces: the same dp_shard under another dp_replicate, accumulation 4 vs 8
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=2",
+         "activation_checkpointing={mode: selective, every: 2}"],
+        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
+         "pipeline={schedule: 1f1b, microbatches: 4}"],
+        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
+         "pipeline={schedule: gpipe, microbatches: 4}"],
+    ]
+    ev = Evaluator(PLAN, SMALL + ["train.global_batch_size=16"], 8)
+    cached = []
+    with fake_process_group(8):
+        for s in sets:
+            r = ev.check(s)
+            assert not r.errors, r.errors
+            ev.memory(r)
+            ev.comm(r)
+            assert r.ok, r.analysis_errors
+            cached.append((_comparable(r), estimate_step(r, DEVICES["h100"]).step_time))
+    assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 2
+    for s, (got, seconds) in zip(sets, cached):
+        real = dry_run(PLAN, 8, SMALL + ["train.global_batch_size=16"] + s, ANALYSES)
+        assert got == _comparable(real), s
+        assert seconds == estimate_step(real, DEVICES["h100"]).step_time
+
+
+def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
+    assert main(["search", "--plan", PLAN, "--world-size", "4", "--device", "h100",
+                 *sum((["--set", s] for s in SMALL), []), "--top", "1", "--max-tp", "2",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    best = data["ranked"][0]
+    assert data["constants"]["source"] == "defaults"
+    argv = ["validate", "--plan", PLAN, "--world-size", "4", "--device", "h100", "--json"]
+    for s in SMALL + best["sets"]:
+        argv += ["--set", s]
+    assert main(argv) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["memory_per_rank"]["peak"] == best["peak"]
+    assert needed(best["peak"]) == best["needed"] and v["fit"]["fits"]
+    if "estimate" in v:
+        assert v["estimate"]["step_time"] == best["step_time"]

@@ -1,0 +1,175 @@
+"""Dry runs of many variants of one plan in one process, sharing what their traces share.
+
+``tpplan search`` checks thousands of layouts of one plan; a dry run of a 405B model costs
+tens of seconds, almost all of it in two traces: the trainer's step on fake tensors
+(memory) and one micro-batch's TP collectives on meta (communication). :class:`Evaluator`
+runs each candidate through the dry run's own checks and analyses (``analyze_memory`` and
+``analyze_comm``, the functions ``validate`` runs) inside one fake process group, and hands
+those analyses a cached trace wherever a candidate's trace would be the same as one already
+run. A cache entry is keyed by everything its trace reads that can differ between the
+candidates of one plan (they differ only in the mesh, activation checkpointing, the
+micro-batch and the pipeline section); docs/search.md says why each key is complete.
+
+- Resolution (patterns, checks, the stage split): keyed by tp, pp, whether there is data
+  parallelism, the checkpointing mode and period, and the pipeline's stages per rank and
+  placement; the candidate's own mesh degrees are put back in.
+- Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
+  stage): keyed by tp, dp_shard, whether dp_replicate and pp are above 1, seq_len,
+  micro-batch, the micro-batches the trace runs (``min(accumulation, 3)``), dtypes,
+  checkpointing mode and period, the stage's ends and structure and what it receives.
+  The schedule and its number of micro-batches are not in it: they are combined afterwards
+  (:mod:`tpplan.analysis.stagemem`), per candidate.
+- TP collectives (:func:`tpplan.analysis.tptrace.trace_tp`): keyed by tp, seq_len,
+  micro-batch, compute dtype, checkpointing mode and period. Accumulation, FSDP and
+  pipeline traffic are arithmetic on top, per candidate (``analyze_comm``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any, Callable, Sequence
+
+import torch.nn as nn
+
+from ..api import Plan
+from ..checkpoint import checkpoint_bytes
+from ..models import build_model
+from ..parallel.mesh import ParallelDims
+from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
+from ..plan.loader import overridden
+from ..plan.pipeline import SCHEDULES
+from ..plan.specs import PlanSpec
+from ..plan.step import StepShape
+from . import analyze_comm, analyze_memory
+from .dryrun import DryRun, _forget_meshes, _run
+from .memory import memory_per_rank
+from .steptrace import StageIO
+from .tptrace import trace_tp
+
+__all__ = ["Evaluator"]
+
+
+def _signature(module: nn.Module) -> tuple:
+    """A module's structure without its names: each submodule's type and its parameters'
+    shapes and dtypes, in order (two stages of as many blocks, at the same ends, agree)."""
+    return tuple((type(m).__name__, tuple((n, tuple(p.shape), p.dtype)
+                                          for n, p in m.named_parameters(recurse=False)))
+                 for m in module.modules())
+
+
+def _mesh_key(mesh) -> tuple:
+    size = dict(zip(mesh.mesh_dim_names, mesh.shape))
+    return (size["tp"], size["dp_shard"], size["dp_replicate"] > 1, size.get("pp", 1) > 1)
+
+
+class Evaluator:
+    """One plan (``plan_path`` with ``overrides``) at ``world_size``: :meth:`check` a variant
+    (``--set`` lines) as ``dry_run`` checks it, then :meth:`memory` and :meth:`comm` analyse
+    it as ``validate`` does, through the caches. Analyses need :func:`fake_process_group`
+    of ``world_size`` up. ``traces`` counts the traces run and the cache's answers."""
+
+    def __init__(self, plan_path: str, overrides: Sequence[str], world_size: int):
+        self.path, self.world_size = str(plan_path), world_size
+        try:
+            self.doc = read_document(plan_path, overrides)
+        except PlanError as e:
+            raise PlanErrors([e]) from None
+        self.base = parse_plan(self.doc, self.path)
+        self.model = build_model(self.base.model, device="meta")  # never applied: shared
+        self.checkpoint = checkpoint_bytes(self.model)
+        self.meshes: dict[ParallelDims, Any] = {}
+        self.resolutions: dict[tuple, Any] = {}
+        self.memories: dict[tuple, tuple] = {}
+        self.tp_traces: dict[tuple, Any] = {}
+        self.traces: Counter = Counter()
+        self._last: ParallelDims | None = None
+
+    def check(self, sets: Sequence[str]) -> DryRun:
+        """The plan with ``sets``: its errors (sections, model, batch against the mesh) or
+        its resolution and step, exactly as :func:`tpplan.analysis.dryrun.dry_run` finds them."""
+        result = DryRun(self.world_size)
+        try:
+            doc = overridden(self.doc, sets)
+            spec = parse_plan(doc, self.path)
+            result.plan, result.model = Plan(spec, doc), self.model
+            result.checkpoint_bytes = self.checkpoint
+            res = result.resolution = self._resolve(spec)
+            errs = ErrorList(res.errors)
+            if res.dims is not None:
+                result.step = step_shape(spec, res.dims.dp, res.dims.tp, errs)
+            errs.raise_if_any()
+        except PlanError as e:
+            result.errors = [e]
+        except PlanErrors as e:
+            result.errors = e.errors
+        return result
+
+    def _resolve(self, spec: PlanSpec):
+        dims = ParallelDims.of(spec.mesh, self.world_size)
+        ac, pipe = spec.activation_checkpointing, spec.pipeline
+        key = (dims.tp, dims.pp, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
+               pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
+        res = self.resolutions.get(key)
+        if res is None:
+            res = self.resolutions[key] = Plan(spec, None).resolve(self.model, self.world_size)
+            self.traces["resolutions"] += 1
+        return copy.copy(res) if res.dims == dims else _with_dims(res, dims)
+
+    def _mesh(self, dims: ParallelDims):
+        if dims not in self.meshes:
+            self.meshes[dims] = dims.build_mesh("cpu")
+        if self._last is not dims:
+            # DTensor's caches key on meshes that compare equal across groups (dryrun's
+            # _forget_meshes): a trace on this mesh must not reuse another mesh's groups.
+            _forget_meshes()
+            self._last = dims
+        return self.meshes[dims]
+
+    def memory(self, result: DryRun) -> None:
+        """``memory_per_rank`` (and ``pipeline``) as ``validate`` computes them."""
+        result.mesh = self._mesh(result.resolution.dims)
+        _run(result, "memory_per_rank", lambda r: analyze_memory(r, self._memory))
+
+    def comm(self, result: DryRun) -> None:
+        """``comm_per_step`` and ``comm_minimum`` as ``validate`` computes them."""
+        result.mesh = self._mesh(result.resolution.dims)
+        _run(result, "comm_per_step", lambda r: analyze_comm(r, self._tp))
+
+    def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                n_blocks: int, blocks: str | None, cut: bool = True,
+                io: StageIO | None = None) -> dict[str, Any]:
+        ac = spec.activation_checkpointing
+        stage = io and (io.first, io.last, io.received, _signature(build()))
+        key = (_mesh_key(mesh), shape.seq_len, shape.micro_batch, min(shape.grad_accum, 3),
+               shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, n_blocks, blocks,
+               cut, stage)
+        if key not in self.memories:
+            out = memory_per_rank(spec, mesh, build, shape, n_blocks, blocks, cut, io)
+            self.memories[key] = (out, io.sent if io else None)
+            self.traces["memory"] += 1
+        else:
+            self.traces["memory_cached"] += 1
+        out, sent = self.memories[key]
+        if io is not None:
+            io.sent = sent
+        out = copy.deepcopy(out)
+        out["batch"]["grad_accum"] = shape.grad_accum  # the trace runs min(accumulation, 3)
+        return out
+
+    def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
+            micro_batch: int, dtype) -> Any:
+        ac = plan.activation_checkpointing
+        key = (res.dims.tp, seq_len, micro_batch, dtype, ac.mode, ac.every)
+        if key not in self.tp_traces:
+            self.tp_traces[key] = trace_tp(plan, res, mesh, build, seq_len, micro_batch, dtype)
+            self.traces["tp"] += 1
+        else:
+            self.traces["tp_cached"] += 1
+        return self.tp_traces[key]
+
+
+def _with_dims(res, dims: ParallelDims):
+    out = copy.copy(res)
+    out.dims = dims
+    return out
