@@ -82,7 +82,9 @@ def test_cached_analyses_equal_uncached_dry_runs():
             ev.comm(r)
             assert r.ok, r.analysis_errors
             cached.append((_comparable(r), estimate_step(r, DEVICES["h100"]).step_time))
-    assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 2
+    # TP: the first two whole-model candidates share a trace (a pipeline's stages are traced
+    # with their ends by the stage analysis, not through this cache).
+    assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
     for s, (got, seconds) in zip(sets, cached):
         real = dry_run(PLAN, 8, SMALL + ["train.global_batch_size=16"] + s, ANALYSES)
         assert got == _comparable(real), s
@@ -103,5 +105,4 @@ def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["memory_per_rank"]["peak"] == best["peak"]
     assert needed(best["peak"]) == best["needed"] and v["fit"]["fits"]
-    if "estimate" in v:
-        assert v["estimate"]["step_time"] == best["step_time"]
+    assert v["step_time"]["step_time"] == best["step_time"]
