@@ -110,6 +110,10 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = Fal
     widths = {c.module.out_features for c in colwise}
     for c in inner:
         shape = c.shapes.get(c.inputs[0]) if c.inputs else None
+        if len(c.inputs) > 1:  # a gated norm (Bailing's o_norm): the rule passes one input
+            gather = (f"'{generalize(c.path)}' takes {len(c.inputs)} inputs (a gated norm), "
+                      "which the per-head norm rule cannot pass on: q/k/v are gathered")
+            continue
         if not shape or shape[-1] in widths or len(shape) < 3:
             gather = (f"'{generalize(c.path)}' normalizes the whole projection output, across "
                       "heads: q/k/v are gathered (colwise with replicated output) so it sees "
