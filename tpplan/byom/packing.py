@@ -32,8 +32,9 @@ def packed_parts(colwise: list[nn.Module], names: list[str], rowwise: nn.Module 
                  parent: nn.Module | None) -> Any:
     """The ``parts`` option for the group's one fused projection, or None: not fused, or
     its parts cannot be told from the model (the projection is then gathered)."""
-    if len(colwise) != 1 or not any(f in names[0] for f in FUSED) or parent is None:
-        return None
+    if len(colwise) != 1 or parent is None:
+        return None  # (one input projection twice as wide as the output's input is packed
+        # whatever its name: Granite's shared_mlp.input_linear is chunked into gate and up)
     linear = colwise[0]
     if "qkv" in names[0]:
         head_dim = getattr(parent, "head_dim", None)

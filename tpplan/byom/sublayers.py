@@ -110,6 +110,10 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = Fal
     widths = {c.module.out_features for c in colwise}
     for c in inner:
         shape = c.shapes.get(c.inputs[0]) if c.inputs else None
+        if len(c.inputs) > 1:  # a gated norm (Bailing's o_norm): the rule passes one input
+            gather = (f"'{generalize(c.path)}' takes {len(c.inputs)} inputs (a gated norm), "
+                      "which the per-head norm rule cannot pass on: q/k/v are gathered")
+            continue
         if not shape or shape[-1] in widths or len(shape) < 3:
             gather = (f"'{generalize(c.path)}' normalizes the whole projection output, across "
                       "heads: q/k/v are gathered (colwise with replicated output) so it sees "
@@ -227,12 +231,14 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
     channelwise, scalar_rules = channelwise_readers(trace, colwise)
-    holder = trace.first_call(parent)
-    own = [n for n, p in holder.module.named_parameters(recurse=False) if p.numel() > 1] \
+    holder = trace.first_call(parent) if parent != block else None
+    own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
+        m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
         if holder is not None else []
-    if own:  # Beam's attention adds its own gate_bias[heads]: it would meet this rank's heads
-        s.notes.append(f"left replicated: '{generalize(parent)}' uses parameters of its own "
-                       f"({', '.join(own)}) beside its projections; tpplan cannot shard them")
+    if own:  # Beam's gate_bias[heads], a Mamba mixer's conv1d and A_log: they would meet a
+        # slice of what they cover
+        s.notes.append(f"left replicated: '{generalize(parent)}' uses weights of its own beside "
+                       f"its projections ({', '.join(own)}); tpplan cannot shard them with them")
         return rules
     if channelwise:
         s.notes.append(f"left replicated: {group_pattern([c.path for c in colwise])} feed "

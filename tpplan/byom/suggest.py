@@ -91,6 +91,17 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
                        "which would see only a sequence shard")
     sp = s.sequence_parallel  # end to end: the residual stream is sequence-sharded
     inner = sp or sequence_parallel == "blocks"  # sequence-sharded inside the blocks
+    own = [n for n, p in model.get_submodule(first).named_parameters(recurse=False)]
+    if own and sequence_parallel == "auto" and sp:  # Doge's input_residual scales the
+        s.notes.append(f"no sequence parallelism: block '{first}' uses parameters of its own "
+                       f"({', '.join(own)}) on the residual stream")  # residual stream
+        sp = inner = s.sequence_parallel = False
+    if inner and own:
+        raise PlanErrors([PlanError(
+            f"sequence parallelism: block '{first}' ({type(model.get_submodule(first)).__name__})"
+            f" uses parameters of its own ({', '.join(own)}) on the residual stream, which "
+            "holds a sequence shard under sequence parallelism: their gradients would be "
+            "partial sums; tpplan does not support it (plan without sequence parallelism)")])
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
