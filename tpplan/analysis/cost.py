@@ -177,6 +177,8 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         raise ValueError(f"device {device.name} has no bf16 peak: no compute estimate")
     if "comm_per_step" not in result.extra or "error" in result.extra["comm_per_step"]:
         raise ValueError("the dry run has no communication analysis (comm_per_step)")
+    if result.resolution.dims.pp > 1 and "bubble_fraction" not in result.extra.get("pipeline", {}):
+        raise ValueError("the dry run has no pipeline schedule (its memory analysis failed)")
     shape, world = result.step, result.world_size
     pattern = result.plan.spec.activation_checkpointing.blocks
     flops = model_flops(result.model, shape.seq_len,

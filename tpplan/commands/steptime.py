@@ -111,6 +111,16 @@ def render(out, st: dict[str, Any]) -> None:
         f"{c['inter_node_efficiency']:.3g} of {_bw(dev['inter_node_bandwidth'])}, fsdp_overlap "
         f"{c['fsdp_overlap']:.3g}, tp_overlap {c['tp_overlap']:.3g}; device figures: "
         "docs/search.md"))
+    first = d["first_unit_exposure"]
+    if first:
+        raw = d["comm_seconds_before_overlap"]
+        out.print(Text("overlap: " + "; ".join(
+            f"{k} {raw[k]:.4g} s before overlap, of which {v:.4g} s can never hide (each "
+            "micro-batch's first all-gather, the step's last reduction)"
+            for k, v in first.items())))
+    if d.get("whole_model_rows_scaled_by", 1.0) != 1.0:
+        out.print(Text(f"pipeline: the dry run's TP/FSDP rows are the whole model's; scaled by "
+                       f"the busiest pp rank's share of FLOPs ({d['whole_model_rows_scaled_by']:.3f})"))
     for r in st.get("calibration") or []:
         out.print(Text(f"calibration: {r['path']} (world size {r['world_size']}, "
                        f"{r['steps']} steps): measured {r['measured']:.4g} s, the fitted "
