@@ -51,8 +51,8 @@ class Blocks(torch.nn.ModuleDict):
 
 
 def _clip(params: list, max_norm: float, pp_group) -> None:
-    """The global grad norm over both stages: per (mesh, placements) group, squares summed
-    over pp, then ``clip_grads_with_norm_``."""
+    """The global grad norm: per (mesh, placements) group, squares summed (and over pp when
+    ``pp_group`` is given), then ``clip_grads_with_norm_``."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
@@ -63,7 +63,8 @@ def _clip(params: list, max_norm: float, pp_group) -> None:
     for grads in groups.values():
         n = torch.nn.utils.get_total_norm(grads)
         total += (n.full_tensor() if isinstance(n, DTensor) else n) ** 2
-    dist.all_reduce(total, group=pp_group)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.sqrt())
 
 
@@ -241,10 +242,12 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
         with loss_parallel():
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
             loss.backward()
-        grads = [p.grad for p in model.parameters()]
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+        if naive_clip:  # one norm over mixed placements: DTensor redistributes per parameter
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+        else:
+            _clip(list(model.parameters()), 1.0, None)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
