@@ -93,3 +93,28 @@ def emit(text: str, output: str | None, tp: int, notes: list[str], stream: TextI
           f"or parameters); {len(notes)} thing(s) left for you to decide, listed at its end",
           file=stream)
     return 0
+
+
+def device_from_args(args: argparse.Namespace):
+    """The device to check against, or None; SystemExit(2) with the reason for a bad one."""
+    from ..plan.devices import DEVICES, Device, parse_bytes
+    from ..plan.errors import nearest
+
+    if args.device and args.device_memory:
+        print("error: --device and --device-memory: give one", file=sys.stderr)
+        raise SystemExit(2)
+    if args.device:
+        name = args.device.lower()
+        if name not in DEVICES:
+            print(f"error: --device {args.device}: no such preset{nearest(name, DEVICES)}; "
+                  f"presets: {', '.join(DEVICES)} (or --device-memory SIZE)", file=sys.stderr)
+            raise SystemExit(2)
+        return DEVICES[name]
+    if args.device_memory:
+        try:
+            memory = parse_bytes(args.device_memory)
+        except ValueError as e:
+            print(f"error: --device-memory {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return Device(f"{args.device_memory} device", memory, description="--device-memory")
+    return None

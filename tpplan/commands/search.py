@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ._common import add_plan_args, console, size
+from ._common import add_plan_args, console, device_from_args, size
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -43,14 +43,13 @@ def run(args: argparse.Namespace) -> int:
     from ..analysis.candidates import Options
     from ..analysis.dryrun import world_size_problem
     from ..analysis.search import search
-    from .validate import _device
 
     problem = world_size_problem(args.world_size)
     if problem:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
     args.device_memory = None  # search ranks by speed: a preset with its peak and links
-    device = _device(args)
+    device = device_from_args(args)
     options = Options(max_tp=args.max_tp or args.gpus_per_node, ac_every=args.ac_every,
                       stages_per_rank=args.stages_per_rank)
     say = None if args.json else (lambda m: print(m, file=sys.stderr))

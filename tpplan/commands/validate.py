@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from . import steptime
-from ._common import add_plan_args, console, print_errors, size
+from ._common import add_plan_args, console, device_from_args, print_errors, size
 
 
 TITLES = {"memory_per_rank": "memory per rank", "comm_per_step": "communication per step"}
@@ -37,31 +37,6 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _device(args: argparse.Namespace):
-    """The device to check against, or None; SystemExit(2) with the reason for a bad one."""
-    from ..plan.devices import DEVICES, Device, parse_bytes
-    from ..plan.errors import nearest
-
-    if args.device and args.device_memory:
-        print("error: --device and --device-memory: give one", file=sys.stderr)
-        raise SystemExit(2)
-    if args.device:
-        name = args.device.lower()
-        if name not in DEVICES:
-            print(f"error: --device {args.device}: no such preset{nearest(name, DEVICES)}; "
-                  f"presets: {', '.join(DEVICES)} (or --device-memory SIZE)", file=sys.stderr)
-            raise SystemExit(2)
-        return DEVICES[name]
-    if args.device_memory:
-        try:
-            memory = parse_bytes(args.device_memory)
-        except ValueError as e:
-            print(f"error: --device-memory {e}", file=sys.stderr)
-            raise SystemExit(2) from None
-        return Device(f"{args.device_memory} device", memory, description="--device-memory")
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     from ..analysis import ANALYSES
     from ..analysis.dryrun import dry_run, world_size_problem
@@ -70,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: --world-size {problem}", file=sys.stderr)
         return 2
-    device = _device(args)
+    device = device_from_args(args)
     constants, calibration = steptime.constants(args, device)
     from ..train.pretrained import plan_problems
 
