@@ -15,10 +15,9 @@ from trainrun import STEPS, assert_same_curve, fails, metrics, ok, tpplan_train
 
 PLAN = str(PLANS / "llama-3d.yaml")
 # 4 blocks, so pp=4 has one each; the micro-batches are the schedule's under a pipeline.
-# The global batch is pinned (not the plan's 16 per data-parallel rank): the resumes run on
-# other dp degrees and must see the same batches.
-PP = ["model.kwargs.n_layers=4", "train.micro_batch_size=null", "pipeline.microbatches=2",
-      "train.global_batch_size=16"]
+# trainrun's train.global_batch_size=4 replaces the plan's local_batch_size: the resumes on
+# other dp degrees see the same batches.
+PP = ["model.kwargs.n_layers=4", "train.micro_batch_size=null", "pipeline.microbatches=2"]
 NO_PIPELINE = ["mesh.pp=1", "pipeline=null"]
 AT = 10  # the checkpoint the resumes start from (checkpoint.interval=5)
 
