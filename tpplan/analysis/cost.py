@@ -128,44 +128,37 @@ TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replic
            ("pp", None): "pp_p2p"}
 
 
-def _comm(result, device: Device, gpus_per_node: int, c: CostConstants,
-          stage_share: float) -> tuple[dict, dict]:
+def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple[dict, dict]:
     """Seconds per term (before overlap) and the first-unit exposure of the FSDP/DP terms,
-    from the dry run's ``comm_per_step``; and the link of each dimension. TP and FSDP rows
-    of a whole pipelined model (``comm_per_step`` without ``per_stage``) are scaled by
-    ``stage_share``, the busiest pp rank's share of the model's FLOPs."""
+    from the dry run's ``comm_per_step``; and the link of each dimension. Under a pipeline
+    those rows are already the busiest pp rank's, for its own stages."""
     dims = result.resolution.dims
     sizes = dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
     link = links(sizes, gpus_per_node)
     seconds: dict[str, float] = {}
     first: dict[str, float] = {}
     comm = result.extra["comm_per_step"]
-    scale = stage_share if dims.pp > 1 and not comm.get("per_stage") else 1.0
     for row in comm["collectives"]:
         if not row["wire_bytes"]:
             continue
         term = TERM_OF.get((row["source"], row["mesh_dim"])) or TERM_OF[(row["source"], None)]
         t = row["wire_bytes"] / _bandwidth(device, link.get(row["mesh_dim"], "intra"), c)
-        t *= 1.0 if row["source"] == "pp" else scale
         seconds[term] = seconds.get(term, 0.0) + t
         if term in ("fsdp", "dp"):  # nothing to hide behind: one all-gather per micro-batch
             once = result.step.grad_accum if row["kind"] == "all_gather" else 1
             first[term] = first.get(term, 0.0) + t * min(once, row["count"]) / row["count"]
-    return seconds, dict(link=link, first=first, whole_model_rows_scaled_by=scale)
+    return seconds, dict(link=link, first=first)
 
 
-def _rank_flops(flops: ModelFlops, result) -> tuple[float, float, int, float]:
-    """Training and recomputed FLOPs per token of the busiest pp rank's units, how many
-    pp ranks the model's units are divided over (1 without a pipeline), and that rank's
-    share of the model's forward FLOPs."""
+def _rank_flops(flops: ModelFlops, result) -> tuple[float, float, int]:
+    """Training and recomputed FLOPs per token of the busiest pp rank's units, and how many
+    pp ranks the model's units are divided over (1 without a pipeline)."""
     pipe = result.extra.get("pipeline")
     ranks = flops.rank_units(pipe.get("stages") if pipe else None)
     ac = result.plan.spec.activation_checkpointing
     ckpt = set(result.resolution.ac_blocks[::ac.every]) if ac.enabled else set()
     best = max(ranks, key=lambda u: 3 * flops.forward_of(u) + flops.forward_of(ckpt & set(u)))
-    total = sum(flops.forward.values()) or 1.0
-    return (3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)), len(ranks),
-            flops.forward_of(best) / total)
+    return 3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)), len(ranks)
 
 
 def estimate_step(result, device: Device, gpus_per_node: int = 8,
@@ -184,12 +177,12 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
     flops = model_flops(result.model, shape.seq_len,
                         pattern.removesuffix(".*") if pattern.endswith(".*") else None)
     tokens = shape.global_batch * shape.seq_len
-    train, recomputed, pp_ranks, share = _rank_flops(flops, result)
+    train, recomputed, pp_ranks = _rank_flops(flops, result)
     per_rank_tokens = tokens / (world / pp_ranks)  # every rank of a stage splits its tokens
     speed = device.bf16_flops * c.compute_efficiency
     terms = dict(compute=train * per_rank_tokens / speed,
                  recompute=recomputed * per_rank_tokens / speed)
-    raw, comm = _comm(result, device, gpus_per_node, c, share)
+    raw, comm = _comm(result, device, gpus_per_node, c)
     terms["tp"] = raw.get("tp", 0.0) * (1 - c.tp_overlap)
     busy = terms["compute"] + terms["recompute"]
     hideable = sum(raw.get(k, 0.0) - comm["first"].get(k, 0.0) for k in ("fsdp", "dp"))
@@ -209,7 +202,6 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         attention_width=flops.attention_width, model_flops_per_step=model,
         rank_flops_per_step=(train + recomputed) * per_rank_tokens,
         comm_seconds_before_overlap=raw, first_unit_exposure=comm["first"],
-        whole_model_rows_scaled_by=comm["whole_model_rows_scaled_by"],
         bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(
         step_time=step_time, tokens_per_step=tokens,
