@@ -50,6 +50,34 @@ class Blocks(torch.nn.ModuleDict):
         return iter(self._modules.values())
 
 
+def _tp_block(block, tp) -> None:
+    """Megatron TP + sequence parallelism on one Llama block, by hand (tp 2)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(block, tp, {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                        desired_input_layouts=(Replicate(), None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    })
+    block.attention.n_heads //= 2
+    block.attention.n_kv_heads //= 2
+
+
 def _clip(params: list, max_norm: float, pp_group) -> None:
     """The global grad norm: per (mesh, placements) group, squares summed (and over pp when
     ``pp_group`` is given), then ``clip_grads_with_norm_``."""
@@ -78,7 +106,6 @@ def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         loss_parallel,
@@ -108,21 +135,7 @@ def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch
         parallelize_module(model.output, tp, ColwiseParallel(input_layouts=Shard(1),
                                                              use_local_output=False))
     for block in mine:
-        parallelize_module(block, tp, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
-        block.attention.n_heads //= 2
-        block.attention.n_kv_heads //= 2
+        _tp_block(block, tp)
     ac = next(iter(mine))  # selective AC, every 2nd block: the stage's first
     ac.forward = lambda *a, _f=ac.forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
     dp = mesh["dp_shard"]
@@ -184,7 +197,6 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
-        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         loss_parallel,
@@ -202,21 +214,7 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
         "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
     })
     for block in model.layers:
-        parallelize_module(block, mesh["tp"], {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
-                                            desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
-        block.attention.n_heads //= 2
-        block.attention.n_kv_heads //= 2
+        _tp_block(block, mesh["tp"])
     fully_shard(model.tok_embeddings, mesh=mesh["dp"])
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])

@@ -24,7 +24,7 @@ def _check(ref, par) -> None:
 
 @pytest.mark.parametrize("world, mesh, schedules", [
     (4, ["mesh.pp=2", "mesh.tp=2"], ["1f1b", "gpipe", "interleaved_1f1b"]),
-    (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], ["1f1b"]),
+    (8, ["mesh.pp=2", "mesh.dp_shard=2", "mesh.tp=2"], ["1f1b", "gpipe", "interleaved_1f1b"]),
 ], ids=["pp2-tp2", "pp2-dp2-tp2"])
 def test_pipeline_matches_single_device(root, monkeypatch, world, mesh, schedules):
     monkeypatch.chdir(root)
