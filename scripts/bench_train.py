@@ -78,6 +78,17 @@ def _tp_block(block, tp) -> None:
     block.attention.n_kv_heads //= 2
 
 
+def _materialize(model) -> None:
+    """The meta model on the CPU, initialized as tpplan's seeded init does (seed 0)."""
+    model.to_empty(device="cpu")
+    model.init_buffers("cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = model.init_std(name)
+            p.fill_(1.0) if std is None else p.normal_(0.0, std)
+
+
 def _clip(params: list, max_norm: float, pp_group) -> None:
     """The global grad norm: per (mesh, placements) group, squares summed (and over pp when
     ``pp_group`` is given), then ``clip_grads_with_norm_``."""
@@ -146,13 +157,7 @@ def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch
     if last:
         fully_shard([model.norm, model.output], mesh=dp)
     fully_shard(model, mesh=dp)
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = model.init_std(name)
-            p.fill_(1.0) if std is None else p.normal_(0.0, std)
+    _materialize(model)
     count = batch * seq_len  # dp 1: the rank's share is the global batch
 
     def loss_fn(logits, targets):  # each micro-batch's share of the global mean
@@ -220,13 +225,7 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
         fully_shard(block, mesh=mesh["dp"])
     fully_shard([model.norm, model.output], mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    model.to_empty(device="cpu")
-    model.init_buffers("cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            std = model.init_std(name)
-            p.fill_(1.0) if std is None else p.normal_(0.0, std)
+    _materialize(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))

@@ -118,3 +118,14 @@ def device_from_args(args: argparse.Namespace):
             raise SystemExit(2) from None
         return Device(f"{args.device_memory} device", memory, description="--device-memory")
     return None
+
+
+def bad_world_size(n: int, flag: str) -> bool:
+    """Whether the dry run cannot simulate ``n`` ranks; if so the reason is printed after the
+    command-line ``flag`` that gave ``n`` (the command then exits 2)."""
+    from ..analysis.dryrun import world_size_problem
+
+    problem = world_size_problem(n)
+    if problem:
+        print(f"error: {flag} {problem}", file=sys.stderr)
+    return problem is not None

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..plan.writer import relocate, render_plan
-from ._common import emit
+from ._common import bad_world_size, emit
 
 
 def register(sub) -> None:
@@ -24,14 +24,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.dryrun import world_size_problem
     from ..byom.import_hf import import_hf
     from ..models.hf import hf_config_path
     from ..plan.specs import ModelSpec
 
-    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
-    if problem:
-        print(f"error: --tp {problem}", file=sys.stderr)
+    if bad_world_size(args.tp, "--tp"):  # the generated plan is dry-run at tp ranks
         return 2
     imported = import_hf(args.target, args.sequence_parallel, tp=args.tp)
     s = imported.suggestion

@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from ._common import add_plan_args, console, device_from_args, size
+from ._common import add_plan_args, bad_world_size, console, device_from_args, size
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -41,12 +41,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis.candidates import Options
-    from ..analysis.dryrun import world_size_problem
     from ..analysis.search import search
 
-    problem = world_size_problem(args.world_size)
-    if problem:
-        print(f"error: --world-size {problem}", file=sys.stderr)
+    if bad_world_size(args.world_size, "--world-size"):
         return 2
     args.device_memory = None  # search ranks by speed: a preset with its peak and links
     device = device_from_args(args)

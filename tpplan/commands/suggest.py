@@ -10,7 +10,7 @@ from ..plan import ErrorList, read_document
 from ..plan.sections import parse_model
 from ..plan.writer import relocate, render_plan
 from ..plan.yamlio import plain
-from ._common import emit
+from ._common import bad_world_size, emit
 
 
 def register(sub) -> None:
@@ -26,13 +26,10 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.dryrun import world_size_problem
     from ..byom.outputs import model_inputs
     from ..byom.suggest import suggest_plan
 
-    problem = world_size_problem(args.tp)  # the generated plan is dry-run at tp ranks
-    if problem:
-        print(f"error: --tp {problem}", file=sys.stderr)
+    if bad_world_size(args.tp, "--tp"):  # the generated plan is dry-run at tp ranks
         return 2
     doc = read_document(args.model)
     errs = ErrorList()

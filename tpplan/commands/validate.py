@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from . import steptime
-from ._common import add_plan_args, console, device_from_args, print_errors, size
+from ._common import add_plan_args, bad_world_size, console, device_from_args, print_errors, size
 
 
 TITLES = {"memory_per_rank": "memory per rank", "comm_per_step": "communication per step"}
@@ -39,11 +39,9 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..analysis import ANALYSES
-    from ..analysis.dryrun import dry_run, world_size_problem
+    from ..analysis.dryrun import dry_run
 
-    problem = world_size_problem(args.world_size)
-    if problem:
-        print(f"error: --world-size {problem}", file=sys.stderr)
+    if bad_world_size(args.world_size, "--world-size"):
         return 2
     device = device_from_args(args)
     constants, calibration = steptime.constants(args, device)
