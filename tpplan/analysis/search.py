@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from ..plan.devices import Device
 from .candidates import Options, candidates
-from .cost import CostConstants, estimate_step
+from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
 from .stagemem import pipeline_schedule
@@ -127,14 +127,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
         options=dict(max_tp=options.max_tp, ac_every=list(options.ac_every),
                      stages_per_rank=list(options.stages_per_rank),
                      schedules=list(options.schedules)),
-        constants=(constants or estimate_constants()).to_json(),
+        constants=(constants or DEFAULT_CONSTANTS).to_json(),
         candidates=len(cands), passed_checks=len(first), fitting=len(fits),
         not_checked_for_memory=unchecked, ranked=fits[:top] if not exhaustive else fits,
         dropped=[dict(reason=k, count=v, example=examples[k]) for k, v in dropped.most_common()],
         traces=dict(ev.traces), seconds=time.perf_counter() - start)
-
-
-def estimate_constants() -> CostConstants:
-    from .cost import DEFAULT_CONSTANTS
-
-    return DEFAULT_CONSTANTS

@@ -114,7 +114,7 @@ class Evaluator:
         if res is None:
             res = self.resolutions[key] = Plan(spec, None).resolve(self.model, self.world_size)
             self.traces["resolutions"] += 1
-        return copy.copy(res) if res.dims == dims else _with_dims(res, dims)
+        return _with_dims(res, dims)
 
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
@@ -170,6 +170,7 @@ class Evaluator:
 
 
 def _with_dims(res, dims: ParallelDims):
+    """A shallow copy of a cached resolution with this candidate's own mesh degrees."""
     out = copy.copy(res)
     out.dims = dims
     return out
