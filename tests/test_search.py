@@ -106,3 +106,28 @@ def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
     assert v["memory_per_rank"]["peak"] == best["peak"]
     assert needed(best["peak"]) == best["needed"] and v["fit"]["fits"]
     assert v["step_time"]["step_time"] == best["step_time"]
+
+
+def test_deep_stages_of_any_pp_share_their_shallow_traces():
+    """Stages of 32 and 16 identical blocks (pp 2 and pp 4) are each traced at the same three
+    shallow depths: the second pp reuses the first's traces, and equals an uncached run."""
+    base = ["model.kwargs.n_layers=64", "train.seq_len=32", "train.global_batch_size=32",
+            "activation_checkpointing={mode: none}"]
+    sets = [["mesh={pp: 2, dp_replicate: 4, dp_shard: 2, tp: 2}",
+             "pipeline={schedule: 1f1b, microbatches: 4}"],
+            ["mesh={pp: 4, dp_replicate: 2, dp_shard: 2, tp: 2}",
+             "pipeline={schedule: 1f1b, microbatches: 8}"]]
+    ev = Evaluator(PLAN, base, 32)
+    cached = []
+    with fake_process_group(32):
+        for s in sets:
+            r = ev.check(s)
+            assert not r.errors, r.errors
+            ev.memory(r)
+            ev.comm(r)
+            assert r.ok, r.analysis_errors
+            assert r.extra["memory_per_rank"]["traced"]["depths"] == [4, 5, 6]
+            cached.append(_comparable(r))
+    assert ev.traces["memory_from_shallow"] >= 1
+    # The second is the one served from the first's traces (the first is traced as any is).
+    assert cached[1] == _comparable(dry_run(PLAN, 32, base + sets[1], ANALYSES))

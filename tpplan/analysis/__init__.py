@@ -63,11 +63,14 @@ def compute_dtypes(result: DryRun) -> tuple[torch.dtype, torch.dtype]:
     return param, reduce
 
 
-def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp) -> None:
+def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dict | None = None,
+                 minimum: bool = True) -> None:
     """``comm_per_step`` (TP traced on meta, FSDP from its units) and ``comm_minimum``; with
     pipeline stages, per pp rank, for its own stages (:mod:`tpplan.analysis.stagecomm`).
-    ``tp_trace``: :func:`trace_tp` or a function with its signature (``search``'s cache; a
-    pipeline's stages are traced with their ends by ``stagecomm`` itself)."""
+    ``search`` passes its caches: ``tp_trace``, a function with :func:`trace_tp`'s
+    signature, and ``stage_cache`` for a pipeline's stages (traced with their ends by
+    ``stagecomm``); and ``minimum=False`` (it ranks by the step's traffic, not by the
+    Megatron minimum, which walks the model)."""
     spec, res, shape = result.plan.spec, result.resolved, result.step
     dims = res.dims
     param, reduce = compute_dtypes(result)
@@ -76,7 +79,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp) -> None:
     if spec.pipeline is not None:
         from .stagecomm import pipeline_comm
 
-        comm, trace, parts = pipeline_comm(result, param, reduce, step)
+        comm, trace, parts = pipeline_comm(result, param, reduce, step, stage_cache)
     else:
         if dims.tp > 1:
             trace = tp_trace(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
@@ -98,7 +101,8 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp) -> None:
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
                       for (m, p, k), v in sorted(by_module.items())],
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
-    result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize, parts)
+    if minimum:
+        result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize, parts)
 
 
 def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:

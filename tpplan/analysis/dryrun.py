@@ -23,7 +23,7 @@ from ..models import build_model
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
 __all__ = ["Analysis", "AnalysisError", "DryRun", "MAX_WORLD_SIZE", "dry_run",
-           "fake_process_group", "world_size_problem"]
+           "fake_process_group", "forget_meshes", "run_analysis", "world_size_problem"]
 
 MAX_WORLD_SIZE = 2**31 - 1  # c10d's ProcessGroup keeps its size in a C int
 # What the fake process group and the DeviceMesh hold per rank (a rank map and the mesh's
@@ -114,10 +114,10 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
+        forget_meshes()
 
 
-def _forget_meshes() -> None:
+def forget_meshes() -> None:
     """Empty DTensor's caches of sharding decisions. They key on meshes, and a mesh compares
     equal to one of the same shape and names from an earlier process group (DeviceMesh's
     ``__eq__`` ignores the groups): a second dry run in the same process (``--device``'s
@@ -159,7 +159,9 @@ def world_size_problem(world_size: int) -> str | None:
     return None
 
 
-def _run(result: DryRun, name: str, analysis: Callable[[DryRun], None]) -> None:
+def run_analysis(result: DryRun, name: str, analysis: Callable[[DryRun], None]) -> None:
+    """Run ``analysis`` on ``result``; an exception becomes the analysis's error (its
+    reason in ``result.analysis_errors`` and under ``name``), never a traceback."""
     try:
         analysis(result)
     except Exception as e:  # noqa: BLE001 - reported as this analysis's error, with its reason
@@ -199,7 +201,7 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
                 result.report = plan.last_report
                 _ = result.report.modules  # rows while the mesh is alive
             for name, analysis in analyses:
-                _run(result, name, analysis)
+                run_analysis(result, name, analysis)
     except PlanErrors as e:
         result.errors = e.errors
     result.seconds = time.perf_counter() - start

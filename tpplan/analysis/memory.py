@@ -26,7 +26,7 @@ from ..plan.step import StepShape
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "extrapolate", "describe_moment"]
+__all__ = ["memory_per_rank", "extrapolate", "describe_moment", "shallow_depths"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -89,15 +89,29 @@ def describe_moment(label: str, blocks: str | None = None, n_blocks: int = 0) ->
     return f"{what} of {where}{micro}"
 
 
-def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-           n_blocks: int, blocks: str | None, cut: bool,
-           io: StageIO | None) -> tuple[dict[str, Moment], list[int]]:
+def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
+                   ) -> list[int] | None:
+    """The depths of the three shallow traces for a model of ``n_blocks`` blocks, or None
+    when it is traced whole (three shallow traces cost 15k blocks: deeper models pay)."""
     ac = spec.activation_checkpointing
     k = ac.every if ac.enabled else 1
-    # Three shallow traces cost 15k blocks: deeper models are where they pay.
     if cut and blocks is not None and n_blocks > 15 * k and n_blocks % k == 0:
-        depths = [4 * k, 5 * k, 6 * k]
-        traces = [trace_step(spec, mesh, build, shape, d, io) for d in depths]
+        return [4 * k, 5 * k, 6 * k]
+    return None
+
+
+def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+           n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
+           shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
+    depths = shallow_depths(spec, n_blocks, blocks, cut)
+    if depths:
+        memo, key = shallow or ({}, None)
+        if key not in memo:
+            memo[key] = ([trace_step(spec, mesh, build, shape, d, io) for d in depths],
+                         io and io.sent)
+        traces, sent = memo[key]
+        if io is not None:
+            io.sent = sent
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths
@@ -106,14 +120,17 @@ def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShap
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                     n_blocks: int, blocks: str | None, cut: bool = True,
-                    io: StageIO | None = None) -> dict[str, Any]:
+                    io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
+                    ) -> dict[str, Any]:
     """Bytes per rank by part, each at its own largest, their ``total``, and the ``peak``
     of the step with its split by part (``at_peak``) and when it happens (``peak_at``).
 
     ``blocks``: the path of identical repeated blocks (``n_blocks`` of them), or None;
     ``cut=False`` traces every block even when three shallow traces would do; ``io``:
-    ``build`` makes one pipeline stage (:mod:`tpplan.analysis.stagemem`)."""
-    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io)
+    ``build`` makes one pipeline stage (:mod:`tpplan.analysis.stagemem`); ``shallow``:
+    ``(cache, key)``, the three shallow traces kept under ``key``, which the caller makes
+    of everything they read (``search``: models or stages that differ only in depth)."""
+    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
     label, top = max(moments.items(), key=lambda kv: kv[1].total)
     out: dict[str, Any] = {p: max(m.part_max.get(p, 0) for m in moments.values()) for p in PARTS}
     # Activations: what forward leaves for backward (its temporaries are gone by then).

@@ -13,12 +13,13 @@ docs/dry-run.md, "Pipeline stages".
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..plan.pipeline import SCHEDULES
 
 __all__ = ["Action", "schedule_actions", "in_flight", "rank_in_flight", "bubble_fraction",
-           "TIME", "fsdp_order", "fsdp_gathers"]
+           "TIME", "fsdp_order", "fsdp_gathers", "schedule_facts"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,11 @@ def _computations(action) -> list[Action]:
     return [Action(kind, action.stage_index, action.microbatch_index)]
 
 
+@functools.lru_cache(maxsize=256)
 def schedule_actions(name: str, pp: int, stages_per_rank: int, m: int) -> dict[int, list[Action]]:
-    """Each pp rank's computations, in the order schedule ``name`` runs them."""
+    """Each pp rank's computations, in the order schedule ``name`` runs them (cached: a
+    function of its arguments only, and ``search`` asks for the same ones many times; the
+    caller must not change what it gets)."""
     if not SCHEDULES[name].multi:
         out = {}
         for s in range(pp):
@@ -93,6 +97,7 @@ def schedule_actions(name: str, pp: int, stages_per_rank: int, m: int) -> dict[i
     return {r: [c for a in acts for c in _computations(a)] for r, acts in table.items()}
 
 
+@functools.lru_cache(maxsize=256)
 def fsdp_order(name: str, pp: int, stages_per_rank: int, m: int) -> dict[int, list[Action]]:
     """Each pp rank's order as FSDP2 sees it: the computations, and for the multi-stage
     schedules the ``UNSHARD``/``RESHARD`` of a whole stage that torch's runtime inserts
@@ -218,3 +223,11 @@ def bubble_fraction(actions: dict[int, list[Action]], m: int) -> float:
             raise ValueError("the schedule's order deadlocks")
     work = max(sum(TIME[a.kind] for a in acts) for acts in actions.values())
     return (max(clock.values()) - work) / work
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_facts(name: str, pp: int, stages_per_rank: int, m: int) -> tuple[float, dict[int, int]]:
+    """``(bubble_fraction, in_flight)`` of the schedule, once per set of degrees (the caller
+    must not change the dict)."""
+    actions = schedule_actions(name, pp, stages_per_rank, m)
+    return bubble_fraction(actions, m), in_flight(actions)

@@ -25,6 +25,7 @@ from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_sizes
 from ..parallel.pipeline import split_stages, stage_module
 from ..parallel.resolve import resolve
+from ..plan.pipeline import SCHEDULES
 from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
 from .stagemem import p2p_per_rank, reported_ranks
@@ -42,34 +43,62 @@ class StageComm:
         self.module, self.res, self.units, self.trace = module, res, units, trace
 
 
-def _stages(result, dtype: torch.dtype) -> tuple[Any, dict[int, StageComm], tuple | None]:
+def _stages(result, dtype: torch.dtype, cache: dict | None = None
+            ) -> tuple[Any, dict[int, StageComm], tuple | None]:
     """Every stage's :class:`StageComm` and the activation a stage sends (shape, dtype).
-    Stages alike (same ends, extras and number of identical blocks) share one trace."""
+    Stages alike (same ends, extras and number of identical blocks) share one trace.
+    ``cache`` (``search``'s, across the candidates of one plan): the split and each stage's
+    resolution, keyed by what they read (tp, pp, the stages per rank and their placement,
+    checkpointing, data parallelism as the resolution sees it); a stage's TP trace by that,
+    its ends, the micro-batch, sequence and dtype; its FSDP units by that and dp_shard; and
+    the shallow traces of alike stages without pp, placement and length (:func:`trace_tp`:
+    a stage of identical blocks reads only its ends and the rules, which pp does not
+    change)."""
+    cache = {} if cache is None else cache
     spec, dims, shape, mesh = result.plan.spec, result.resolution.dims, result.step, result.mesh
-    whole = build_model(spec.model, "meta")
-    split = split_stages(whole, spec, dims.pp)
-    split.errors.raise_if_any()
-    alike = identical_blocks(whole, result.resolution.rule_of) is not None
-    last = len(split.stages) - 1
-    traces: dict[Any, TPTrace] = {}
+    ac, pipe = spec.activation_checkpointing, spec.pipeline
+    key = (dims.tp, dims.pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape, ac.mode,
+           ac.every, dims.dp if spec.fsdp is None else dims.dp > 1)
+    if key not in cache:
+        whole = build_model(spec.model, "meta")
+        split = split_stages(whole, spec, dims.pp)
+        split.errors.raise_if_any()
+        alike = identical_blocks(whole, result.resolution.rule_of) is not None
+        parts = []
+        for stage in split.stages:
+            module = stage_module(whole, stage, split)
+            res = resolve(spec, module, dims.world_size, stage=True)
+            res.errors.raise_if_any()
+            ends = (stage.index == 0, stage.index == len(split.stages) - 1)
+            parts.append((stage, module, res, (*ends, tuple(stage.extras), len(stage.blocks))
+                          if alike else stage.index))
+        cache[key] = (whole, split, parts)
+    whole, split, parts = cache[key]
     out: dict[int, StageComm] = {}
     boundary = None
-    for stage in split.stages:
-        module = stage_module(whole, stage, split)
-        res = resolve(spec, module, dims.world_size, stage=True)
-        res.errors.raise_if_any()
-        io = StageIO(first=stage.index == 0, last=stage.index == last, received=boundary)
-        key = (io.first, io.last, tuple(stage.extras), len(stage.blocks)) if alike else stage.index
-        if key not in traces:
+    for stage, module, res, alike in parts:
+        io = StageIO(first=stage.index == 0, last=stage.index == len(parts) - 1,
+                     received=boundary)
+        tkey = (key, alike, shape.seq_len, shape.micro_batch, dtype)
+        if tkey not in cache:
             if dims.tp > 1:
-                traces[key] = trace_tp(spec, res, mesh, lambda s=stage: stage_module(whole, s, split),
-                                       shape.seq_len, shape.micro_batch, dtype, io=io)
+                # Alike stages of any length (any pp) share their shallow traces.
+                deep = ("shallow", key[0], *key[4:], alike[:3] if isinstance(alike, tuple)
+                        else (key, alike), shape.seq_len, shape.micro_batch, dtype)
+                trace = trace_tp(spec, res, mesh, lambda s=stage: stage_module(whole, s, split),
+                                 shape.seq_len, shape.micro_batch, dtype, io=io,
+                                 shallow=(cache, deep))
             else:
-                traces[key] = TPTrace(Counter(), [], None)
+                trace = TPTrace(Counter(), [], None)
                 if not io.last:  # no TP: the stage's output is the whole activation
                     io.sent = _output(stage_module(whole, stage, split), io, shape, dtype)
-        boundary = boundary or io.sent
-        out[stage.index] = StageComm(module, res, unit_sizes(module, res, dims), traces[key])
+            cache[tkey] = (trace, io.sent)
+        trace, sent = cache[tkey]
+        boundary = boundary or sent
+        ukey = (key, stage.index, dims.dp_shard)
+        if ukey not in cache:
+            cache[ukey] = unit_sizes(module, res, dims)
+        out[stage.index] = StageComm(module, res, cache[ukey], trace)
     return split, out, boundary
 
 
@@ -82,16 +111,16 @@ def _output(module, io: StageIO, shape, dtype: torch.dtype) -> tuple:
     return tuple(y.shape), y.dtype
 
 
-def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype,
-                  step: Accumulation) -> tuple[dict[str, Any], TPTrace, list]:
+def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype, step: Accumulation,
+                  cache: dict | None = None) -> tuple[dict[str, Any], TPTrace, list]:
     """``(comm_per_step, trace, stages)`` for a pipeline plan: the busiest pp rank's rows
     (the largest wire bytes) under the usual keys, every pp rank's in ``pp_ranks``; the
     busiest rank's TP trace (its stages' collectives of one micro-batch, summed) and its
-    :class:`StageComm`\\ s, for the minimum."""
+    :class:`StageComm`\\ s, for the minimum. ``cache``: ``search``'s (:func:`_stages`)."""
     spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
     pipe = spec.pipeline
     m = pipe.microbatches
-    split, stages, boundary = _stages(result, param)
+    split, stages, boundary = _stages(result, param, cache)
     order = fsdp_order(pipe.schedule, dims.pp, pipe.stages_per_rank, m)
     p2p = {}
     if boundary is not None:
@@ -111,8 +140,14 @@ def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype,
         traces.append(TPTrace(counts, first.depths, first.blocks))
         fsdp = []
         for s in local:
-            def gathers(unit: str, index: int = s.index, acts: list = order[rank]) -> int:
-                return fsdp_gathers(acts, index, reshard and unit != ROOT)
+            memo: dict[bool, int] = {}  # a unit's gathers depend on whether it reshards only
+
+            def gathers(unit: str, index: int = s.index, acts: list = order[rank],
+                        memo: dict = memo) -> int:
+                again = reshard and unit != ROOT
+                if again not in memo:
+                    memo[again] = fsdp_gathers(acts, index, again)
+                return memo[again]
             fsdp += fsdp_collectives(stages[s.index].units, spec.fsdp, shape, dims,
                                      param.itemsize, reduce.itemsize, gathers)
         collectives = rows(traces[-1], fsdp, step, dims) + _p2p_rows(p2p.get(rank))

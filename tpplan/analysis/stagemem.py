@@ -28,7 +28,7 @@ from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .memory import memory_per_rank
 from .memtrace import PARTS
-from .schedule import bubble_fraction, in_flight, rank_in_flight, schedule_actions
+from .schedule import rank_in_flight, schedule_actions, schedule_facts
 from .steptrace import StageIO
 
 __all__ = ["pipeline_schedule", "pipeline_memory", "p2p_per_rank", "reported_ranks"]
@@ -46,12 +46,11 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
     stage's micro-batches in flight, rank and modules."""
     pipe = spec.pipeline
     pp, v, m = dims.pp, pipe.stages_per_rank, pipe.microbatches
-    actions = schedule_actions(pipe.schedule, pp, v, m)
-    flight = in_flight(actions)
+    bubble, flight = schedule_facts(pipe.schedule, pp, v, m)
     closed = {"gpipe": (pp - 1) / m, "1f1b": (pp - 1) / m,
               "interleaved_1f1b": (pp - 1) / (v * m)}.get(pipe.schedule)
     return dict(schedule=pipe.schedule, pp=pp, stages_per_rank=v, microbatches=m,
-                bubble_fraction=bubble_fraction(actions, m), bubble_closed_form=closed,
+                bubble_fraction=bubble, bubble_closed_form=closed,
                 stages=[dict(index=s.index, pp_rank=s.rank, first_module=s.modules[0],
                              last_module=s.modules[-1], blocks=len(s.blocks), params=s.params,
                              in_flight=flight[s.index]) for s in split.stages])

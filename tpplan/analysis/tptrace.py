@@ -129,13 +129,16 @@ def _reduce_partial_grads(model: nn.Module) -> None:
 
 def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Module], seq_len: int,
              micro_batch: int, dtype: torch.dtype, extrapolate: bool = True,
-             io: StageIO | None = None) -> TPTrace:
+             io: StageIO | None = None, shallow: tuple[dict, object] | None = None) -> TPTrace:
     """Count one micro-batch's TP collectives of ``plan`` (needs the fake process group up).
 
     ``extrapolate=False`` traces every block (slower; the result must be the same). ``io``:
     ``build`` makes one pipeline stage (``res`` resolved on it): a stage after the first
     takes an activation of ``io.received``, one before the last runs backward from a
-    gradient of its output, whose (shape, dtype) goes to ``io.sent``."""
+    gradient of its output, whose (shape, dtype) goes to ``io.sent``. ``shallow``: ``(cache,
+    key)``: the three shallow traces of identical blocks kept under ``key``, which the caller
+    makes of everything they read except the depth (``search``: pipeline stages of every
+    length share them; the extrapolation to this depth is the same arithmetic)."""
     import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
@@ -169,14 +172,21 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         if depth % period or depth < 3 * period:
             return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
         depths = [period, 2 * period, 3 * period]
-        # Cut before applying TP: the blocks past the traced ones are never run.
-        kept = _truncated(getattr(parent, attr), depths[-1])
-        setattr(parent, attr, kept)
-        prepared(model)
-        traced = []
-        for k in depths:
-            setattr(parent, attr, _truncated(kept, k))
-            traced.append(_run(model, plan, tokens, groups, io))
+        memo, key = shallow or ({}, None)
+        if key in memo:
+            traced, sent = memo[key]
+            if io is not None:
+                io.sent = sent
+        else:
+            # Cut before applying TP: the blocks past the traced ones are never run.
+            kept = _truncated(getattr(parent, attr), depths[-1])
+            setattr(parent, attr, kept)
+            prepared(model)
+            traced = []
+            for k in depths:
+                setattr(parent, attr, _truncated(kept, k))
+                traced.append(_run(model, plan, tokens, groups, io))
+            memo[key] = (traced, io and io.sent)
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}

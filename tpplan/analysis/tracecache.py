@@ -42,20 +42,26 @@ from ..plan.pipeline import SCHEDULES
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
-from .dryrun import DryRun, _forget_meshes, _run
-from .memory import memory_per_rank
+from .dryrun import DryRun, forget_meshes, run_analysis
+from .memory import memory_per_rank, shallow_depths
 from .steptrace import StageIO
 from .tptrace import trace_tp
 
 __all__ = ["Evaluator"]
 
 
-def _signature(module: nn.Module) -> tuple:
+def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> tuple:
     """A module's structure without its names: each submodule's type and its parameters'
-    shapes and dtypes, in order (two stages of as many blocks, at the same ends, agree)."""
+    shapes and dtypes, in order (two stages of as many blocks, at the same ends, agree).
+    With ``blocks``: only the first ``depth`` of that container's blocks count (the ones a
+    shallow trace runs)."""
+    skipped: set[int] = set()
+    if blocks is not None:
+        for block in list(module.get_submodule(blocks).children())[depth:]:
+            skipped.update(id(m) for m in block.modules())
     return tuple((type(m).__name__, tuple((n, tuple(p.shape), p.dtype)
                                           for n, p in m.named_parameters(recurse=False)))
-                 for m in module.modules())
+                 for m in module.modules() if id(m) not in skipped)
 
 
 def _mesh_key(mesh) -> tuple:
@@ -81,7 +87,10 @@ class Evaluator:
         self.meshes: dict[ParallelDims, Any] = {}
         self.resolutions: dict[tuple, Any] = {}
         self.memories: dict[tuple, tuple] = {}
+        self.shallow: dict[tuple, tuple] = {}  # memory's shallow traces, any depth
         self.tp_traces: dict[tuple, Any] = {}
+        self.units: dict[tuple, list] = {}
+        self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
         self._last: ParallelDims | None = None
 
@@ -107,9 +116,7 @@ class Evaluator:
 
     def _resolve(self, spec: PlanSpec):
         dims = ParallelDims.of(spec.mesh, self.world_size)
-        ac, pipe = spec.activation_checkpointing, spec.pipeline
-        key = (dims.tp, dims.pp, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
-               pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
+        key = _resolution_key(spec, dims)
         res = self.resolutions.get(key)
         if res is None:
             res = self.resolutions[key] = Plan(spec, None).resolve(self.model, self.world_size)
@@ -121,33 +128,51 @@ class Evaluator:
             self.meshes[dims] = dims.build_mesh("cpu")
         if self._last is not dims:
             # DTensor's caches key on meshes that compare equal across groups (dryrun's
-            # _forget_meshes): a trace on this mesh must not reuse another mesh's groups.
-            _forget_meshes()
+            # forget_meshes): a trace on this mesh must not reuse another mesh's groups.
+            forget_meshes()
             self._last = dims
         return self.meshes[dims]
 
     def memory(self, result: DryRun) -> None:
         """``memory_per_rank`` (and ``pipeline``) as ``validate`` computes them."""
         result.mesh = self._mesh(result.resolution.dims)
-        _run(result, "memory_per_rank", lambda r: analyze_memory(r, self._memory))
+        run_analysis(result, "memory_per_rank", lambda r: analyze_memory(r, self._memory))
 
     def comm(self, result: DryRun) -> None:
-        """``comm_per_step`` and ``comm_minimum`` as ``validate`` computes them."""
-        result.mesh = self._mesh(result.resolution.dims)
-        _run(result, "comm_per_step", lambda r: analyze_comm(r, self._tp))
+        """``comm_per_step`` as ``validate`` computes it (not ``comm_minimum``, which the
+        ranking does not read). A whole model's FSDP units are cached by the resolution's
+        key and dp_shard (all that :func:`unit_sizes` reads); a pipeline's stages by
+        :func:`tpplan.analysis.stagecomm.pipeline_comm` in :attr:`stages`."""
+        dims = result.resolution.dims
+        result.mesh = self._mesh(dims)
+        if result.plan.spec.pipeline is None:
+            key = (_resolution_key(result.plan.spec, dims), dims.dp_shard)
+            if key not in self.units:
+                self.units[key] = result.fsdp_units
+            result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
+        run_analysis(result, "comm_per_step",
+                     lambda r: analyze_comm(r, self._tp, self.stages, minimum=False))
 
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None) -> dict[str, Any]:
         ac = spec.activation_checkpointing
-        stage = io and (io.first, io.last, io.received, _signature(build()))
-        key = (_mesh_key(mesh), shape.seq_len, shape.micro_batch, min(shape.grad_accum, 3),
-               shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, n_blocks, blocks,
-               cut, stage)
+        module = build()
+        stage = io and (io.first, io.last, io.received, _signature(module))
+        common = (_mesh_key(mesh), shape.seq_len, shape.micro_batch, min(shape.grad_accum, 3),
+                  shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
+        key = (*common, n_blocks, stage)
         if key not in self.memories:
-            out = memory_per_rank(spec, mesh, build, shape, n_blocks, blocks, cut, io)
+            # The three shallow traces of a deep model or stage read its first 6k blocks
+            # and what is around them: shared by every depth (pipeline stages of any pp).
+            depths = shallow_depths(spec, n_blocks, blocks, cut)
+            shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
+                                                 _signature(module, blocks, depths[-1])))
+            before = len(self.shallow)
+            out = memory_per_rank(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
             self.memories[key] = (out, io.sent if io else None)
-            self.traces["memory"] += 1
+            self.traces["memory" if len(self.shallow) > before or not depths
+                        else "memory_from_shallow"] += 1
         else:
             self.traces["memory_cached"] += 1
         out, sent = self.memories[key]
@@ -167,6 +192,13 @@ class Evaluator:
         else:
             self.traces["tp_cached"] += 1
         return self.tp_traces[key]
+
+
+def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
+    """What a resolution reads that differs between candidates (docs/search.md)."""
+    ac, pipe = spec.activation_checkpointing, spec.pipeline
+    return (dims.tp, dims.pp, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
+            pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 
 def _with_dims(res, dims: ParallelDims):
