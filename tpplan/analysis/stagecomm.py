@@ -83,7 +83,8 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
         if tkey not in cache:
             if dims.tp > 1:
                 # Alike stages of any length (any pp) share their shallow traces.
-                deep = ("shallow", key[0], *key[4:], alike[:3] if isinstance(alike, tuple)
+                # (Not dp either: the trace applies TP only, with rules dp does not change.)
+                deep = ("shallow", key[0], *key[4:6], alike[:3] if isinstance(alike, tuple)
                         else (key, alike), shape.seq_len, shape.micro_batch, dtype)
                 trace = trace_tp(spec, res, mesh, lambda s=stage: stage_module(whole, s, split),
                                  shape.seq_len, shape.micro_batch, dtype, io=io,
