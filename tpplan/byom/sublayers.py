@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
+from .gated_norm import is_gated_norm
 from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
@@ -72,8 +73,14 @@ def sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], 
     opens a sub-layer; a norm deeper down (``self_attn.q_norm``) acts on a projection's
     output, inside the sub-layer."""
     out: list[tuple[Call | None, list[Call], list[Call]]] = [(None, [], [])]
+    gated = None  # a gated norm's own modules act per token with it (tpplan.byom.gated_norm)
     for call in trace.within(block):
-        if is_norm(call.module):
+        if gated and call.path.startswith(gated + "."):
+            continue
+        if call.path.rpartition(".")[0] == block and is_gated_norm(call.module):
+            gated = call.path
+            out.append((call, [], []))
+        elif is_norm(call.module):
             if call.path.rpartition(".")[0] == block:
                 out.append((call, [], []))
             else:

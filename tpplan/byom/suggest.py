@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from .gated_norm import gated_norm_sp_rules, is_gated_norm
 from .tp_fit import fit_to_tp
 from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
                         whole_sequence_modules)
@@ -44,6 +45,7 @@ class Suggestion:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     blocks: str | None = None  # path of the ModuleList of repeated blocks
+    like_blocks: str = "*"  # the blocks the rules cover ("0", "{0,2}") where later ones differ
     notes: list[str] = field(default_factory=list)  # what could not be decided, and why
 
 
@@ -105,10 +107,12 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
+        rest = [None] * (block_call.arity - 1)  # DSA blocks also hand on their top-k indices
         opts = {"style": "prepare_input_output",
                 **input_layouts(block_call, hidden, "replicate", "shard(1)"),
-                "use_local_input": True, "output_layouts": "shard(1)",
-                "desired_output_layouts": "replicate"}
+                "use_local_input": True,
+                "output_layouts": ["shard(1)", *rest] if rest else "shard(1)",
+                "desired_output_layouts": ["replicate", *rest] if rest else "replicate"}
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
                         "is gathered back for the code between blocks"))
         s.sequence_parallel = True
@@ -121,7 +125,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
 
     for norm, linears, inner_norms in sub_layers(trace, first):
         if inner and norm is not None:
-            s.rules.append(sp_norm(trace, norm, first))
+            s.rules += gated_norm_sp_rules(trace, norm, first) if is_gated_norm(norm.module) \
+                else [sp_norm(trace, norm, first)]
         s.rules += sub_layer_rules(s, model, trace, first, block_call, norm, linears,
                                    inner_norms, inner)
     if inner:
@@ -175,6 +180,7 @@ def _restrict_to_like_blocks(s: Suggestion, model: nn.Module, blocks: str, first
             p.startswith(star + ".") else p
 
     s.rules = [(restrict(p), st, c) for p, st, c in s.rules]
+    s.like_blocks = alts
     s.divide_by_tp = [restrict(p) for p in s.divide_by_tp]
     others = ", ".join(n for n in names if n not in like)
     s.notes.append(f"blocks {others} of '{blocks}' differ from block {like[0]} (other modules): "
