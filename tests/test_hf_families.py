@@ -19,9 +19,10 @@ import sweep_hf  # noqa: E402
 # projection (olmo2), parallel attention+MLP (cohere), MoE with experts held as parameters
 # (mixtral, qwen3_moe: experts_colwise_rowwise), a shared expert (qwen2_moe), dense-then-MoE
 # blocks (glm4_moe); phi3 gets packed_colwise; multi-head latent attention (deepseek_v2:
-# mla_kv_a_proj, the rotary key's gradient summed over tp).
+# mla_kv_a_proj, the rotary key's gradient summed over tp); a gated norm on the sequence shard
+# and transformers' rules for the dense first block only, beside a DSA indexer (axk2).
 FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3_moe",
-            "qwen2_moe", "glm4_moe", "deepseek_v2"]
+            "qwen2_moe", "glm4_moe", "deepseek_v2", "axk2"]
 
 
 def test_families_import_suggest_validate_and_verify(tmp_path):

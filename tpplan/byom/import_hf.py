@@ -236,7 +236,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
-        pattern = like_blocks(pattern, sugg.blocks, sugg.like_blocks, hits)
+        pattern = like_blocks(pattern, sugg.blocks, sugg.like_blocks, hits, covered)
         if set(hits(pattern)) & covered:  # blocks the dataflow's rules handle (some or all)
             sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above "
                               "where the blocks are like the first; the others run replicated")

@@ -3,8 +3,9 @@ for the model at hand: which blocks it covers, and the styles with no PyTorch cl
 
 - Blocks that differ from the first (DeepSeek's, GLM-4-MoE-Lite's and AXK2's dense first
   layers, then MoE layers) run replicated under the dataflow's rules (``layers.0.*``). A
-  transformers rule the dataflow left undecided (``layers.*.self_attn.q_b_proj``) must cover
-  the same blocks, or later blocks would shard ``q_b_proj`` beside a whole ``o_proj``.
+  transformers rule the dataflow left undecided (``layers.*.self_attn.q_b_proj``) beside one
+  it replaced (``layers.0.self_attn.o_proj``) must cover the same blocks, or later blocks
+  would shard ``q_b_proj`` beside a whole ``o_proj``.
 - ``replicated_with_grad_allreduce`` (a norm beside sharded heads whose weight's gradient
   each rank has for its own heads only, dots3's ``k_rope_only_layernorm`` on the shared
   rotary key) becomes tpplan's ``sequence_parallel`` on dimension 0: the local input is read
@@ -42,15 +43,19 @@ def regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def like_blocks(pattern: str, blocks: str | None, like: str,
-                hits: Callable[[str], list[str]]) -> str:
+                hits: Callable[[str], list[str]], covered: set[str]) -> str:
     """``pattern`` restricted to the blocks like the first (``like``: ``0``, ``{0,2}``) where
-    the dataflow's rules are restricted so; a module found only in the other blocks (the MoE
-    layers' experts) keeps transformers' pattern: its rules there are transformers' alone."""
+    the dataflow's rules are restricted so and hold a rule beside it there (``o_proj`` beside
+    ``q_b_proj``): they run together. Where they hold none (an attention the dataflow left
+    alone) or the module is only in the other blocks (the MoE layers' experts), transformers'
+    rules stand together on every block: the pattern is kept."""
     star = f"{blocks}.*."
     if not blocks or like == "*" or not pattern.startswith(star):
         return pattern
     narrowed = f"{blocks}.{like}.{pattern[len(star):]}"
-    return narrowed if hits(narrowed) else pattern
+    parents = {m.rpartition(".")[0] for m in hits(narrowed)}
+    beside = any(c.rpartition(".")[0] in parents for c in covered)
+    return narrowed if beside else pattern
 
 
 def grad_allreduce_rule(pattern: str, modules: list[nn.Module]) -> Any | None:
