@@ -25,7 +25,8 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
-from .packing import experts_modules
+from .head_rules import attach_head_params, take_hf_head_params
+from .packing import experts_modules, keeps_packed
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -166,6 +167,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     modules = dict(model.named_modules())
     params = {n for n, _ in model.named_parameters()}
     hf_rules = {f"{prefix}.{key}": style for key, style in tp_plan.items()}
+    heads = take_hf_head_params(hf_rules, modules, params, sugg.notes)  # sinks: per head
     suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
     for pattern, style in list(hf_rules.items()):
         why = _unshardable(pattern, style, modules, params) if style in EXACT else None
@@ -209,7 +211,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                                   "to the residual stream"))
                 continue
             used.add(hf)
-            if _keeps_packed(sugg.rules, member, hf_rules[hf]):
+            if keeps_packed(sugg.rules, member, hf_rules[hf]):
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]} (it gathers "
                                   "packed projections); tpplan shards each packed part instead "
                                   f"({name}, as the dataflow suggests)")
@@ -242,23 +244,13 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                               "left replicated")
             continue
         rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules, unfed), hits, unfed)
+    sugg.rules = attach_head_params(_without_idle_prepares(
+        _drop_per_head_under_gather(rules, unfed), hits, unfed), heads, hits)
     sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]
     if tp:
         fit_to_tp(sugg, model, tp)
     source = f"{type(config).__name__}.base_model_tp_plan (transformers {transformers.__version__})"
     return ImportedPlan(model_section, sugg, source)
-
-
-def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
-    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
-    input of the projection after it (``rowwise_split_input``); where the dataflow shards
-    the packed parts instead (``packed_colwise``), its rules for both stand."""
-    parent = member.rpartition(".")[0]
-    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
-                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
-    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
-                                   "rowwise_rep")
 
 
 def _expand(pattern: str) -> list[str]:

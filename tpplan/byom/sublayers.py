@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
+from .head_rules import per_head_params, with_head_params
 from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
@@ -235,8 +236,10 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
     own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
         m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
         if holder is not None else []
-    if own:  # Beam's gate_bias[heads], a Mamba mixer's conv1d and A_log: they would meet a
-        # slice of what they cover
+    heads = per_head_params(holder.module, [c.module for c in colwise]) \
+        if own and rest == [rowwise] else []  # (not beside a linear left whole: Doge's dt_proj)
+    own = [n for n in own if n not in heads]  # Beam's gate_bias[heads]: split with the heads
+    if own:  # a Mamba mixer's conv1d and A_log: they would meet a slice of what they cover
         s.notes.append(f"left replicated: '{generalize(parent)}' uses weights of its own beside "
                        f"its projections ({', '.join(own)}); tpplan cannot shard them with them")
         return rules
@@ -276,6 +279,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                    "slice of each" if parts is not None else "")))
     if not gather:
         rules += norm_rules + scalar_rules
+        rules = with_head_params(rules, generalize(parent), heads) if heads else rules
     row = {"style": "rowwise"}
     if gather:
         row["input_layouts"] = "replicate"

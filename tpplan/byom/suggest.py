@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
 from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
                         whole_sequence_modules)
@@ -148,7 +149,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if tail:
         s.units.append(tail if len(tail) > 1 else tail[0])
     seen: set[str] = set()
-    s.rules = [r for r in s.rules if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
+    s.rules = [r for r in merge_local_params(s.rules)
+               if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
 
 
