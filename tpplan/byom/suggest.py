@@ -106,10 +106,11 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
+        rest = [None] * (block_call.arity - 1)  # HY-V4's block also returns its top-k indices
         opts = {"style": "prepare_input_output",
                 **input_layouts(block_call, hidden, "replicate", "shard(1)"),
-                "use_local_input": True, "output_layouts": "shard(1)",
-                "desired_output_layouts": "replicate"}
+                "use_local_input": True, "output_layouts": ["shard(1)", *rest] if rest else
+                "shard(1)", "desired_output_layouts": ["replicate", *rest] if rest else "replicate"}
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
                         "is gathered back for the code between blocks"))
         s.sequence_parallel = True
@@ -213,7 +214,9 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
         from ..models.hf import build_hf, hf_config
 
         config = hf_config(spec)
-        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, tp=2)})
+        blocks_of = getattr(config, "num_layers", None) or getattr(config, "num_hidden_layers", 2)
+        layers = min(2, blocks_of) if isinstance(blocks_of, int) else 2  # no block the model lacks
+        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, 2, layers)})
         with torch.device("cpu"):
             model = build_hf(spec, small)
         try:
