@@ -25,7 +25,7 @@ Rule = tuple[str, Any, str]
 def _head_counts(holder: nn.Module) -> set[int]:
     """Integers the module (or its config) holds under a head-count name."""
     out = set()
-    for source in (vars(holder), vars(getattr(holder, "config", None) or object())):
+    for source in (vars(holder), getattr(getattr(holder, "config", None), "__dict__", {})):
         for name, value in source.items():
             if isinstance(value, int) and not isinstance(value, bool) and value > 1 and \
                     "head" in name and not any(w in name for w in ("dim", "size", "group")):
@@ -122,6 +122,15 @@ def attach_head_params(rules: list[Rule], found: dict[str, list[str]], hits) -> 
     ``prepare_input``), or a ``local_params`` rule of its own."""
     sharded = {m for p, st, _ in rules if (st if isinstance(st, str) else st["style"])
                in ("colwise", "packed_colwise", "kv_colwise") for m in hits(p)}
+    kept = []
+    for p, st, c in rules:  # the dataflow's head_params where transformers leaves the
+        if isinstance(st, dict) and st.get("head_params") and not any(  # projections whole
+                m.rpartition(".")[0] in set(hits(p)) for m in sharded):
+            if st["style"] == "local_params":
+                continue
+            st = {k: v for k, v in st.items() if k != "head_params"}
+        kept.append((p, st, c))
+    rules = kept
     for owner, names in found.items():
         mine = set(hits(owner))
         if not any(m.rpartition(".")[0] in mine for m in sharded):
