@@ -25,8 +25,9 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
+from .head_rules import attach_head_params, take_hf_head_params
 from .import_rules import GRAD_ALLREDUCE, expand, grad_allreduce_rule, like_blocks, regroup
-from .packing import experts_modules
+from .packing import experts_modules, keeps_packed
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -167,6 +168,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     modules = dict(model.named_modules())
     params = {n for n, _ in model.named_parameters()}
     hf_rules = {f"{prefix}.{key}": style for key, style in tp_plan.items()}
+    heads = take_hf_head_params(hf_rules, modules, params, sugg.notes)  # sinks: per head
     suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
     allreduce = set()  # transformers' replicated_with_grad_allreduce on norms tpplan makes
     for pattern, style in list(hf_rules.items()):
@@ -214,7 +216,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                                   "to the residual stream"))
                 continue
             used.add(hf)
-            if name == "packed_colwise" or _keeps_packed(sugg.rules, member, hf_rules[hf]):
+            if name == "packed_colwise" or keeps_packed(sugg.rules, member, hf_rules[hf]):
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}; tpplan "
                                   "shards each packed part instead "
                                   f"({name}, as the dataflow suggests)")
@@ -250,7 +252,8 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
         rules.append(grad_allreduce_rule(pattern, [modules[m] for m in hits(pattern)])
                      if style == GRAD_ALLREDUCE else
                      (pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules, unfed), hits, unfed)
+    sugg.rules = attach_head_params(_without_idle_prepares(
+        _drop_per_head_under_gather(rules, unfed), hits, unfed), heads, hits)
     sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]
     if tp:
         fit_to_tp(sugg, model, tp)
@@ -258,15 +261,6 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     return ImportedPlan(model_section, sugg, source)
 
 
-def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
-    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
-    input of the projection after it (``rowwise_split_input``); where the dataflow shards
-    the packed parts instead (``packed_colwise``), its rules for both stand."""
-    parent = member.rpartition(".")[0]
-    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
-                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
-    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
-                                   "rowwise_rep")
 
 
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:

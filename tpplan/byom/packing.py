@@ -17,7 +17,7 @@ from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
 
-__all__ = ["FUSED", "channelwise_readers", "experts_modules", "packed_parts"]
+__all__ = ["FUSED", "channelwise_readers", "experts_modules", "keeps_packed", "packed_parts"]
 
 FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
 
@@ -85,3 +85,14 @@ def channelwise_readers(trace: Trace, colwise: list[Call]) -> tuple[Call | None,
                         "replicated, gradients summed over tp")
                 rules += [rule] if rule[0] not in [r[0] for r in rules] else []
     return None, rules
+
+
+def keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
+    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
+    input of the projection after it (``rowwise_split_input``); where the dataflow shards
+    the packed parts instead (``packed_colwise``), its rules for both stand."""
+    parent = member.rpartition(".")[0]
+    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
+                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
+    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
+                                   "rowwise_rep")

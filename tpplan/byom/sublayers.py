@@ -16,8 +16,9 @@ import torch.nn as nn
 
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
-from ..plan.patterns import generalize
+from ..plan.patterns import compile_pattern, generalize
 from .gated_norm import is_gated_norm
+from .head_rules import per_head_params, with_head_params
 from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
 
 __all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
@@ -68,10 +69,9 @@ def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
 
 
 def sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], list[Call]]]:
-    """(the norm that opens it, its linear calls, the norms inside it) for each sub-layer of
-    one block. Only a norm that is a direct child of the block reads the residual stream and
-    opens a sub-layer; a norm deeper down (``self_attn.q_norm``) acts on a projection's
-    output, inside the sub-layer."""
+    """(the norm that opens it, its linear calls, the norms inside it) per sub-layer of one
+    block. A norm that is the block's child (or an item of a list that is) opens one; a norm
+    deeper down (``self_attn.q_norm``) acts on a projection's output, inside it."""
     out: list[tuple[Call | None, list[Call], list[Call]]] = [(None, [], [])]
     gated = None  # a gated norm's own modules act per token with it (tpplan.byom.gated_norm)
     for call in trace.within(block):
@@ -81,7 +81,8 @@ def sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], 
             gated = call.path
             out.append((call, [], []))
         elif is_norm(call.module):
-            if call.path.rpartition(".")[0] == block:
+            rel = call.path[len(block) + 1:].split(".")  # LongCat's input_layernorm.0
+            if len(rel) == 1 or (len(rel) == 2 and rel[1].isdigit()):
                 out.append((call, [], []))
             else:
                 out[-1][2].append(call)
@@ -160,14 +161,13 @@ def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) 
     """Under sequence parallelism inside a block, a direct child of the block with weights and
     no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the sequence) may
     mix tokens: it gets the whole sequence and hands back its shard (of every output)."""
-    ruled = [p for p, _, _ in rules]
     out = []
     for c in trace.within(block):
         if c.path.rpartition(".")[0] != block or is_norm(c.module) or not c.inputs or \
                 not any(True for _ in c.module.parameters()):
             continue
-        pattern = generalize(c.path)
-        if any(p == pattern or p.startswith(pattern + ".") for p in ruled + [r[0] for r in out]):
+        below = [x.path for x in trace.within(c.path)] + [c.path]  # a brace rule covers some
+        if any(compile_pattern(p).fullmatch(x) for p, _, _ in rules + out for x in below):
             continue
         hidden = c.args[0] if c.args and c.args[0] is not None else c.inputs[0]
         out.append(_whole_sequence(s.notes, trace, c, hidden, "it has weights of its own and "
@@ -199,11 +199,11 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
                if hidden is not None else [])):
         if c is None or c.path in whole or is_norm(c.module):
             continue
-        nested = {p for p in groups if p.startswith(c.path)} - {c.path}
+        nested = {p for p in groups if p.startswith(c.path + ".")} - {c.path}
         loose = [n for n, _ in c.module.named_parameters()
                  if not isinstance(c.module.get_submodule(n.rpartition(".")[0]), nn.Linear)
                  and not is_norm(c.module.get_submodule(n.rpartition(".")[0]))]
-        if nested or loose or not any(p.startswith(c.path) for p in groups):
+        if nested or loose or not any(f"{p}.".startswith(c.path + ".") for p in groups):
             whole.add(c.path)
             if inner and hidden is not None:
                 rules.append(_whole_sequence(s.notes, trace, c, hidden, (
@@ -215,7 +215,7 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
                        "and up halves separately), outputs summed over tp; the router replicated")
                       for rel in experts_modules(c.module)]
     for parent, group in groups.items():
-        seq = inner and not any(parent.startswith(w) for w in whole)
+        seq = inner and not any(f"{parent}.".startswith(w + ".") for w in whole)
         rules += _group_rules(s, trace, block, parent, group, inner_norms, d, seq)
     return rules
 
@@ -242,8 +242,10 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
     own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
         m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
         if holder is not None else []
-    if own:  # Beam's gate_bias[heads], a Mamba mixer's conv1d and A_log: they would meet a
-        # slice of what they cover
+    heads = per_head_params(holder.module, [c.module for c in colwise]) \
+        if own and rest == [rowwise] else []  # (not beside a linear left whole: Doge's dt_proj)
+    own = [n for n in own if n not in heads]  # Beam's gate_bias[heads]: split with the heads
+    if own:  # a Mamba mixer's conv1d and A_log: they would meet a slice of what they cover
         s.notes.append(f"left replicated: '{generalize(parent)}' uses weights of its own beside "
                        f"its projections ({', '.join(own)}); tpplan cannot shard them with them")
         return rules
@@ -283,6 +285,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                    "slice of each" if parts is not None else "")))
     if not gather:
         rules += norm_rules + scalar_rules
+        rules = with_head_params(rules, generalize(parent), heads) if heads else rules
     row = {"style": "rowwise"}
     if gather:
         row["input_layouts"] = "replicate"

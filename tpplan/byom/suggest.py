@@ -27,6 +27,7 @@ from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
 from .gated_norm import gated_norm_sp_rules, is_gated_norm
+from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
 from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
                         whole_sequence_modules)
@@ -153,7 +154,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if tail:
         s.units.append(tail if len(tail) > 1 else tail[0])
     seen: set[str] = set()
-    s.rules = [r for r in s.rules if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
+    s.rules = [r for r in merge_local_params(s.rules)
+               if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
 
 
@@ -217,7 +219,9 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
         from ..models.hf import build_hf, hf_config
 
         config = hf_config(spec)
-        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, tp=2)})
+        blocks_of = getattr(config, "num_layers", None) or getattr(config, "num_hidden_layers", 2)
+        layers = min(2, blocks_of) if isinstance(blocks_of, int) else 2  # no block the model lacks
+        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, 2, layers)})
         with torch.device("cpu"):
             model = build_hf(spec, small)
         try:
