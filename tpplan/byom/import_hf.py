@@ -26,6 +26,7 @@ from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
 from .packing import experts_modules
+from .sp_regions import sequence_regions, writes_sequence_shard
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -225,9 +226,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
         for group, hf_style in _regroup(kept):  # (not in a branch run on the whole sequence)
             rules.append((group, _mapped(hf_style, seq), f"transformers: {hf_style}"))
     covered = {m for p, _, _ in rules for m in hits(p)}
-    sp_blocks = {m for p, st, _ in rules if isinstance(st, dict)
-                 and st["style"] == "prepare_input_output" and p.startswith(f"{sugg.blocks}.")
-                 for m in hits(p)}
+    regions = sequence_regions(rules, hits)
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
@@ -236,12 +235,13 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                               "where the blocks are like the first; the others run replicated")
             continue
         if sequence_parallel and sugg.blocks and not all(
-                any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
+                any(m.startswith(b + ".") for b in regions[0]) for m in hits(pattern)):
             sugg.notes.append(f"transformers' '{pattern}: {style}' is in blocks that run "
                               "without sequence parallelism (they differ from the first); "
                               "left replicated")
             continue
-        rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
+        seq = sequence_parallel and writes_sequence_shard(hits(pattern), regions)
+        rules.append((pattern, _mapped(style, seq), f"transformers: {style}"))
     sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules, unfed), hits, unfed)
     sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]
     if tp:

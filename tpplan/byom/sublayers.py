@@ -89,7 +89,9 @@ def sp_norm(trace: Trace, norm: Call, block: str) -> Rule:
     post-norm's output goes straight into the residual add)."""
     readers = [c for c in trace.consumers(norm.outputs[0]) if c.path.startswith(block + ".")] \
         if norm.outputs else []
-    if readers:
+    # a norm whose output the block's code also reads (MiniMax adds it to the residual
+    # stream, as a post-norm) hands a local shard: its readers' rules take shard(1) inputs
+    if readers and block not in trace.code_reads.get(norm.outputs[0], ()):
         return generalize(norm.path), "sequence_parallel", "norm on a sequence shard"
     return (generalize(norm.path), {"style": "sequence_parallel", "use_local_output": True},
             "norm on a sequence shard; its output goes to the residual add as a local shard")
@@ -198,8 +200,12 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
                  and not is_norm(c.module.get_submodule(n.rpartition(".")[0]))]
         if nested or loose or not any(p.startswith(c.path) for p in groups):
             whole.add(c.path)
-            if inner and hidden is not None:
-                rules.append(_whole_sequence(s.notes, trace, c, hidden, (
+            # the whole sequence however the branch is reached: from the norm, or from code
+            # (Qwen4-exp's hyper-connection mix, Llama 4's residual): its first tensor input
+            x = hidden if hidden in c.inputs else (c.args[0] if c.args and c.args[0]
+                                                   is not None else next(iter(c.inputs), None))
+            if inner and x is not None:
+                rules.append(_whole_sequence(s.notes, trace, c, x, (
                     "it routes tokens (experts held as parameters, a router), which tpplan does "
                     "not split on the sequence")
                     if loose else "its projections do not read the sequence as such"))

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["Call", "Trace", "trace_forward"]
 
@@ -48,6 +49,9 @@ class Call:
 @dataclass
 class Trace:
     calls: list[Call]
+    # tensor id -> paths of the modules whose own code (not a child module) reads it: a
+    # post-norm block adds its norm's output to the residual stream (MiniMax)
+    code_reads: dict[int, set[str]] = field(default_factory=dict)
 
     def within(self, prefix: str) -> list[Call]:
         return [c for c in self.calls if c.path.startswith(prefix + ".")]
@@ -92,10 +96,19 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
             continue
         handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
+    code_reads: dict[int, set[str]] = {}
+
+    class _Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if stack:
+                for i in _tensor_ids([args, kwargs or {}]):
+                    code_reads.setdefault(i, set()).add(stack[-1].path)
+            return func(*args, **(kwargs or {}))
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _Reads():
             model(tokens)
     finally:
         for h in handles:
             h.remove()
-    return Trace(calls)
+    return Trace(calls, code_reads)
