@@ -27,8 +27,8 @@ from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
 from .tp_fit import fit_to_tp
-from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
-                        whole_sequence_modules)
+from .seq_rules import input_layouts, sequence_inputs, sp_norm, whole_sequence_modules
+from .sublayers import sub_layer_rules, sub_layers
 from ..parallel.checks import composite_children
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
@@ -106,7 +106,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
         opts = {"style": "prepare_input_output",
-                **input_layouts(block_call, hidden, "replicate", "shard(1)"),
+                **input_layouts(block_call, sequence_inputs(trace, block_call, hidden),
+                                "replicate", "shard(1)"),
                 "use_local_input": True, "output_layouts": "shard(1)",
                 "desired_output_layouts": "replicate"}
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
