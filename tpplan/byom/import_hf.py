@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.nn as nn
 
 from ..models import build_model
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
@@ -25,7 +24,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
-from .packing import experts_modules
+from .hf_rules import unshardable
 from .sp_regions import sequence_regions, writes_sequence_shard
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
@@ -113,28 +112,6 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
 COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}  # tpplan's
 
 
-def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
-                 params: set[str]) -> str | None:
-    """Why transformers' rule cannot be a tpplan rule on this model, or None."""
-    rx = compile_pattern(pattern)
-    hits = [m for p, m in modules.items() if rx.fullmatch(p)]
-    if not hits and any(rx.fullmatch(p) for p in params):
-        return (f"'{pattern}' ({style}) is a parameter, not a module (experts held as one "
-                "tensor): the experts module's own rule (experts_colwise_rowwise, transformers' "
-                "moe_tp_experts) shards it")
-    if not hits:
-        return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
-                "plan covers variants of the architecture); left out")
-    name = ALIASES.get(style, (style, {}))[0]
-    if name == "experts_colwise_rowwise" and not experts_modules(nn.ModuleDict({"e": hits[0]})):
-        return (f"'{pattern}' ({style}): {type(hits[0]).__name__} holds its experts in a layout "
-                "experts_colwise_rowwise does not shard (transposed, biases, no gate); replicated")
-    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], (nn.Linear, nn.Embedding)):
-        return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
-                f"{name} cannot shard: left replicated")
-    return None
-
-
 def _drop_per_head_under_gather(rules: list, unfed: dict[str, bool]) -> list:
     """A projection transformers gathers (colwise with replicated output) or does not shard
     (``unfed``) hands whole heads to the norms after it: they need no per-head rule there (it
@@ -169,7 +146,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     hf_rules = {f"{prefix}.{key}": style for key, style in tp_plan.items()}
     suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
     for pattern, style in list(hf_rules.items()):
-        why = _unshardable(pattern, style, modules, params) if style in EXACT else None
+        why = unshardable(pattern, style, modules, params) if style in EXACT else None
         if why:
             sugg.notes.append(why)
             del hf_rules[pattern]

@@ -67,11 +67,13 @@ def whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
     n = branch.arity - 1  # attention's weights pass through as they are; ``every`` output
     rest, back_rest = (["replicate"] * n, ["shard(1)"] * n) if every else ([None] * n, [None] * n)
     out, back = (["replicate", *rest], ["shard(1)", *back_rest]) if n else ("replicate", "shard(1)")
-    opts = {"style": "prepare_input_output", **input_layouts(branch, hidden, "shard(1)",
+    lead = (trace.shapes.get(hidden) or branch.shapes.get(hidden, ()))[:2]
+    seq = {hidden} | {t for t in branch.inputs if len(branch.shapes.get(t, ())) >= 3
+                      and branch.shapes[t][:2] == lead}  # Inkling 2's block_states too
+    opts = {"style": "prepare_input_output", **input_layouts(branch, seq, "shard(1)",
                                                               "replicate"),
             "use_local_input": True, "output_layouts": out,
             "desired_output_layouts": back, "use_local_output": True}
-    lead = (trace.shapes.get(hidden) or branch.shapes.get(hidden, ()))[:2]
     first = trace.shapes.get(branch.outputs[0], ()) if branch.outputs else ()
     if len(lead) == 2 and len(first) == 2 and first[0] == lead[0] * lead[1]:
         opts["flat_tokens"] = True  # Llama 4's MoE returns (batch x sequence, hidden)

@@ -203,7 +203,8 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                        f"of {group_pattern([c.path for c in colwise])} element by element with "
                        "a whole tensor of its shape, which would meet a slice")
         return rules
-    mine = [n for n in inner_norms if n.path.startswith(parent + ".")]
+    mine = [n for n in inner_norms if n.path.startswith(parent + ".")  # not on the rowwise
+            and not set(n.inputs) & set(rowwise.outputs)]  # output: whole (Gemma 3n's LAuReL)
     container = common_parent([c.path for c in colwise])
     call = trace.first_call(container)
     parts = packed_parts([c.module for c in colwise], [c.path.rpartition(".")[2] for c in colwise],

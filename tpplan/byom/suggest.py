@@ -105,6 +105,7 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
+        _sequence_on_dim_1(model, block_call, hidden, embed)
         opts = {"style": "prepare_input_output",
                 **input_layouts(block_call, sequence_inputs(trace, block_call, hidden),
                                 "replicate", "shard(1)"),
@@ -151,6 +152,21 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     seen: set[str] = set()
     s.rules = [r for r in s.rules if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
+
+
+def _sequence_on_dim_1(model: nn.Module, block: Any, hidden: int, embed: Any) -> None:
+    """Sequence parallelism shards dimension 1 of the hidden states; a block that takes them
+    in another layout (Gemma 3n's AltUp stacks its predictions first: (inputs, batch,
+    sequence, hidden)) is refused, naming it."""
+    tokens = embed.shapes.get(embed.inputs[0], ()) if embed is not None and embed.inputs else ()
+    shape = block.shapes.get(hidden, ())
+    if len(tokens) == 2 and len(shape) >= 2 and tuple(shape[:2]) != tuple(tokens):
+        kind = type(model.get_submodule(block.path)).__name__
+        raise PlanErrors([PlanError(
+            f"sequence parallelism: block '{block.path}' ({kind}) takes its hidden states shaped "
+            f"{tuple(shape)} for tokens {tuple(tokens)}: the sequence is not dimension 1 (several "
+            "residual streams stacked first, as AltUp's), which tpplan's sequence sharding "
+            "needs; plan without sequence parallelism")])
 
 
 def _signature(block: nn.Module) -> tuple:

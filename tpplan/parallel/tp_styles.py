@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..plan.styles import TPPLAN_OPTIONS, Layout, StyleSpec
-from .flat_tokens import FlatTokensInputOutput
+from .prepare_io import PrepareInputOutput
 from .kv_heads import KVColwiseParallel
 from .latent import LatentKVParallel
 
@@ -75,6 +75,6 @@ _CLASSES = {
 def build_style(spec: StyleSpec) -> ParallelStyle:
     """The PyTorch style object for a parsed rule, options passed under their own names."""
     kwargs = {k: _torch(v) for k, v in spec.options.items() if k not in TPPLAN_OPTIONS}
-    if spec.options.get("flat_tokens"):
-        return FlatTokensInputOutput(**kwargs)
+    if spec.name == "prepare_input_output":
+        return PrepareInputOutput(flat_tokens=bool(spec.options.get("flat_tokens")), **kwargs)
     return _CLASSES[spec.name](**kwargs)

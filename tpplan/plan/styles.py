@@ -14,7 +14,7 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   use_local_output
 - ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input;
   tpplan's ``flat_tokens: true`` reshards outputs shaped ``(batch × sequence, ...)`` (Llama
-  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.flat_tokens)
+  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.prepare_io)
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 - ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
   ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
@@ -126,7 +126,7 @@ STYLES: dict[str, dict[str, str]] = {
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
 # lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly;
-# ``flat_tokens`` picks tpplan's FlatTokensInputOutput for ``prepare_input_output``
+# ``flat_tokens`` is read by tpplan's ``prepare_input_output`` (tpplan.parallel.prepare_io)
 TPPLAN_OPTIONS = ("uneven", "flat_tokens")
 
 # options a style cannot do without
