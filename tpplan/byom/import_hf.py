@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.nn as nn
 
 from ..models import build_model
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
@@ -26,8 +25,10 @@ from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
 from .head_rules import attach_head_params, take_hf_head_params
+from .hf_rules import unshardable
 from .import_rules import GRAD_ALLREDUCE, expand, grad_allreduce_rule, like_blocks, regroup
-from .packing import experts_modules, keeps_packed
+from .packing import keeps_packed
+from .sp_regions import sequence_regions, writes_sequence_shard
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -114,28 +115,6 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
 COVERED = {GRAD_ALLREDUCE: "per-head norm rule from the dataflow"}  # tpplan's
 
 
-def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
-                 params: set[str]) -> str | None:
-    """Why transformers' rule cannot be a tpplan rule on this model, or None."""
-    rx = compile_pattern(pattern)
-    hits = [m for p, m in modules.items() if rx.fullmatch(p)]
-    if not hits and any(rx.fullmatch(p) for p in params):
-        return (f"'{pattern}' ({style}) is a parameter, not a module (experts held as one "
-                "tensor): the experts module's own rule (experts_colwise_rowwise, transformers' "
-                "moe_tp_experts) shards it")
-    if not hits:
-        return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
-                "plan covers variants of the architecture); left out")
-    name = ALIASES.get(style, (style, {}))[0]
-    if name == "experts_colwise_rowwise" and not experts_modules(nn.ModuleDict({"e": hits[0]})):
-        return (f"'{pattern}' ({style}): {type(hits[0]).__name__} holds its experts in a layout "
-                "experts_colwise_rowwise does not shard (transposed, biases, no gate); replicated")
-    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], (nn.Linear, nn.Embedding)):
-        return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
-                f"{name} cannot shard: left replicated")
-    return None
-
-
 def _drop_per_head_under_gather(rules: list, unfed: dict[str, bool]) -> list:
     """A projection transformers gathers (colwise with replicated output) or does not shard
     (``unfed``) hands whole heads to the norms after it: they need no per-head rule there (it
@@ -172,7 +151,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
     allreduce = set()  # transformers' replicated_with_grad_allreduce on norms tpplan makes
     for pattern, style in list(hf_rules.items()):
-        why = _unshardable(pattern, style, modules, params) if style in EXACT else None
+        why = unshardable(pattern, style, modules, params) if style in EXACT else None
         if why:
             sugg.notes.append(why)
             del hf_rules[pattern]
@@ -232,9 +211,7 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
         for group, hf_style in regroup(kept):  # (not in a branch run on the whole sequence)
             rules.append((group, _mapped(hf_style, seq), f"transformers: {hf_style}"))
     covered = {m for p, _, _ in rules for m in hits(p)}
-    sp_blocks = {m for p, st, _ in rules if isinstance(st, dict)
-                 and st["style"] == "prepare_input_output" and p.startswith(f"{sugg.blocks}.")
-                 for m in hits(p)}
+    regions = sequence_regions(rules, hits)
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
@@ -244,14 +221,15 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                               "where the blocks are like the first; the others run replicated")
             continue
         if sequence_parallel and sugg.blocks and not all(
-                any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
+                any(m.startswith(b + ".") for b in regions[0]) for m in hits(pattern)):
             sugg.notes.append(f"transformers' '{pattern}: {style}' is in blocks that run "
                               "without sequence parallelism (they differ from the first); "
                               "left replicated")
             continue
+        seq = sequence_parallel and writes_sequence_shard(hits(pattern), regions)
         rules.append(grad_allreduce_rule(pattern, [modules[m] for m in hits(pattern)])
                      if style == GRAD_ALLREDUCE else
-                     (pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
+                     (pattern, _mapped(style, seq), f"transformers: {style}"))
     sugg.rules = attach_head_params(_without_idle_prepares(
         _drop_per_head_under_gather(rules, unfed), hits, unfed), heads, hits)
     sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]

@@ -29,8 +29,8 @@ from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fiel
 from .gated_norm import gated_norm_sp_rules, is_gated_norm
 from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
-from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
-                        whole_sequence_modules)
+from .seq_rules import input_layouts, sequence_inputs, sp_norm, whole_sequence_modules
+from .sublayers import sub_layer_rules, sub_layers
 from ..parallel.checks import composite_children
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
@@ -108,9 +108,11 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
+        _sequence_on_dim_1(model, block_call, hidden, embed)
         rest = [None] * (block_call.arity - 1)  # DSA blocks also hand on their top-k indices
         opts = {"style": "prepare_input_output",
-                **input_layouts(block_call, hidden, "replicate", "shard(1)"),
+                **input_layouts(block_call, sequence_inputs(trace, block_call, hidden),
+                                "replicate", "shard(1)"),
                 "use_local_input": True,
                 "output_layouts": ["shard(1)", *rest] if rest else "shard(1)",
                 "desired_output_layouts": ["replicate", *rest] if rest else "replicate"}
@@ -157,6 +159,21 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     s.rules = [r for r in merge_local_params(s.rules)
                if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
+
+
+def _sequence_on_dim_1(model: nn.Module, block: Any, hidden: int, embed: Any) -> None:
+    """Sequence parallelism shards dimension 1 of the hidden states; a block that takes them
+    in another layout (Gemma 3n's AltUp stacks its predictions first: (inputs, batch,
+    sequence, hidden)) is refused, naming it."""
+    tokens = embed.shapes.get(embed.inputs[0], ()) if embed is not None and embed.inputs else ()
+    shape = block.shapes.get(hidden, ())
+    if len(tokens) == 2 and len(shape) >= 2 and tuple(shape[:2]) != tuple(tokens):
+        kind = type(model.get_submodule(block.path)).__name__
+        raise PlanErrors([PlanError(
+            f"sequence parallelism: block '{block.path}' ({kind}) takes its hidden states shaped "
+            f"{tuple(shape)} for tokens {tuple(tokens)}: the sequence is not dimension 1 (several "
+            "residual streams stacked first, as AltUp's), which tpplan's sequence sharding "
+            "needs; plan without sequence parallelism")])
 
 
 def _signature(block: nn.Module) -> tuple:

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 
 from ..plan.styles import TPPLAN_OPTIONS, Layout, StyleSpec
 from .head_params import HeadParamsParallel
+from .prepare_io import PrepareInputOutput
 from .kv_heads import KVColwiseParallel
 from .latent import LatentKVParallel
 
@@ -78,5 +79,8 @@ def build_style(spec: StyleSpec) -> ParallelStyle:
     heads = spec.options.get("head_params")
     if spec.name == "local_params":
         return HeadParamsParallel(head_params=heads)
-    style = _CLASSES[spec.name](**kwargs)
+    if spec.name == "prepare_input_output":
+        style = PrepareInputOutput(flat_tokens=bool(spec.options.get("flat_tokens")), **kwargs)
+    else:
+        style = _CLASSES[spec.name](**kwargs)
     return HeadParamsParallel(head_params=heads, inner=style) if heads else style

@@ -12,7 +12,9 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   input_kwarg_layouts, desired_input_kwarg_layouts, use_local_output
 - ``prepare_output`` (PrepareModuleOutput): output_layouts, desired_output_layouts,
   use_local_output
-- ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input
+- ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input;
+  tpplan's ``flat_tokens: true`` reshards outputs shaped ``(batch × sequence, ...)`` (Llama
+  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.prepare_io)
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 - ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
   ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
@@ -121,7 +123,8 @@ STYLES: dict[str, dict[str, str]] = {
     "sequence_parallel": {"sequence_dim": INT, "use_local_output": BOOL},
     "prepare_input": {**_INPUT, "use_local_output": BOOL},
     "prepare_output": {**_OUTPUT, "use_local_output": BOOL, "head_params": NAMES},
-    "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL},
+    "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL,
+                             "flat_tokens": BOOL},
     "replicate": {},
     "packed_colwise": {"parts": PARTS, "input_layouts": LAYOUT},
     "experts_colwise_rowwise": {},
@@ -132,8 +135,9 @@ STYLES: dict[str, dict[str, str]] = {
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
 # lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly;
-# ``head_params`` splits a module's own per-head parameters (tpplan.parallel.head_params)
-TPPLAN_OPTIONS = ("uneven", "head_params")
+# ``head_params`` splits a module's own per-head parameters (tpplan.parallel.head_params);
+# ``flat_tokens`` is read by tpplan's ``prepare_input_output`` (tpplan.parallel.prepare_io)
+TPPLAN_OPTIONS = ("uneven", "head_params", "flat_tokens")
 
 # options a style cannot do without
 REQUIRED = {
