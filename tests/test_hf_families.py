@@ -19,9 +19,10 @@ import sweep_hf  # noqa: E402
 # projection (olmo2), parallel attention+MLP (cohere), MoE with experts held as parameters
 # (mixtral, qwen3_moe: experts_colwise_rowwise), a shared expert (qwen2_moe), dense-then-MoE
 # blocks (glm4_moe); phi3 gets packed_colwise; multi-head latent attention (deepseek_v2:
-# mla_kv_a_proj, the rotary key's gradient summed over tp).
+# mla_kv_a_proj, the rotary key's gradient summed over tp); a gated norm on the sequence shard
+# and transformers' rules for the dense first block only, beside a DSA indexer (axk2).
 FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3_moe",
-            "qwen2_moe", "glm4_moe", "deepseek_v2"]
+            "qwen2_moe", "glm4_moe", "deepseek_v2", "axk2"]
 
 
 def test_families_import_suggest_validate_and_verify(tmp_path):
@@ -67,15 +68,18 @@ fsdp: {{units: ["model.layers.*"]}}
 def test_an_attention_with_per_head_parameters_of_its_own_is_refused_where_sharded(tmp_path,
                                                                                    capsys):
     """Beam's attention adds ``gate_bias[heads]`` itself: transformers' plan shards its
-    projections colwise, which would meet this rank's heads with every head's bias. import-hf
-    refuses, located; suggest leaves that attention replicated."""
+    projections colwise, and import-hf splits the bias with the heads (head_params); without
+    that option the plan would meet this rank's heads with every head's bias: refused,
+    located at the colwise rule."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(sweep_hf.tiny_config("beam")))
-    rc, out = run_main(capsys, "import-hf", str(config), "-o", str(tmp_path / "plan.yaml"))
+    plan = tmp_path / "plan.yaml"
+    rc, out = run_main(capsys, "import-hf", str(config), "-o", str(plan))
+    assert rc == 0, out
+    text = plan.read_text()
+    assert ", head_params: [gate_bias]}" in text
+    plan.write_text(text.replace(", head_params: [gate_bias]}", "}"))
+    rc, out = run_main(capsys, "validate", "--plan", str(plan), "--world-size", "4")
     assert rc == 1 and "Traceback" not in out
     assert "plan.yaml:" in out and "uses parameters of its own (gate_bias)" in out
-    (tmp_path / "model.yaml").write_text("model: {hf_config: config.json}\n")
-    rc, out = run_main(capsys, "suggest", str(tmp_path / "model.yaml"), "-o",
-                       str(tmp_path / "suggest.yaml"))
-    assert rc == 0, out
-    assert "self_attn.q_proj" not in (tmp_path / "suggest.yaml").read_text().split("# Not")[0]
+    assert "add 'head_params: [gate_bias]' to rule 'model.layers.*.self_attn'" in out

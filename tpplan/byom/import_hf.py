@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.nn as nn
 
 from ..models import build_model
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
@@ -25,7 +24,11 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
-from .packing import experts_modules
+from .head_rules import attach_head_params, take_hf_head_params
+from .hf_rules import unshardable
+from .import_rules import GRAD_ALLREDUCE, expand, grad_allreduce_rule, like_blocks, regroup
+from .packing import keeps_packed
+from .sp_regions import sequence_regions, writes_sequence_shard
 from .tp_fit import fit_to_tp
 from .suggest import suggest_plan
 
@@ -109,29 +112,7 @@ def _mapped(style: str, sequence_parallel: bool) -> Any:
     return {"style": name, **opts} if opts else name
 
 
-COVERED = {"replicated_with_grad_allreduce": "per-head norm rule from the dataflow"}  # tpplan's
-
-
-def _unshardable(pattern: str, style: str, modules: dict[str, nn.Module],
-                 params: set[str]) -> str | None:
-    """Why transformers' rule cannot be a tpplan rule on this model, or None."""
-    rx = compile_pattern(pattern)
-    hits = [m for p, m in modules.items() if rx.fullmatch(p)]
-    if not hits and any(rx.fullmatch(p) for p in params):
-        return (f"'{pattern}' ({style}) is a parameter, not a module (experts held as one "
-                "tensor): the experts module's own rule (experts_colwise_rowwise, transformers' "
-                "moe_tp_experts) shards it")
-    if not hits:
-        return (f"'{pattern}' ({style}) matches no module of this configuration (transformers' "
-                "plan covers variants of the architecture); left out")
-    name = ALIASES.get(style, (style, {}))[0]
-    if name == "experts_colwise_rowwise" and not experts_modules(nn.ModuleDict({"e": hits[0]})):
-        return (f"'{pattern}' ({style}): {type(hits[0]).__name__} holds its experts in a layout "
-                "experts_colwise_rowwise does not shard (transposed, biases, no gate); replicated")
-    if name in ("colwise", "rowwise") and hits and not isinstance(hits[0], (nn.Linear, nn.Embedding)):
-        return (f"'{pattern}' ({style}) is a {type(hits[0]).__name__}, which PyTorch's "
-                f"{name} cannot shard: left replicated")
-    return None
+COVERED = {GRAD_ALLREDUCE: "per-head norm rule from the dataflow"}  # tpplan's
 
 
 def _drop_per_head_under_gather(rules: list, unfed: dict[str, bool]) -> list:
@@ -166,19 +147,24 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     modules = dict(model.named_modules())
     params = {n for n, _ in model.named_parameters()}
     hf_rules = {f"{prefix}.{key}": style for key, style in tp_plan.items()}
+    heads = take_hf_head_params(hf_rules, modules, params, sugg.notes)  # sinks: per head
     suggested = [compile_pattern(p) for p, _, _ in sugg.rules]
+    allreduce = set()  # transformers' replicated_with_grad_allreduce on norms tpplan makes
     for pattern, style in list(hf_rules.items()):
-        why = _unshardable(pattern, style, modules, params) if style in EXACT else None
+        why = unshardable(pattern, style, modules, params) if style in EXACT else None
         if why:
             sugg.notes.append(why)
             del hf_rules[pattern]
         elif style in COVERED and any(rx.fullmatch(m) for rx in suggested for m in modules
                                       if compile_pattern(pattern).fullmatch(m)):
             continue  # the dataflow's own rule for these modules stands
+        elif style == GRAD_ALLREDUCE and grad_allreduce_rule(pattern, [
+                m for p, m in modules.items() if compile_pattern(pattern).fullmatch(p)]):
+            allreduce.add(pattern)  # a norm: its rule is made below, for the blocks it covers
         elif style not in EXACT:
             sugg.notes.append(f"transformers' '{style}' for '{pattern}' has no exact PyTorch "
                               "equivalent; left out")
-    hf_rules = {p: s for p, s in hf_rules.items() if s in EXACT}
+    hf_rules = {p: s for p, s in hf_rules.items() if s in EXACT or p in allreduce}
 
     def hits(pattern: str) -> list[str]:
         rx = compile_pattern(pattern)
@@ -188,12 +174,12 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     rules, used, unfed = [], set(), {}  # unfed: parent -> whether all its input readers stay whole
     for pattern, style, comment in sugg.rules:
         name = style if isinstance(style, str) else style["style"]
-        if name not in ("colwise", "rowwise") or not in_blocks.match(pattern):
+        if name not in ("colwise", "rowwise", "packed_colwise") or not in_blocks.match(pattern):
             rules.append((pattern, style, comment))
             continue
         # A suggested linear rule: replace it by transformers' style for the same modules.
         kept, idle = [], []
-        for member in _expand(pattern):
+        for member in expand(pattern):
             found = hits(member)
             hf = next((p for p in hf_rules if found and compile_pattern(p).fullmatch(found[0])),
                       None)
@@ -209,9 +195,9 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
                                   "to the residual stream"))
                 continue
             used.add(hf)
-            if _keeps_packed(sugg.rules, member, hf_rules[hf]):
-                sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]} (it gathers "
-                                  "packed projections); tpplan shards each packed part instead "
+            if name == "packed_colwise" or keeps_packed(sugg.rules, member, hf_rules[hf]):
+                sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}; tpplan "
+                                  "shards each packed part instead "
                                   f"({name}, as the dataflow suggests)")
                 rules.append((member, style, comment))
                 continue
@@ -219,30 +205,33 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
             if hf_rules[hf] != name:
                 sugg.notes.append(f"'{member}': transformers says {hf_rules[hf]}, the dataflow "
                                   f"suggests {name}; using transformers'")
-        if name == "colwise" and idle:
-            unfed[pattern.rpartition(".")[0]] = len(idle) == len(_expand(pattern))
+        if name in ("colwise", "packed_colwise") and idle:
+            unfed[pattern.rpartition(".")[0]] = len(idle) == len(expand(pattern))
         seq = isinstance(style, dict) and style.get("output_layouts") == "shard(1)"
-        for group, hf_style in _regroup(kept):  # (not in a branch run on the whole sequence)
+        for group, hf_style in regroup(kept):  # (not in a branch run on the whole sequence)
             rules.append((group, _mapped(hf_style, seq), f"transformers: {hf_style}"))
     covered = {m for p, _, _ in rules for m in hits(p)}
-    sp_blocks = {m for p, st, _ in rules if isinstance(st, dict)
-                 and st["style"] == "prepare_input_output" and p.startswith(f"{sugg.blocks}.")
-                 for m in hits(p)}
+    regions = sequence_regions(rules, hits)
     for pattern, style in hf_rules.items():
         if pattern in used:
             continue
+        pattern = like_blocks(pattern, sugg.blocks, sugg.like_blocks, hits, covered)
         if set(hits(pattern)) & covered:  # blocks the dataflow's rules handle (some or all)
             sugg.notes.append(f"transformers' '{pattern}: {style}' is covered by the rules above "
                               "where the blocks are like the first; the others run replicated")
             continue
         if sequence_parallel and sugg.blocks and not all(
-                any(m.startswith(b + ".") for b in sp_blocks) for m in hits(pattern)):
+                any(m.startswith(b + ".") for b in regions[0]) for m in hits(pattern)):
             sugg.notes.append(f"transformers' '{pattern}: {style}' is in blocks that run "
                               "without sequence parallelism (they differ from the first); "
                               "left replicated")
             continue
-        rules.append((pattern, _mapped(style, sequence_parallel), f"transformers: {style}"))
-    sugg.rules = _without_idle_prepares(_drop_per_head_under_gather(rules, unfed), hits, unfed)
+        seq = sequence_parallel and writes_sequence_shard(hits(pattern), regions)
+        rules.append(grad_allreduce_rule(pattern, [modules[m] for m in hits(pattern)])
+                     if style == GRAD_ALLREDUCE else
+                     (pattern, _mapped(style, seq), f"transformers: {style}"))
+    sugg.rules = attach_head_params(_without_idle_prepares(
+        _drop_per_head_under_gather(rules, unfed), hits, unfed), heads, hits)
     sugg.divide_by_tp = [p for p in sugg.divide_by_tp if not unfed.get(p.rpartition(".")[0])]
     if tp:
         fit_to_tp(sugg, model, tp)
@@ -250,31 +239,6 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
     return ImportedPlan(model_section, sugg, source)
 
 
-def _keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
-    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
-    input of the projection after it (``rowwise_split_input``); where the dataflow shards
-    the packed parts instead (``packed_colwise``), its rules for both stand."""
-    parent = member.rpartition(".")[0]
-    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
-                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
-    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
-                                   "rowwise_rep")
-
-
-def _expand(pattern: str) -> list[str]:
-    """``a.*.{x,y}`` -> ``[a.*.x, a.*.y]`` (the last alternatives only)."""
-    head, _, alts = pattern[:-1].rpartition("{")
-    return [f"{head}{a}" for a in alts.split(",")] if pattern.endswith("}") else [pattern]
-
-
-def _regroup(members: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Members with the same HF style and parent back into one brace pattern."""
-    groups: dict[tuple[str, str], list[str]] = {}
-    for m, style in members:
-        parent, _, name = m.rpartition(".")
-        groups.setdefault((parent, style), []).append(name)
-    return [(f"{parent}.{{{','.join(names)}}}" if len(names) > 1 else f"{parent}.{names[0]}",
-             style) for (parent, style), names in groups.items()]
 
 
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:

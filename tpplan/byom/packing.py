@@ -17,7 +17,8 @@ from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
 
-__all__ = ["FUSED", "channelwise_readers", "experts_modules", "packed_parts"]
+__all__ = ["FUSED", "channelwise_readers", "experts_modules", "keeps_packed", "packed_parts",
+           "whole_operand"]
 
 FUSED = ("qkv", "gate_up", "packed")  # names of projections that pack several outputs
 
@@ -85,3 +86,35 @@ def channelwise_readers(trace: Trace, colwise: list[Call]) -> tuple[Call | None,
                         "replicated, gradients summed over tp")
                 rules += [rule] if rule[0] not in [r[0] for r in rules] else []
     return None, rules
+
+
+def keeps_packed(suggested: list, member: str, hf_style: str) -> bool:
+    """transformers gathers a packed projection (``colwise_gather_output``) and splits the
+    input of the projection after it (``rowwise_split_input``); where the dataflow shards
+    the packed parts instead (``packed_colwise``), its rules for both stand."""
+    parent = member.rpartition(".")[0]
+    packed = any(isinstance(st, dict) and st.get("style") == "packed_colwise"
+                 and p.rpartition(".")[0] == parent for p, st, _ in suggested)
+    return packed and hf_style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input",
+                                   "rowwise_rep")
+
+
+def whole_operand(trace: Trace, colwise: list[Call], rowwise: Call, parent: str) -> str | None:
+    """Where the code between a group's colwise and rowwise projections combines their output
+    element by element with a tensor of the same shape from outside the group (Gemma 4's
+    ``per_layer_input_gate(h) * per_layer_input``), sharding the projections would meet a
+    slice with the whole: what reads that tensor, or None."""
+    tainted = {o for c in colwise for o in c.outputs}
+    shapes = {trace.shapes.get(o) for o in tainted}
+    for path, ins, outs in trace.ops:
+        if not (path == parent or path.startswith(parent + ".")) or \
+                path == rowwise.path or path.startswith(rowwise.path + "."):
+            continue
+        mine = [i for i in ins if i in tainted]
+        if not mine:
+            continue
+        if any(trace.shapes.get(i) in shapes for i in mine) and any(
+                i not in tainted and trace.shapes.get(i) in shapes for i in ins):
+            return path
+        tainted.update(outs)
+    return None

@@ -17,10 +17,13 @@ import torch.nn as nn
 from ..models.dataflow import Call, Trace
 from ..models.introspect import is_norm
 from ..plan.patterns import generalize
-from .packing import FUSED, channelwise_readers, experts_modules, packed_parts
+from .gated_norm import is_gated_norm
+from .head_rules import per_head_params, with_head_params
+from .packing import FUSED, channelwise_readers, experts_modules, packed_parts, whole_operand
+from .seq_rules import input_layouts, whole_sequence
 
-__all__ = ["input_layouts", "sub_layers", "sp_norm", "sub_layer_rules", "common_parent",
-           "group_pattern", "whole_sequence_modules"]
+__all__ = ["sub_layers", "sub_layer_rules", "common_parent",
+           "group_pattern"]
 
 Rule = tuple[str, Any, str]
 
@@ -46,18 +49,6 @@ def group_pattern(paths: list[str]) -> str:
     return f"{parent}.{{{','.join(names)}}}"
 
 
-def input_layouts(call: Call, hidden: int, src: str, dst: str) -> dict[str, Any]:
-    """prepare_input options for a module called with the hidden states ``hidden``."""
-    for name, tid in call.kwargs.items():
-        if tid == hidden:
-            return {"input_kwarg_layouts": {name: src}, "desired_input_kwarg_layouts": {name: dst}}
-    layouts = [src if a == hidden else None for a in call.args]
-    if len(layouts) == 1:
-        return {"input_layouts": src, "desired_input_layouts": dst}
-    return {"input_layouts": layouts,
-            "desired_input_layouts": [dst if x else None for x in layouts]}
-
-
 def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
     """Integer attributes that look like head counts: they must become per-rank under TP."""
     return [name for name, value in vars(module).items()
@@ -67,32 +58,26 @@ def _head_counts(module: nn.Module, colwise: list[Call]) -> list[str]:
 
 
 def sub_layers(trace: Trace, block: str) -> list[tuple[Call | None, list[Call], list[Call]]]:
-    """(the norm that opens it, its linear calls, the norms inside it) for each sub-layer of
-    one block. Only a norm that is a direct child of the block reads the residual stream and
-    opens a sub-layer; a norm deeper down (``self_attn.q_norm``) acts on a projection's
-    output, inside the sub-layer."""
+    """(the norm that opens it, its linear calls, the norms inside it) per sub-layer of one
+    block. A norm that is the block's child (or an item of a list that is) opens one; a norm
+    deeper down (``self_attn.q_norm``) acts on a projection's output, inside it."""
     out: list[tuple[Call | None, list[Call], list[Call]]] = [(None, [], [])]
+    gated = None  # a gated norm's own modules act per token with it (tpplan.byom.gated_norm)
     for call in trace.within(block):
-        if is_norm(call.module):
-            if call.path.rpartition(".")[0] == block:
+        if gated and call.path.startswith(gated + "."):
+            continue
+        if call.path.rpartition(".")[0] == block and is_gated_norm(call.module):
+            gated = call.path
+            out.append((call, [], []))
+        elif is_norm(call.module):
+            rel = call.path[len(block) + 1:].split(".")  # LongCat's input_layernorm.0
+            if len(rel) == 1 or (len(rel) == 2 and rel[1].isdigit()):
                 out.append((call, [], []))
             else:
                 out[-1][2].append(call)
         elif isinstance(call.module, nn.Linear):
             out[-1][1].append(call)
     return [(norm, lins, inner) for norm, lins, inner in out if lins or norm is not None]
-
-
-def sp_norm(trace: Trace, norm: Call, block: str) -> Rule:
-    """A norm on a sequence shard; its output stays a DTensor for the module that reads it
-    (whose prepare_input gathers it), or is a local tensor where only code reads it (a
-    post-norm's output goes straight into the residual add)."""
-    readers = [c for c in trace.consumers(norm.outputs[0]) if c.path.startswith(block + ".")] \
-        if norm.outputs else []
-    if readers:
-        return generalize(norm.path), "sequence_parallel", "norm on a sequence shard"
-    return (generalize(norm.path), {"style": "sequence_parallel", "use_local_output": True},
-            "norm on a sequence shard; its output goes to the residual add as a local shard")
 
 
 def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = False
@@ -132,42 +117,6 @@ def _inner_norm_rules(inner: list[Call], colwise: list[Call], packed: bool = Fal
     return rules, gather
 
 
-def _whole_sequence(notes: list[str], trace: Trace, branch: Call, hidden: int,
-                    why: str, every: bool = False) -> Rule:
-    """Under sequence parallelism, a branch tpplan cannot shard on the sequence (experts held
-    as parameters, a router reading flattened tokens) gets the whole sequence and hands
-    back its shard: its replicated weights see every token."""
-    notes.append(f"'{generalize(branch.path)}' runs on the whole sequence: {why}")
-    n = branch.arity - 1  # attention's weights pass through as they are; ``every`` output
-    rest, back_rest = (["replicate"] * n, ["shard(1)"] * n) if every else ([None] * n, [None] * n)
-    out, back = (["replicate", *rest], ["shard(1)", *back_rest]) if n else ("replicate", "shard(1)")
-    return (generalize(branch.path),
-            {"style": "prepare_input_output", **input_layouts(branch, hidden, "shard(1)",
-                                                               "replicate"),
-             "use_local_input": True, "output_layouts": out,
-             "desired_output_layouts": back, "use_local_output": True},
-            "the whole sequence in, its shard back out")
-
-
-def whole_sequence_modules(s: Any, trace: Trace, block: str, rules: list[Rule]) -> list[Rule]:
-    """Under sequence parallelism inside a block, a direct child of the block with weights and
-    no rule on it or inside it (Inkling's ``attn_sconv``, a convolution along the sequence) may
-    mix tokens: it gets the whole sequence and hands back its shard (of every output)."""
-    ruled = [p for p, _, _ in rules]
-    out = []
-    for c in trace.within(block):
-        if c.path.rpartition(".")[0] != block or is_norm(c.module) or not c.inputs or \
-                not any(True for _ in c.module.parameters()):
-            continue
-        pattern = generalize(c.path)
-        if any(p == pattern or p.startswith(pattern + ".") for p in ruled + [r[0] for r in out]):
-            continue
-        hidden = c.args[0] if c.args and c.args[0] is not None else c.inputs[0]
-        out.append(_whole_sequence(s.notes, trace, c, hidden, "it has weights of its own and "
-                                   "may mix tokens (a convolution along the sequence?)", True))
-    return out
-
-
 def _branch(path: str, block: str) -> str:
     """The block's direct child that holds ``path`` (``layers.0.mlp`` for its experts)."""
     rest = path[len(block) + 1:]
@@ -192,14 +141,18 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
                if hidden is not None else [])):
         if c is None or c.path in whole or is_norm(c.module):
             continue
-        nested = {p for p in groups if p.startswith(c.path)} - {c.path}
+        nested = {p for p in groups if p.startswith(c.path + ".")} - {c.path}
         loose = [n for n, _ in c.module.named_parameters()
                  if not isinstance(c.module.get_submodule(n.rpartition(".")[0]), nn.Linear)
                  and not is_norm(c.module.get_submodule(n.rpartition(".")[0]))]
-        if nested or loose or not any(p.startswith(c.path) for p in groups):
+        if nested or loose or not any(f"{p}.".startswith(c.path + ".") for p in groups):
             whole.add(c.path)
-            if inner and hidden is not None:
-                rules.append(_whole_sequence(s.notes, trace, c, hidden, (
+            # the whole sequence however the branch is reached: from the norm, or from code
+            # (Qwen4-exp's hyper-connection mix, Llama 4's residual): its first tensor input
+            x = hidden if hidden in c.inputs else (c.args[0] if c.args and c.args[0]
+                                                   is not None else next(iter(c.inputs), None))
+            if inner and x is not None:
+                rules.append(whole_sequence(s.notes, trace, c, x, (
                     "it routes tokens (experts held as parameters, a router), which tpplan does "
                     "not split on the sequence")
                     if loose else "its projections do not read the sequence as such"))
@@ -208,7 +161,7 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
                        "and up halves separately), outputs summed over tp; the router replicated")
                       for rel in experts_modules(c.module)]
     for parent, group in groups.items():
-        seq = inner and not any(parent.startswith(w) for w in whole)
+        seq = inner and not any(f"{parent}.".startswith(w + ".") for w in whole)
         rules += _group_rules(s, trace, block, parent, group, inner_norms, d, seq)
     return rules
 
@@ -235,8 +188,10 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
     own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
         m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
         if holder is not None else []
-    if own:  # Beam's gate_bias[heads], a Mamba mixer's conv1d and A_log: they would meet a
-        # slice of what they cover
+    heads = per_head_params(holder.module, [c.module for c in colwise]) \
+        if own and rest == [rowwise] else []  # (not beside a linear left whole: Doge's dt_proj)
+    own = [n for n in own if n not in heads]  # Beam's gate_bias[heads]: split with the heads
+    if own:  # a Mamba mixer's conv1d and A_log: they would meet a slice of what they cover
         s.notes.append(f"left replicated: '{generalize(parent)}' uses weights of its own beside "
                        f"its projections ({', '.join(own)}); tpplan cannot shard them with them")
         return rules
@@ -246,7 +201,20 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                        "which holds weights over the projection's channels (a per-channel "
                        "convolution?); tpplan has no style that shards it with the projection")
         return rules
-    mine = [n for n in inner_norms if n.path.startswith(parent + ".")]
+    changed = next((trace.modified[o] for o in rowwise.outputs if o in trace.modified), None)
+    if changed is not None:  # a rowwise output is a view of a DTensor's local tensor
+        s.notes.append(f"left replicated: the code of '{generalize(changed)}' modifies the output "
+                       f"of '{generalize(rowwise.path)}' in place, which autograd forbids on the "
+                       "local view of a sharded projection's output")
+        return rules
+    mixed = whole_operand(trace, colwise, rowwise, parent)
+    if mixed is not None:
+        s.notes.append(f"left replicated: the code of '{generalize(mixed)}' combines the output "
+                       f"of {group_pattern([c.path for c in colwise])} element by element with "
+                       "a whole tensor of its shape, which would meet a slice")
+        return rules
+    mine = [n for n in inner_norms if n.path.startswith(parent + ".")  # not on the rowwise
+            and not set(n.inputs) & set(rowwise.outputs)]  # output: whole (Gemma 3n's LAuReL)
     container = common_parent([c.path for c in colwise])
     call = trace.first_call(container)
     parts = packed_parts([c.module for c in colwise], [c.path.rpartition(".")[2] for c in colwise],
@@ -276,6 +244,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
                    "slice of each" if parts is not None else "")))
     if not gather:
         rules += norm_rules + scalar_rules
+        rules = with_head_params(rules, generalize(parent), heads) if heads else rules
     row = {"style": "rowwise"}
     if gather:
         row["input_layouts"] = "replicate"

@@ -26,9 +26,11 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from .gated_norm import gated_norm_sp_rules, is_gated_norm
+from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
-from .sublayers import (input_layouts, sp_norm, sub_layer_rules, sub_layers,
-                        whole_sequence_modules)
+from .seq_rules import input_layouts, sequence_inputs, sp_norm, whole_sequence_modules
+from .sublayers import sub_layer_rules, sub_layers
 from ..parallel.checks import composite_children
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
@@ -44,6 +46,7 @@ class Suggestion:
     sequence_parallel: bool = False
     loss_parallel: bool = False
     blocks: str | None = None  # path of the ModuleList of repeated blocks
+    like_blocks: str = "*"  # the blocks the rules cover ("0", "{0,2}") where later ones differ
     notes: list[str] = field(default_factory=list)  # what could not be decided, and why
 
 
@@ -105,10 +108,14 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if sequence_parallel == "blocks" and block_call is not None:
         hidden = block_call.args[0] if block_call.args and block_call.args[0] is not None else \
             next(iter(block_call.kwargs.values()))
+        _sequence_on_dim_1(model, block_call, hidden, embed)
+        rest = [None] * (block_call.arity - 1)  # DSA blocks also hand on their top-k indices
         opts = {"style": "prepare_input_output",
-                **input_layouts(block_call, hidden, "replicate", "shard(1)"),
-                "use_local_input": True, "output_layouts": "shard(1)",
-                "desired_output_layouts": "replicate"}
+                **input_layouts(block_call, sequence_inputs(trace, block_call, hidden),
+                                "replicate", "shard(1)"),
+                "use_local_input": True,
+                "output_layouts": ["shard(1)", *rest] if rest else "shard(1)",
+                "desired_output_layouts": ["replicate", *rest] if rest else "replicate"}
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
                         "is gathered back for the code between blocks"))
         s.sequence_parallel = True
@@ -121,7 +128,8 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
 
     for norm, linears, inner_norms in sub_layers(trace, first):
         if inner and norm is not None:
-            s.rules.append(sp_norm(trace, norm, first))
+            s.rules += gated_norm_sp_rules(trace, norm, first) if is_gated_norm(norm.module) \
+                else [sp_norm(trace, norm, first)]
         s.rules += sub_layer_rules(s, model, trace, first, block_call, norm, linears,
                                    inner_norms, inner)
     if inner:
@@ -148,8 +156,24 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
     if tail:
         s.units.append(tail if len(tail) > 1 else tail[0])
     seen: set[str] = set()
-    s.rules = [r for r in s.rules if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
+    s.rules = [r for r in merge_local_params(s.rules)
+               if not (r[0] in seen or seen.add(r[0]))]  # first rule wins
     return _restrict_to_like_blocks(s, model, blocks, first)
+
+
+def _sequence_on_dim_1(model: nn.Module, block: Any, hidden: int, embed: Any) -> None:
+    """Sequence parallelism shards dimension 1 of the hidden states; a block that takes them
+    in another layout (Gemma 3n's AltUp stacks its predictions first: (inputs, batch,
+    sequence, hidden)) is refused, naming it."""
+    tokens = embed.shapes.get(embed.inputs[0], ()) if embed is not None and embed.inputs else ()
+    shape = block.shapes.get(hidden, ())
+    if len(tokens) == 2 and len(shape) >= 2 and tuple(shape[:2]) != tuple(tokens):
+        kind = type(model.get_submodule(block.path)).__name__
+        raise PlanErrors([PlanError(
+            f"sequence parallelism: block '{block.path}' ({kind}) takes its hidden states shaped "
+            f"{tuple(shape)} for tokens {tuple(tokens)}: the sequence is not dimension 1 (several "
+            "residual streams stacked first, as AltUp's), which tpplan's sequence sharding "
+            "needs; plan without sequence parallelism")])
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -175,6 +199,7 @@ def _restrict_to_like_blocks(s: Suggestion, model: nn.Module, blocks: str, first
             p.startswith(star + ".") else p
 
     s.rules = [(restrict(p), st, c) for p, st, c in s.rules]
+    s.like_blocks = alts
     s.divide_by_tp = [restrict(p) for p in s.divide_by_tp]
     others = ", ".join(n for n in names if n not in like)
     s.notes.append(f"blocks {others} of '{blocks}' differ from block {like[0]} (other modules): "
@@ -211,7 +236,9 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
         from ..models.hf import build_hf, hf_config
 
         config = hf_config(spec)
-        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, tp=2)})
+        blocks_of = getattr(config, "num_layers", None) or getattr(config, "num_hidden_layers", 2)
+        layers = min(2, blocks_of) if isinstance(blocks_of, int) else 2  # no block the model lacks
+        small = config.__class__(**{**config.to_dict(), **small_hf_fields(config, 2, layers)})
         with torch.device("cpu"):
             model = build_hf(spec, small)
         try:

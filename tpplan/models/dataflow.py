@@ -7,11 +7,14 @@ whose mask code reads tensor values run on a shrunk CPU copy of the same archite
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["Call", "Trace", "trace_forward"]
 
@@ -25,6 +28,20 @@ def _tensor_ids(value: Any) -> list[int]:
         return [i for v in value.values() for i in _tensor_ids(v)]
     if hasattr(value, "logits"):  # HF ModelOutput
         return _tensor_ids(value.logits)
+    return []
+
+
+_INPLACE = re.compile(r"^(?!_)\w+_$|^__i(add|sub|mul|truediv|div|floordiv|mod|pow|matmul|and|or|"
+                      r"xor|lshift|rshift)__$|^__setitem__$")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
     return []
 
 
@@ -48,6 +65,15 @@ class Call:
 @dataclass
 class Trace:
     calls: list[Call]
+    # tensor id -> paths of the modules whose own code (not a child module) reads it: a
+    # post-norm block adds its norm's output to the residual stream (MiniMax)
+    code_reads: dict[int, set[str]] = field(default_factory=dict)
+    # every torch function the forward ran: (innermost module's path, input ids, output ids),
+    # and each tensor's shape
+    ops: list[tuple[str, list[int], list[int]]] = field(default_factory=list)
+    shapes: dict[int, tuple] = field(default_factory=dict)
+    # tensor id -> path of the module whose code modified it in place (Llama 4's ``out.add_``)
+    modified: dict[int, str] = field(default_factory=dict)
 
     def within(self, prefix: str) -> list[Call]:
         return [c for c in self.calls if c.path.startswith(prefix + ".")]
@@ -92,10 +118,34 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
             continue
         handles.append(module.register_forward_pre_hook(pre(path), with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
+    code_reads: dict[int, set[str]] = {}
+    modified: dict[int, str] = {}
+    ops: list[tuple[str, list[int], list[int]]] = []
+    shapes: dict[int, tuple] = {}
+
+    def note(value: Any) -> list[int]:
+        keep.append(value)
+        for t in _tensors(value):
+            shapes[id(t)] = tuple(t.shape)
+        return _tensor_ids(value)
+
+    class _Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if stack:
+                ins = note([args, kwargs or {}])
+                for i in ins:
+                    code_reads.setdefault(i, set()).add(stack[-1].path)
+                ops.append((stack[-1].path, ins, note(out)))
+                name = getattr(func, "__name__", "")
+                if ins and _INPLACE.match(name) and name != "requires_grad_":
+                    modified.setdefault(ins[0], stack[-1].path)  # add_, +=, x[i] = y
+            return out
+
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _Reads():
             model(tokens)
     finally:
         for h in handles:
             h.remove()
-    return Trace(calls)
+    return Trace(calls, code_reads, ops, shapes, modified)

@@ -79,7 +79,8 @@ def _heads(config: Any, tp: int) -> tuple[int, int]:
 SMALL_MOE = {"num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4,
              "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
              "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-             "qk_nope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 4, "index_head_dim": 16}
+             "qk_nope_head_dim": 8, "v_head_dim": 8, "index_n_heads": 4, "index_head_dim": 16,
+             "zero_expert_num": 2}  # LongCat's identity experts
 
 
 # A multimodal model's vision and audio encoders, shrunk (Phi-4-multimodal's causal LM holds
@@ -108,6 +109,10 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
              "vocab_size_per_layer_input": 64 * tp, "hidden_size_per_layer_input": 8,
              "laurel_rank": 8, "num_kv_shared_layers": 0, **SMALL_MOE}
     out = {k: v for k, v in small.items() if isinstance(getattr(config, k, None), int)}
+    blocks, hidden = getattr(config, "num_layers", None), getattr(config, "num_hidden_layers", None)
+    if isinstance(blocks, int) and isinstance(hidden, int) and blocks and hidden > blocks:
+        out["num_hidden_layers"] = layers * (hidden // blocks)  # LongCat: 2 per block, so
+        # ``layers`` blocks still (the repeated blocks must repeat)
     if hasattr(config, "num_experts_per_tok") and "n_routed_experts" in out:
         out["num_experts_per_tok"] = SMALL_MOE["num_experts_per_tok"]  # DeepSeek-V2: None
     for key in ("num_key_value_heads", "head_dim"):  # None: "as many as heads", "derived"
@@ -121,6 +126,9 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
     if isinstance(expand, int) and isinstance(mamba_heads, int) and mamba_heads > 0:
         out.update(mamba_n_heads=2 * tp, mamba_d_state=16, mamba_n_groups=1,  # Granite 4
                    mamba_d_head=expand * small["hidden_size"] // (2 * tp))
+    text = getattr(config, "text_config", None)  # Llama 4's decoder inside the composite
+    if hasattr(text, "to_dict") and text is not config:
+        out["text_config"] = {**text.to_dict(), **small_hf_fields(text, tp, layers)}
     for key in ("vision_config", "audio_config"):  # encoders a text forward never runs
         sub = getattr(config, key, None)
         if hasattr(sub, "to_dict"):

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ..plan.errors import ErrorList
 from ..plan.specs import Rule
+from .head_params import head_params_of
 from .tied import tied_groups
 
 __all__ = ["check_composite", "check_latent", "check_heads", "check_norms_beside_colwise", "check_tied",
@@ -98,14 +99,19 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
                 r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)
                 and p.rpartition(".")[0] == parent for p, r in res.rule_of.items()):
             continue
-        own = [n for n, p in modules[parent].named_parameters(recurse=False) if p.numel() > 1]
+        split = head_params_of(res.rule_of.get(parent))
+        own = [n for n, p in modules[parent].named_parameters(recurse=False)
+               if p.numel() > 1 and n not in split]
         if own and parent not in seen:
             seen.add(parent)
+            names, mine = ", ".join(own), res.rule_of.get(parent)
+            fix = f"add 'head_params: [{names}]' to rule '{mine.pattern}'" if mine else \
+                f"give '{parent}' {{style: local_params, head_params: [{names}]}}"
             res.errors.add(f"module '{parent}' ({type(modules[parent]).__name__}) uses parameters "
-                           f"of its own ({', '.join(own)}) beside '{path}', which rule "
-                           f"'{rule.pattern}' shards colwise: tpplan cannot shard a module's own "
-                           "parameters with its projections; leave this module replicated",
-                           rule.loc)
+                           f"of its own ({names}) beside '{path}', which rule '{rule.pattern}' "
+                           "shards colwise, so it sees this rank's heads only: if they hold one "
+                           f"entry per head, {fix} (each rank keeps its heads' entries); else "
+                           "leave this module replicated", rule.loc)
         for name, child in modules[parent].named_children():
             norm = f"{parent}.{name}"
             weight = getattr(child, "weight", None)

@@ -147,7 +147,9 @@ class ExpertsColwiseRowwise(ParallelStyle):
     the intermediate dimension: of gate and of up (packed, dimension 1) and of down's input
     (``Shard(2)``); it runs the experts' forward on those slices, and the outputs, partial
     sums, are all-reduced over tp. The inputs' gradients (hidden states, routing weights)
-    are summed over tp in backward. The router stays replicated.
+    are summed over tp in backward. The router stays replicated. Identity (zero-compute)
+    experts, ``nn.Identity`` children (LongCat-Flash), get their input divided by tp, so the
+    sum counts them once (transformers' ``moe_identity_expert``).
 
     Example::
 
@@ -161,6 +163,10 @@ class ExpertsColwiseRowwise(ParallelStyle):
         _distribute(module, "down_proj", device_mesh, 2, None, self.src_data_rank)
         setattr(module, ATTR, {"gate_up_proj": packing})
         module.forward = functools.partial(_experts_forward, module, module.forward, device_mesh)
+        tp = device_mesh.size()
+        for child in module.children():  # LongCat's zero-compute experts: every rank adds the
+            if isinstance(child, nn.Identity):  # whole token, which the sum would count tp
+                child.register_forward_pre_hook(lambda m, args: (args[0] / tp, *args[1:]))
         return module
 
     def __repr__(self) -> str:

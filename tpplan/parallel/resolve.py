@@ -16,6 +16,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
+from .head_params import check_head_params
 from .kv_heads import check_kv_colwise
 from .packed import check_packed
 from .tied import tied_groups
@@ -136,6 +137,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                                  tp, errs)
     check_norms_beside_colwise(res, modules)
+    check_head_params(res, modules, tp)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
             continue

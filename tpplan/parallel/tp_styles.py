@@ -18,6 +18,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ..plan.styles import TPPLAN_OPTIONS, Layout, StyleSpec
+from .head_params import HeadParamsParallel
+from .prepare_io import PrepareInputOutput
 from .kv_heads import KVColwiseParallel
 from .latent import LatentKVParallel
 
@@ -74,4 +76,11 @@ _CLASSES = {
 def build_style(spec: StyleSpec) -> ParallelStyle:
     """The PyTorch style object for a parsed rule, options passed under their own names."""
     kwargs = {k: _torch(v) for k, v in spec.options.items() if k not in TPPLAN_OPTIONS}
-    return _CLASSES[spec.name](**kwargs)
+    heads = spec.options.get("head_params")
+    if spec.name == "local_params":
+        return HeadParamsParallel(head_params=heads)
+    if spec.name == "prepare_input_output":
+        style = PrepareInputOutput(flat_tokens=bool(spec.options.get("flat_tokens")), **kwargs)
+    else:
+        style = _CLASSES[spec.name](**kwargs)
+    return HeadParamsParallel(head_params=heads, inner=style) if heads else style

@@ -13,7 +13,7 @@ from .patterns import compile_pattern
 from .reader import describe
 from .specs import Rule
 from .styles import (
-    ALIASES, BOOL, INT, KWARG_LAYOUTS, LAYOUT, LAYOUT_WORDS, LAYOUTS, PARTS, REQUIRED, STYLES,
+    ALIASES, BOOL, INT, KWARG_LAYOUTS, LAYOUT, LAYOUT_WORDS, LAYOUTS, NAMES, PARTS, REQUIRED, STYLES,
     StyleSpec,
     parse_layout,
 )
@@ -34,6 +34,12 @@ def _parse_option(kind: str, value: Any, loc: Loc, name: str, errs: ErrorList) -
             return value
         if kind == PARTS:
             return _parse_parts(value, name)
+        if kind == NAMES:
+            names = [value] if isinstance(value, str) else value
+            if not isinstance(names, LSeq | list) or not names or not all(
+                    isinstance(v, str) and v.isidentifier() for v in names):
+                raise ValueError(f"'{name}' is a parameter name or a list of them, got {value!r}")
+            return list(names)
         if kind == LAYOUT:
             return parse_layout(value)
         if kind == LAYOUTS:

@@ -12,7 +12,9 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   input_kwarg_layouts, desired_input_kwarg_layouts, use_local_output
 - ``prepare_output`` (PrepareModuleOutput): output_layouts, desired_output_layouts,
   use_local_output
-- ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input
+- ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input;
+  tpplan's ``flat_tokens: true`` reshards outputs shaped ``(batch × sequence, ...)`` (Llama
+  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.prepare_io)
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 - ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
   ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
@@ -22,6 +24,12 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   attention's ``kv_a_proj_with_mqa``, whole on every rank; the gradient of its last
   ``rope_dim`` output columns (the rotary key shared by all heads; default: the attention's
   ``qk_rope_head_dim``) is summed over tp, since each rank's heads read it
+
+- ``local_params`` (tpplan's HeadParamsParallel, transformers' name): head_params; a module
+  whose own parameters hold one entry per head (attention sinks, Beam's ``gate_bias``): each
+  named parameter (dimension 0 over the heads) is split as the heads of the colwise
+  projections beside it, and the module's forward sees this rank's entries as a plain tensor.
+  ``head_params`` is also an option of the ``prepare_*`` styles, for a module that has one
 
 HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style names:
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
@@ -47,7 +55,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "TPPLAN_OPTIONS",
+__all__ = ["Layout", "NAMES", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "TPPLAN_OPTIONS",
            "parse_layout", "StyleSpec"]
 
 
@@ -96,8 +104,10 @@ KWARG_LAYOUTS = "kwarg_layouts"  # {name: layout}
 BOOL = "bool"
 INT = "int"
 PARTS = "parts"  # a count, or a list of integers and attribute names
+NAMES = "names"  # a name or a list of names (parameters of the module)
 
 _INPUT = {
+    "head_params": NAMES,
     "input_layouts": LAYOUTS,
     "desired_input_layouts": LAYOUTS,
     "input_kwarg_layouts": KWARG_LAYOUTS,
@@ -112,24 +122,29 @@ STYLES: dict[str, dict[str, str]] = {
                 "uneven": BOOL},
     "sequence_parallel": {"sequence_dim": INT, "use_local_output": BOOL},
     "prepare_input": {**_INPUT, "use_local_output": BOOL},
-    "prepare_output": {**_OUTPUT, "use_local_output": BOOL},
-    "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL},
+    "prepare_output": {**_OUTPUT, "use_local_output": BOOL, "head_params": NAMES},
+    "prepare_input_output": {**_INPUT, "use_local_input": BOOL, **_OUTPUT, "use_local_output": BOOL,
+                             "flat_tokens": BOOL},
     "replicate": {},
     "packed_colwise": {"parts": PARTS, "input_layouts": LAYOUT},
     "experts_colwise_rowwise": {},
     "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
     "mla_kv_a_proj": {"rope_dim": INT},
+    "local_params": {"head_params": NAMES},
 }
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
-# lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly
-TPPLAN_OPTIONS = ("uneven",)
+# lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly;
+# ``head_params`` splits a module's own per-head parameters (tpplan.parallel.head_params);
+# ``flat_tokens`` is read by tpplan's ``prepare_input_output`` (tpplan.parallel.prepare_io)
+TPPLAN_OPTIONS = ("uneven", "head_params", "flat_tokens")
 
 # options a style cannot do without
 REQUIRED = {
     "prepare_output": ("output_layouts", "desired_output_layouts"),
     "prepare_input_output": ("output_layouts", "desired_output_layouts"),
     "packed_colwise": ("parts",),
+    "local_params": ("head_params",),
 }
 
 # HuggingFace tp_plan names with an exact PyTorch equivalent: name -> (style, preset options)

@@ -9,6 +9,7 @@ expanded into all of memory.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,17 @@ MAX_BYTES = 1 << 20  # a plan is a page of text; a megabyte is already absurd
 MAX_NODES = 100_000  # values after alias expansion
 MAX_DEPTH = 64
 SAFE_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "seq", "map")}
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, reading ``1e-05`` as a float as YAML 1.2 and JSON do (YAML 1.1 wants a
+    dot, ``1.0e-05``, and reads the other as a string: an ``rms_norm_eps`` set that way would
+    reach a config as text)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
 
 
 class LMap(dict):
@@ -128,7 +140,7 @@ def load_text(text: str, file: str = "<plan>") -> Any:
         raise PlanError(f"the file is larger than {MAX_BYTES} bytes; a plan is refused above that",
                         Loc(file, 1, 1))
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         loc = _mark(file, mark) if mark is not None else Loc(file, 1, 1)
