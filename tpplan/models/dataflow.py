@@ -35,6 +35,14 @@ _INPLACE = re.compile(r"^(?!_)\w+_$|^__i(add|sub|mul|truediv|div|floordiv|mod|po
                       r"xor|lshift|rshift)__$|^__setitem__$")
 
 
+def _quiet(hook):
+    """A trace hook's own tensor accesses (``a.shape``) are not the model's code."""
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return hook(*args)
+    return run
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -93,6 +101,7 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
     handles = []
 
     def pre(path):
+        @_quiet
         def hook(module, args, kwargs):
             keep.append((args, kwargs))
             call = Call(path, module,
@@ -105,6 +114,7 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
             stack.append(call)
         return hook
 
+    @_quiet
     def post(module, args, kwargs, output):
         keep.append(output)
         call = stack.pop()
@@ -132,7 +142,7 @@ def trace_forward(model: nn.Module, tokens: torch.Tensor) -> Trace:
     class _Reads(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if stack:
+            if stack and getattr(func, "__name__", "") != "__get__":  # x.shape: no data read
                 ins = note([args, kwargs or {}])
                 for i in ins:
                     code_reads.setdefault(i, set()).add(stack[-1].path)
