@@ -61,6 +61,21 @@ def _comparable(result) -> tuple:
     return mem, result.extra["comm_per_step"]["collectives"], result.extra.get("pipeline")
 
 
+def _evaluated(overrides: list[str], world: int, sets: list[list[str]]) -> tuple:
+    """One :class:`Evaluator` over ``sets``, each checked, memory and communication analysed."""
+    ev = Evaluator(PLAN, overrides, world)
+    out = []
+    with fake_process_group(world):
+        for s in sets:
+            r = ev.check(s)
+            assert not r.errors, r.errors
+            ev.memory(r)
+            ev.comm(r)
+            assert r.ok, r.analysis_errors
+            out.append(r)
+    return ev, out
+
+
 def test_cached_analyses_equal_uncached_dry_runs():
     sets = [  # share traces: the same dp_shard under another dp_replicate, accumulation 4 vs 8
         ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
@@ -72,18 +87,10 @@ def test_cached_analyses_equal_uncached_dry_runs():
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: gpipe, microbatches: 4}"],
     ]
-    ev = Evaluator(PLAN, SMALL + ["train.global_batch_size=16"], 8)
-    cached = []
-    with fake_process_group(8):
-        for s in sets:
-            r = ev.check(s)
-            assert not r.errors, r.errors
-            ev.memory(r)
-            ev.comm(r)
-            assert r.ok, r.analysis_errors
-            cached.append((_comparable(r), estimate_step(r, DEVICES["h100"]).step_time))
-    # TP: the first two whole-model candidates share a trace (a pipeline's stages are traced
-    # with their ends by the stage analysis, not through this cache).
+    ev, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
+    cached = [(_comparable(r), estimate_step(r, DEVICES["h100"]).step_time) for r in results]
+    # TP: the first two whole-model candidates share a trace (a pipeline's stages' traces are
+    # cached by the stage analysis, not counted here).
     assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
     for s, (got, seconds) in zip(sets, cached):
         real = dry_run(PLAN, 8, SMALL + ["train.global_batch_size=16"] + s, ANALYSES)
@@ -117,17 +124,9 @@ def test_deep_stages_of_any_pp_share_their_shallow_traces():
              "pipeline={schedule: 1f1b, microbatches: 4}"],
             ["mesh={pp: 4, dp_replicate: 2, dp_shard: 2, tp: 2}",
              "pipeline={schedule: 1f1b, microbatches: 8}"]]
-    ev = Evaluator(PLAN, base, 32)
-    cached = []
-    with fake_process_group(32):
-        for s in sets:
-            r = ev.check(s)
-            assert not r.errors, r.errors
-            ev.memory(r)
-            ev.comm(r)
-            assert r.ok, r.analysis_errors
-            assert r.extra["memory_per_rank"]["traced"]["depths"] == [4, 5, 6]
-            cached.append(_comparable(r))
+    ev, results = _evaluated(base, 32, sets)
+    assert all(r.extra["memory_per_rank"]["traced"]["depths"] == [4, 5, 6] for r in results)
+    cached = [_comparable(r) for r in results]
     assert ev.traces["memory_from_shallow"] >= 1
     # The second is the one served from the first's traces (the first is traced as any is).
     assert cached[1] == _comparable(dry_run(PLAN, 32, base + sets[1], ANALYSES))
