@@ -26,7 +26,8 @@ from ..plan.step import StepShape
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "extrapolate", "describe_moment", "shallow_depths"]
+__all__ = ["memory_per_rank", "extrapolate", "describe_moment", "shallow_depths",
+           "kept_traces"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -89,6 +90,19 @@ def describe_moment(label: str, blocks: str | None = None, n_blocks: int = 0) ->
     return f"{what} of {where}{micro}"
 
 
+def kept_traces(shallow: tuple[dict, object] | None, io: StageIO | None,
+                run: Callable[[], list]) -> list:
+    """``run()``'s shallow traces, kept under ``shallow = (cache, key)`` when given (with the
+    activation they left in ``io.sent``, which a later call gets back in its own ``io``)."""
+    memo, key = shallow or ({}, None)
+    if key not in memo:
+        memo[key] = (run(), io and io.sent)
+    traces, sent = memo[key]
+    if io is not None:
+        io.sent = sent
+    return traces
+
+
 def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
                    ) -> list[int] | None:
     """The depths of the three shallow traces for a model of ``n_blocks`` blocks, or None
@@ -105,13 +119,8 @@ def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShap
            shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut)
     if depths:
-        memo, key = shallow or ({}, None)
-        if key not in memo:
-            memo[key] = ([trace_step(spec, mesh, build, shape, d, io) for d in depths],
-                         io and io.sent)
-        traces, sent = memo[key]
-        if io is not None:
-            io.sent = sent
+        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
+                                                   for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths

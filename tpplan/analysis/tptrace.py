@@ -32,6 +32,7 @@ from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
+from .memory import kept_traces
 from .steptrace import StageIO
 
 __all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
@@ -172,21 +173,19 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         if depth % period or depth < 3 * period:
             return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
         depths = [period, 2 * period, 3 * period]
-        memo, key = shallow or ({}, None)
-        if key in memo:
-            traced, sent = memo[key]
-            if io is not None:
-                io.sent = sent
-        else:
+
+        def shallow_runs() -> list[Counter]:
             # Cut before applying TP: the blocks past the traced ones are never run.
             kept = _truncated(getattr(parent, attr), depths[-1])
             setattr(parent, attr, kept)
             prepared(model)
-            traced = []
+            out = []
             for k in depths:
                 setattr(parent, attr, _truncated(kept, k))
-                traced.append(_run(model, plan, tokens, groups, io))
-            memo[key] = (traced, io and io.sent)
+                out.append(_run(model, plan, tokens, groups, io))
+            return out
+
+        traced = kept_traces(shallow, io, shallow_runs)
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}
