@@ -30,12 +30,15 @@ def one(config: str) -> None:
     gpus, batch = CASES[config]
     start = time.perf_counter()
     data = search("plans/llama.yaml", gpus, DEVICES["h100"],
-                  [f"model.config={config}", f"train.global_batch_size={batch}", *COMMON], top=5)
+                  [f"model.config={config}", f"train.global_batch_size={batch}", *COMMON], top=5,
+                  progress=lambda m: print(f"[{time.perf_counter() - start:7.1f} s] {m}",
+                                           file=sys.stderr, flush=True))
     best = data["ranked"][0] if data["ranked"] else None
     print(json.dumps(dict(
         config=config, gpus=gpus, seconds=round(time.perf_counter() - start, 1),
         max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         candidates=data["candidates"], passed_checks=data["passed_checks"],
+        fitting=data["fitting"], not_ranked=data["not_ranked"],
         traces=data["traces"], best=best and dict(sets=best["sets"],
                                                   tokens_per_s=round(best["tokens_per_s_per_device"]),
                                                   mfu=round(best["mfu"], 3)))))

@@ -51,8 +51,20 @@ def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
     assert reasons["does not fit tiny memory"]["count"] >= 1
     assert data["ranked"] == []
-    counted = sum(d["count"] for d in data["dropped"]) + data["not_checked_for_memory"]
+    counted = sum(d["count"] for d in data["dropped"]) + sum(data["not_ranked"].values())
     assert counted == data["candidates"]
+
+
+def test_best_first_ranks_exactly_as_estimating_every_candidate():
+    """The bounds only skip analyses: the top layouts, their order and figures are those of
+    the exhaustive search, which estimates every candidate."""
+    args = (PLAN, 2, DEVICES["h100"], SMALL + ["train.global_batch_size=4", "model.kwargs.n_layers=2"])
+    opts = Options(max_tp=2, schedules=("1f1b",), ac_every=())
+    full = search(*args, options=opts, top=3, exhaustive=True)
+    fast = search(*args, options=opts, top=3)
+    assert fast["ranked"] == full["ranked"][:3]
+    assert len(full["ranked"]) > 3 and sum(fast["not_ranked"].values()) > 0
+    assert fast["traces"]["memory"] < full["traces"]["memory"]
 
 
 def _comparable(result) -> tuple:

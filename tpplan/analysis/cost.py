@@ -28,7 +28,7 @@ from ..plan.devices import Device
 from .flops import ModelFlops, model_flops
 
 __all__ = ["CostConstants", "DEFAULT_CONSTANTS", "StepEstimate", "estimate_step", "calibrate",
-           "links", "MESH_ORDER"]
+           "links", "MESH_ORDER", "step_time_bound", "flops_of"]
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first; tp innermost
 
@@ -161,27 +161,55 @@ def _rank_flops(flops: ModelFlops, result) -> tuple[float, float, int]:
     return 3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)), len(ranks)
 
 
-def estimate_step(result, device: Device, gpus_per_node: int = 8,
-                  constants: CostConstants | None = None) -> StepEstimate:
-    """The step time of ``result`` (a dry run with the memory and communication analyses)
-    on ``device``, ``gpus_per_node`` to a node, under ``constants``."""
-    c = constants or DEFAULT_CONSTANTS
+def flops_of(result) -> ModelFlops:
+    """The model's FLOPs per token at the dry run's sequence length, the checkpointing
+    pattern's container counted as the blocks."""
+    pattern = result.plan.spec.activation_checkpointing.blocks
+    return model_flops(result.model, result.step.seq_len,
+                       pattern.removesuffix(".*") if pattern.endswith(".*") else None)
+
+
+def _compute(result, device: Device, c: CostConstants,
+             flops: ModelFlops) -> tuple[dict, float, float]:
+    """The compute and recompute terms of the busiest rank, the global tokens per step and
+    the rank's FLOPs per step."""
     if not device.bf16_flops:
         raise ValueError(f"device {device.name} has no bf16 peak: no compute estimate")
+    tokens = result.step.global_batch * result.step.seq_len
+    train, recomputed, pp_ranks = _rank_flops(flops, result)
+    per_rank_tokens = tokens / (result.world_size / pp_ranks)  # a stage's ranks split tokens
+    speed = device.bf16_flops * c.compute_efficiency
+    return (dict(compute=train * per_rank_tokens / speed,
+                 recompute=recomputed * per_rank_tokens / speed), tokens,
+            (train + recomputed) * per_rank_tokens)
+
+
+def step_time_bound(result, device: Device, constants: CostConstants | None = None,
+                    flops: ModelFlops | None = None) -> float:
+    """A lower bound of :func:`estimate_step`'s step time from arithmetic alone (no trace):
+    compute and recompute, and the bubble on them. Every other term is at least 0 (overlap
+    hides at most what a term costs) and the bubble grows with the TP term it omits here.
+    Needs ``pipeline`` (the schedule's facts) under a pipeline."""
+    c = constants or DEFAULT_CONSTANTS
+    terms, _, _ = _compute(result, device, c, flops or flops_of(result))
+    bubble = (result.extra.get("pipeline") or {}).get("bubble_fraction", 0.0)
+    return (terms["compute"] + terms["recompute"]) * (1 + bubble)
+
+
+def estimate_step(result, device: Device, gpus_per_node: int = 8,
+                  constants: CostConstants | None = None,
+                  flops: ModelFlops | None = None) -> StepEstimate:
+    """The step time of ``result`` (a dry run with the memory and communication analyses)
+    on ``device``, ``gpus_per_node`` to a node, under ``constants``; ``flops``: the model's
+    (:func:`flops_of`), when the caller has it."""
+    c = constants or DEFAULT_CONSTANTS
     if "comm_per_step" not in result.extra or "error" in result.extra["comm_per_step"]:
         raise ValueError("the dry run has no communication analysis (comm_per_step)")
     if result.resolution.dims.pp > 1 and "bubble_fraction" not in result.extra.get("pipeline", {}):
         raise ValueError("the dry run has no pipeline schedule (its memory analysis failed)")
-    shape, world = result.step, result.world_size
-    pattern = result.plan.spec.activation_checkpointing.blocks
-    flops = model_flops(result.model, shape.seq_len,
-                        pattern.removesuffix(".*") if pattern.endswith(".*") else None)
-    tokens = shape.global_batch * shape.seq_len
-    train, recomputed, pp_ranks = _rank_flops(flops, result)
-    per_rank_tokens = tokens / (world / pp_ranks)  # every rank of a stage splits its tokens
-    speed = device.bf16_flops * c.compute_efficiency
-    terms = dict(compute=train * per_rank_tokens / speed,
-                 recompute=recomputed * per_rank_tokens / speed)
+    world = result.world_size
+    flops = flops or flops_of(result)
+    terms, tokens, rank_flops = _compute(result, device, c, flops)
     raw, comm = _comm(result, device, gpus_per_node, c)
     terms["tp"] = raw.get("tp", 0.0) * (1 - c.tp_overlap)
     busy = terms["compute"] + terms["recompute"]
@@ -200,7 +228,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         device=device.to_json(), gpus_per_node=gpus_per_node, links=comm["link"],
         flops_per_token=flops.train_per_token, matmul_params=flops.matmul_params,
         attention_width=flops.attention_width, model_flops_per_step=model,
-        rank_flops_per_step=(train + recomputed) * per_rank_tokens,
+        rank_flops_per_step=rank_flops,
         comm_seconds_before_overlap=raw, first_unit_exposure=comm["first"],
         bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(

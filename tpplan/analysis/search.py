@@ -3,22 +3,28 @@ tokens/s per device (:func:`tpplan.analysis.cost.estimate_step`).
 
 Each candidate (:mod:`tpplan.analysis.candidates`) is the plan with a few ``--set`` lines,
 and goes through ``validate``'s checks (:class:`tpplan.analysis.tracecache.Evaluator`:
-the plan's sections, the model's resolution, the batch against the mesh). In two passes:
+the plan's sections, the model's resolution, the batch against the mesh). The analyses are
+then run best first (branch and bound), each candidate as far as its bound asks:
 
-1. every candidate that passes the checks gets its communication analysis (TP traced,
-   cached by what the trace reads) and a first estimate, with the pipeline's schedule
-   facts (bubble, stages) but not yet its point-to-point traffic, which the memory trace
-   measures;
-2. in the order of that estimate, candidates get the memory analysis (the trainer's step on
-   fake tensors, cached) and the device's verdict (:func:`tpplan.analysis.fit.needed`),
-   then their communication again with the pipeline's traffic and their final estimate,
-   until ``top`` of them fit (``exhaustive``: every one). Those below are counted as not
-   checked for memory: they could not rank above the ones shown unless the pipeline's
-   point-to-point traffic moved them, which it cannot by more than it costs.
+0. every candidate that passes the checks gets a bound from arithmetic alone
+   (:func:`tpplan.analysis.cost.step_time_bound`: compute, recompute, the schedule's bubble);
+1. the candidate with the lowest bound gets its communication analysis (TP traced, cached
+   by what the trace reads) and a first estimate, without the pipeline's point-to-point
+   traffic (which the memory trace measures): a tighter bound;
+2. then the memory analysis (the trainer's step on fake tensors, cached) and the device's
+   verdict (:func:`tpplan.analysis.fit.needed`), its communication again with the
+   pipeline's traffic and its final estimate;
+
+each result goes back into the queue under its new figure, and a final estimate taken
+from the queue's front is ranked. Every bound is at most the final step time, so once
+``top`` are ranked no candidate left can beat them: the ranking is exactly that of
+estimating every candidate (``exhaustive`` does). The ones left are counted, by how far
+they were analysed.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 import time
 from collections import Counter
@@ -26,7 +32,7 @@ from typing import Any, Callable, Sequence
 
 from ..plan.devices import Device
 from .candidates import Options, candidates
-from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step
+from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
 from .stagemem import pipeline_schedule
@@ -43,9 +49,9 @@ def reason_of(message: str) -> str:
 
 
 def _estimate(result: DryRun, device: Device, gpus_per_node: int,
-              constants: CostConstants | None) -> Any:
+              constants: CostConstants | None, flops) -> Any:
     try:
-        return estimate_step(result, device, gpus_per_node, constants)
+        return estimate_step(result, device, gpus_per_node, constants, flops)
     except ValueError as e:
         return str(e)
 
@@ -77,50 +83,67 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     say(f"{len(cands)} candidates")
     dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
+    flops: list = []  # the model's FLOPs, the same for every candidate
 
     def drop(reason: str, c) -> None:
         dropped[reason] += 1
         examples.setdefault(reason, c.sets)
 
-    first = []
+    def checked(c) -> DryRun | None:
+        r = ev.check(c.sets)
+        if r.errors:
+            drop(reason_of(r.errors[0].message), c)
+            return None
+        if r.plan.spec.pipeline is not None:
+            r.extra["pipeline"] = pipeline_schedule(r.plan.spec, r.resolution.dims,
+                                                    r.resolution.pipeline)
+        if not flops:
+            flops.append(flops_of(r))
+        return r
+
+    def estimated(r: DryRun, c) -> Any:
+        ev.comm(r)
+        est = _estimate(r, device, gpus_per_node, constants, flops[0]) if r.ok else None
+        if isinstance(est, (type(None), str)):
+            drop(f"analysis failed: {est or r.analysis_errors[0].message}", c)
+            return None
+        return est
+
+    queue: list[tuple[float, int, int, Any, Any]] = []  # (step time bound, order, level, ...)
     with fake_process_group(world_size):
-        for c in cands:
-            r = ev.check(c.sets)
-            if r.errors:
-                drop(reason_of(r.errors[0].message), c)
+        for i, c in enumerate(cands):
+            r = checked(c)
+            if r is not None:
+                queue.append((step_time_bound(r, device, constants, flops[0]), i, 0, c, None))
+        passed = len(queue)
+        say(f"{passed} pass the checks; analysed best first")
+        heapq.heapify(queue)
+        ranked: list[dict[str, Any]] = []
+        fitting = analysed = 0
+        while queue and (exhaustive or len(ranked) < top):
+            bound, i, level, c, row = heapq.heappop(queue)
+            if level == 2:
+                ranked.append(row)
                 continue
-            if r.plan.spec.pipeline is not None:
-                r.extra["pipeline"] = pipeline_schedule(r.plan.spec, r.resolution.dims,
-                                                        r.resolution.pipeline)
-            ev.comm(r)
-            est = _estimate(r, device, gpus_per_node, constants) if r.ok else None
-            if not isinstance(est, (type(None), str)):
-                first.append((est.tokens_per_s_per_device, len(first), c))
-            else:
-                drop(f"analysis failed: {est or r.analysis_errors[0].message}", c)
-        say(f"{len(first)} pass the checks; memory in the order of the first estimate")
-        first.sort(key=lambda t: -t[0])
-        fits: list[dict[str, Any]] = []
-        unchecked = 0
-        for _, _, c in first:
-            if len(fits) >= top and not exhaustive:
-                unchecked += 1
-                continue
-            r = ev.check(c.sets)
-            ev.memory(r)
-            if "error" in r.extra.get("memory_per_rank", {"error": "?"}):
-                drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
-                continue
-            if needed(r.extra["memory_per_rank"]["peak"]) > device.memory:
-                drop(f"does not fit {device.name} memory", c)
-                continue
-            ev.comm(r)
-            est = _estimate(r, device, gpus_per_node, constants)
-            if isinstance(est, str):
-                drop(f"analysis failed: {est}", c)
-                continue
-            fits.append(_row(c, r, est, device))
-    fits.sort(key=lambda row: -row["tokens_per_s_per_device"])
+            analysed += 1
+            if analysed % 100 == 0:
+                say(f"{analysed} analyses, {fitting} fit, {len(ranked)} ranked; bound "
+                    f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
+            r = checked(c)
+            if level == 1:
+                ev.memory(r)
+                if "error" in r.extra.get("memory_per_rank", {"error": "?"}):
+                    drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
+                    continue
+                if needed(r.extra["memory_per_rank"]["peak"]) > device.memory:
+                    drop(f"does not fit {device.name} memory", c)
+                    continue
+            est = estimated(r, c)
+            if est is not None:
+                fitting += level == 1
+                heapq.heappush(queue, (est.step_time, i, level + 1, c,
+                                       _row(c, r, est, device) if level == 1 else None))
+    left = Counter(q[2] for q in queue)
     return dict(
         plan=plan_path, overrides=list(overrides), world_size=world_size,
         device=device.to_json(), gpus_per_node=gpus_per_node,
@@ -128,7 +151,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                      stages_per_rank=list(options.stages_per_rank),
                      schedules=list(options.schedules)),
         constants=(constants or DEFAULT_CONSTANTS).to_json(),
-        candidates=len(cands), passed_checks=len(first), fitting=len(fits),
-        not_checked_for_memory=unchecked, ranked=fits[:top] if not exhaustive else fits,
+        candidates=len(cands), passed_checks=passed, fitting=fitting,
+        not_ranked=dict(bound_only=left[0], comm_only=left[1], fitting=left[2]),
+        ranked=ranked,
         dropped=[dict(reason=k, count=v, example=examples[k]) for k, v in dropped.most_common()],
         traces=dict(ev.traces), seconds=time.perf_counter() - start)

@@ -80,9 +80,12 @@ def render(out, data: dict) -> None:
                   f"{r['mfu']:.1%}", r["dominant"], size(r["headroom"]),
                   Text(" ".join(f"--set '{s}'" for s in r["sets"])))
     out.print(t)
+    left = data["not_ranked"]
     out.print(Text(f"{data['candidates']} candidates: {data['passed_checks']} pass the plan's "
-                   f"checks, {data['fitting']} checked to fit, {data['not_checked_for_memory']} "
-                   f"ranked below them not checked for memory; dropped:"))
+                   f"checks, {data['fitting']} checked to fit; not analysed further, their bound "
+                   f"already slower than the last layout shown: {left['fitting']} that fit, "
+                   f"{left['comm_only']} bounded by their communication, {left['bound_only']} "
+                   "by arithmetic alone; dropped:"))
     for d in data["dropped"]:
         out.print(Text(f"  {d['count']:>6}  {d['reason']}"))
     c = data["constants"]

@@ -7,6 +7,7 @@ inherit the parent's ``output_layouts``). A key set to ``null`` removes what the
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -80,9 +81,7 @@ def apply_override(doc: LMap, text: str) -> None:
         raise PlanError("an override reads key.path=value (for example model.config=70b)",
                         Loc(file, 1, 1))
     value_loc = Loc(file, 1, len(key_path) + 2)
-    value = load_text(raw, file) if raw.strip() else None
-    if isinstance(value, (LMap, LSeq)):
-        _shift(value, len(key_path) + 1)
+    value = _clone(_value(raw, file, len(key_path) + 1)) if raw.strip() else None
     keys = key_path.strip().split(".")
     node = doc
     for i, key in enumerate(keys[:-1]):
@@ -106,6 +105,32 @@ def apply_override(doc: LMap, text: str) -> None:
         node.pop(keys[-1], None)
     else:
         node.put(keys[-1], value, Loc(file, 1, 1), value_loc)
+
+
+@functools.lru_cache(maxsize=4096)
+def _value(raw: str, file: str, columns: int) -> Any:
+    """An override's value read as YAML, its locations at their columns in ``file``. Cached
+    (``search`` applies the same few hundred overrides to thousands of variants): callers
+    get a deep copy, since documents are changed in place."""
+    value = load_text(raw, file)
+    if isinstance(value, (LMap, LSeq)):
+        _shift(value, columns)
+    return value
+
+
+def _clone(value: Any) -> Any:
+    """A copy of a read value's mappings and lists (locations and scalars are immutable)."""
+    if isinstance(value, LMap):
+        out = LMap(value.loc)
+        for k, v in value.items():
+            out.put(k, _clone(v), value.key_loc(k), value.value_loc(k))
+        return out
+    if isinstance(value, LSeq):
+        out = LSeq(value.loc)
+        for v, loc in zip(value, value.item_locs):
+            out.push(_clone(v), loc)
+        return out
+    return value
 
 
 def _shift(value: Any, columns: int) -> None:

@@ -346,7 +346,9 @@
           num(`${r.step_time.toFixed(2)} s`, r.step_time), num(`${(100 * r.mfu).toFixed(1)}%`, r.mfu),
           r.dominant, num(size(r.headroom), r.headroom), r.sets.map((s) => `--set '${s}'`).join(" ")] }))));
     root.append(el("p", { id: "search-counts", text: `${d.candidates} candidates: ${d.passed_checks} pass the plan's ` +
-      `checks, ${d.fitting} checked to fit, ${d.not_checked_for_memory} ranked below them not checked for memory.` }));
+      `checks, ${d.fitting} checked to fit; not analysed further, their bound already slower than the last ` +
+      `layout shown: ${d.not_ranked.fitting} that fit, ${d.not_ranked.comm_only} bounded by their ` +
+      `communication, ${d.not_ranked.bound_only} by arithmetic alone.` }));
     root.append(el("h2", { text: "Dropped, by reason" }));
     root.append(table("dropped", [{ text: "count", num: true }, "reason", "example"], d.dropped.map((x) => ({
       attrs: { "data-count": x.count }, cells: [num(x.count), x.reason, x.example.join(" ")] }))));
