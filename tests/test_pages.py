@@ -194,3 +194,27 @@ def test_the_validate_page_shows_the_estimated_step_time(browser, tmp_path):
     assert terms == pytest.approx(data["step_time"]["terms"])
     assert float(page.by_id("step-time").attrs["data-step-time"]) == \
         pytest.approx(data["step_time"]["step_time"])
+
+
+def test_the_search_page_ranks_the_layouts_of_the_json(browser, tmp_path):
+    """``search --html``: the ranked table in ``--json``'s order and figures, and the counts."""
+    page_file = tmp_path / "search.html"
+    proc = tpplan_cli("search", "--plan", PLAN, "--world-size", "2", "--device", "h100",
+                      "--set", "train.seq_len=32", "--set", "train.global_batch_size=4",
+                      "--set", "model.kwargs.n_layers=2", "--top", "3", "--json", "--html",
+                      page_file, check=True)
+    data = json.loads(proc.stdout)
+    page = _clean(*rendered_dom(browser, page_file))
+    rows = [r for r in page.by_id("ranked").find_all("tr") if "data-rank" in r.attrs]
+    assert [float(r.attrs["data-tokens"]) for r in rows] == \
+        pytest.approx([r["tokens_per_s_per_device"] for r in data["ranked"]])
+    assert [r.find_all("td")[-1].text for r in rows] == \
+        [" ".join(f"--set '{s}'" for s in r["sets"]) for r in data["ranked"]]
+    counts = page.by_id("search-counts").text
+    left = data["not_ranked"]
+    assert f"{data['candidates']} candidates: {data['passed_checks']} pass" in counts
+    assert f"{left['comm_only']} bounded by their communication, {left['bound_only']} by " \
+        "arithmetic alone" in counts
+    dropped = [int(r.attrs["data-count"]) for r in page.by_id("dropped").find_all("tr")
+               if "data-count" in r.attrs]
+    assert dropped == [d["count"] for d in data["dropped"]]
