@@ -14,7 +14,7 @@ from tpplan.analysis.candidates import Options, candidates, factorizations
 from tpplan.analysis.cost import estimate_step
 from tpplan.analysis.dryrun import dry_run, fake_process_group
 from tpplan.analysis.fit import needed
-from tpplan.analysis.search import search
+from tpplan.analysis.search import search, split_free
 from tpplan.analysis.tracecache import Evaluator
 from tpplan.api import load
 from tpplan.cli import main
@@ -50,6 +50,8 @@ def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
     batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
     assert reasons["does not fit tiny memory"]["count"] >= 1
+    # A split of a layout another split of which was traced is dropped on split_free.
+    assert any("traced for another split" in r for r in reasons)
     assert data["ranked"] == []
     counted = sum(d["count"] for d in data["dropped"]) + sum(data["not_ranked"].values())
     assert counted == data["candidates"]
@@ -125,6 +127,28 @@ def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
     assert v["memory_per_rank"]["peak"] == best["peak"]
     assert needed(best["peak"]) == best["needed"] and v["fit"]["fits"]
     assert v["step_time"]["step_time"] == best["step_time"]
+
+
+def test_what_no_data_parallel_split_changes_bounds_every_split():
+    """``split_free`` of one dp_replicate × dp_shard split is at most the peak of every other
+    split of the layout (search drops a split on it without tracing), with and without a
+    pipeline and with dp_shard 1 (no FSDP sharding) among them."""
+    shared = 0
+    layouts = {1: (["train.micro_batch_size=1"], [(1, 4), (2, 2), (4, 1)]),
+               2: (["pipeline={schedule: 1f1b, microbatches: 4}"], [(1, 2), (2, 1)])}
+    for pp, (tail, splits) in layouts.items():
+        sets = [[f"mesh={{pp: {pp}, dp_replicate: {r}, dp_shard: {s}, tp: 2}}", *tail]
+                for r, s in splits]
+        _, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
+        mems = [r.extra["memory_per_rank"] for r in results]
+        assert len({m["peak"] for m in mems}) == len(mems)  # the splits differ...
+        assert max(split_free(m) for m in mems) <= min(m["peak"] for m in mems)
+        moments: dict[str, set] = {}  # ...but not in these parts, at the same moment
+        for m in mems:
+            moments.setdefault(m["peak_at"], set()).add(split_free(m))
+        assert all(len(v) == 1 for v in moments.values())
+        shared += len(mems) - len(moments)
+    assert shared  # some splits do peak at the same moment
 
 
 def test_deep_stages_of_any_pp_share_their_shallow_traces():

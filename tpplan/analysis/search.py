@@ -38,7 +38,7 @@ from .fit import needed
 from .stagemem import pipeline_schedule
 from .tracecache import Evaluator
 
-__all__ = ["search", "reason_of"]
+__all__ = ["search", "reason_of", "split_free"]
 
 
 def reason_of(message: str) -> str:
@@ -66,6 +66,18 @@ def _row(c, result: DryRun, est, device: Device) -> dict[str, Any]:
                 tokens_per_s_per_device=est.tokens_per_s_per_device, step_time=est.step_time,
                 mfu=est.mfu, dominant=est.dominant,
                 bubble_fraction=result.extra.get("pipeline", {}).get("bubble_fraction", 0.0))
+
+
+SPLIT_FREE = ("activations", "accumulated_gradients", "transients")
+
+
+def split_free(memory: dict[str, Any]) -> int:
+    """The bytes at the peak of ``memory`` (``memory_per_rank``) that the data-parallel split
+    (dp_replicate × dp_shard at a fixed product) does not change: activations, temporaries
+    and the unsharded gradients kept between micro-batches. Another split of the same layout
+    runs the same operations on the same activations, so at that moment it holds these bytes
+    and its own parameter shards and optimizer state: its peak is at least this."""
+    return sum(memory["at_peak"][p] for p in SPLIT_FREE)
 
 
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
@@ -120,6 +132,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
         heapq.heapify(queue)
         ranked: list[dict[str, Any]] = []
         fitting = analysed = 0
+        floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
         while queue and (exhaustive or len(ranked) < top):
             bound, i, level, c, row = heapq.heappop(queue)
             if level == 2:
@@ -131,11 +144,18 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
             if level == 1:
+                split = (c.pp, c.tp, *c.sets[1:])  # all but the data-parallel split
+                if split in floors and needed(floors[split]) > device.memory:
+                    drop(f"does not fit {device.name} memory: the part no data-parallel "
+                         "split changes is too large (traced for another split)", c)
+                    continue
                 ev.memory(r)
-                if "error" in r.extra.get("memory_per_rank", {"error": "?"}):
+                mem = r.extra.get("memory_per_rank", {"error": "?"})
+                if "error" in mem:
                     drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
                     continue
-                if needed(r.extra["memory_per_rank"]["peak"]) > device.memory:
+                floors[split] = max(floors.get(split, 0), split_free(mem))
+                if needed(mem["peak"]) > device.memory:
                     drop(f"does not fit {device.name} memory", c)
                     continue
             est = estimated(r, c)
