@@ -5,6 +5,11 @@ shapes), GPU count, layout and batch, run through ``tpplan validate``'s dry run 
 model with the default constants, next to the throughput its authors measured. Usage:
 
     PYTHONPATH=. python scripts/cost_vs_published.py [--cost compute=0.5,...] [--only NAME]
+        [--search]
+
+``--search`` also runs ``tpplan search`` for each row's model, GPUs, batch and sequence
+(every layout, checkpointing, micro-batch and schedule left open) and prints the layout it
+ranks first beside the one the authors ran, each with tpplan's estimate.
 """
 
 from __future__ import annotations
@@ -85,12 +90,30 @@ def measured_seconds(kind: str, value: float, est, world: int) -> float:
     return flops / (value * 1e12 * world)
 
 
+LAYOUT = ("mesh", "activation_checkpointing", "train.micro_batch_size", "pipeline")
+
+
+def searched(plan: str, device, world: int, sets: list[str], constants) -> dict:
+    """``search``'s first layout for the row's plan with its layout settings left open."""
+    from tpplan.analysis.search import search
+
+    t0 = time.perf_counter()
+    data = search(plan, world, device, [s for s in sets if not s.startswith(LAYOUT)],
+                  top=1, constants=constants)
+    best = data["ranked"][0]
+    return dict(sets=best["sets"], step=best["step_time"], mfu=best["mfu"],
+                tokens_per_s_per_device=best["tokens_per_s_per_device"],
+                candidates=data["candidates"], seconds=time.perf_counter() - t0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--plan", default="plans/llama.yaml")
     ap.add_argument("--cost", default="")
     ap.add_argument("--only", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--search", action="store_true",
+                    help="also rank every layout for the row's model, GPUs and batch")
     args = ap.parse_args()
     constants = DEFAULT_CONSTANTS.with_values(args.cost)
     rows = []
@@ -115,6 +138,12 @@ def main() -> int:
               f"ratio {est.step_time / measured:.3f}, "
               + ", ".join(f"{k} {v:.3f}" for k, v in est.terms.items() if v)
               + f" ({rows[-1]['seconds']:.0f} s)", file=sys.stderr)
+        if args.search:
+            rows[-1]["search"] = searched(args.plan, DEVICES[dev], world, sets, constants)
+            first = rows[-1]["search"]
+            print(f"  search ranks first: {' '.join(first['sets'])}: {first['step']:.3f} s "
+                  f"({first['step'] / est.step_time:.2f} of the authors' layout's estimate; "
+                  f"search took {first['seconds']:.0f} s)", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
     return 0

@@ -13,7 +13,9 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    traffic (which the memory trace measures): a tighter bound;
 2. then the memory analysis (the trainer's step on fake tensors, cached) and the device's
    verdict (:func:`tpplan.analysis.fit.needed`), its communication again with the
-   pipeline's traffic and its final estimate;
+   pipeline's traffic and its final estimate. A layout another data-parallel split of
+   which was traced is dropped untraced when :func:`split_free` of that trace (the bytes no
+   split changes) does not fit already;
 
 each result goes back into the queue under its new figure, and a final estimate taken
 from the queue's front is ranked. Every bound is at most the final step time, so once
