@@ -51,6 +51,19 @@ def test_a_plan_that_does_not_fit_gets_changes_each_checked_by_a_dry_run(capsys)
     assert f["fitting"]["needed"] == min(c["needed"] for c in f["changes"] if c["fits"])
 
 
+def test_under_a_pipeline_every_change_is_one_the_plan_accepts(capsys):
+    """The micro-batch follows from ``pipeline.microbatches``: the changes halve it through
+    them, and drop a ``train.micro_batch_size`` the plan also gives."""
+    pipe = ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 1}", "train.micro_batch_size=2",
+            "pipeline={schedule: 1f1b, microbatches: 4}"]
+    base = dry_run(PLAN, 4, [s for s in SMALL if s != "--set"] + pipe, MEMORY)
+    data = _validate(capsys, *sum((["--set", s] for s in pipe), []),
+                     "--device-memory", str(needed(base.extra["memory_per_rank"]["peak"]) - 1))
+    changes = {c["change"]: c for c in data["fit"]["changes"]}
+    assert "micro-batch 1 (8 pipeline micro-batches)" in changes and "tp 2" in " ".join(changes)
+    assert all(c["error"] is None for c in changes.values()), changes
+
+
 def test_the_verdict_prints_what_it_assumed_and_by_how_much(capsys):
     assert main(["validate", "--plan", PLAN, "--world-size", "4", *SMALL,
                  "--device-memory", "1MiB"]) == 0

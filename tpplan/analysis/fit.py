@@ -36,9 +36,23 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
     if spec.fsdp is not None and not spec.fsdp.param_dtype:
         out.append(("bf16 compute (FSDP mixed precision, fp32 gradient reduction)",
                     ["fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"]))
-    if result.world_size % (2 * dims.tp) == 0:
+    pipe = spec.pipeline
+    # Under a pipeline the micro-batch follows from pipeline.microbatches: a micro-batch size
+    # the plan also gives would contradict any change of the rank's share or their number.
+    derived = ["train.micro_batch_size=null"] if pipe and spec.train.micro_batch_size else []
+    wider = [f"mesh.tp={2 * dims.tp}"]  # a mesh that fixes dp_shard halves a dp degree
+    if spec.mesh.dp_shard != -1:
+        wider += [f"mesh.dp_shard={dims.dp_shard // 2}"] if dims.dp_shard % 2 == 0 else \
+            [f"mesh.dp_replicate={dims.dp_replicate // 2}"] if dims.dp_replicate % 2 == 0 else []
+    if result.world_size % (2 * dims.tp) == 0 and (len(wider) > 1 or spec.mesh.dp_shard == -1):
         out.append((f"tp {2 * dims.tp} (the same global batch over half the data ranks)",
-                    [f"mesh.tp={2 * dims.tp}"]))
+                    [*wider, *derived]))
+    if pipe is not None:
+        if shape.micro_batch > 1:
+            out.append((f"micro-batch {shape.micro_batch // 2} ({2 * pipe.microbatches} "
+                        "pipeline micro-batches)",
+                        [f"pipeline.microbatches={2 * pipe.microbatches}", *derived]))
+        return out
     if shape.micro_batch > 1:
         out.append((f"micro-batch {shape.micro_batch // 2} (twice the accumulation)",
                     [f"train.micro_batch_size={shape.micro_batch // 2}"]))
