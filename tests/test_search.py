@@ -113,14 +113,15 @@ def test_cached_analyses_equal_uncached_dry_runs():
 
 
 def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
+    small = SMALL + ["model.kwargs.n_layers=2"]
     assert main(["search", "--plan", PLAN, "--world-size", "4", "--device", "h100",
-                 *sum((["--set", s] for s in SMALL), []), "--top", "1", "--max-tp", "2",
+                 *sum((["--set", s] for s in small), []), "--top", "1", "--max-tp", "2",
                  "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     best = data["ranked"][0]
     assert data["constants"]["source"] == "defaults"
     argv = ["validate", "--plan", PLAN, "--world-size", "4", "--device", "h100", "--json"]
-    for s in SMALL + best["sets"]:
+    for s in small + best["sets"]:
         argv += ["--set", s]
     assert main(argv) == 0
     v = json.loads(capsys.readouterr().out)
