@@ -40,11 +40,15 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
     # Under a pipeline the micro-batch follows from pipeline.microbatches: a micro-batch size
     # the plan also gives would contradict any change of the rank's share or their number.
     derived = ["train.micro_batch_size=null"] if pipe and spec.train.micro_batch_size else []
-    wider = [f"mesh.tp={2 * dims.tp}"]  # a mesh that fixes dp_shard halves a dp degree
-    if spec.mesh.dp_shard != -1:
-        wider += [f"mesh.dp_shard={dims.dp_shard // 2}"] if dims.dp_shard % 2 == 0 else \
-            [f"mesh.dp_replicate={dims.dp_replicate // 2}"] if dims.dp_replicate % 2 == 0 else []
-    if result.world_size % (2 * dims.tp) == 0 and (len(wider) > 1 or spec.mesh.dp_shard == -1):
+    wider: list[str] | None = [f"mesh.tp={2 * dims.tp}"]
+    if spec.mesh.dp_shard != -1:  # a mesh that fixes dp_shard halves a dp degree
+        if dims.dp_shard % 2 == 0:
+            wider.append(f"mesh.dp_shard={dims.dp_shard // 2}")
+        elif dims.dp_replicate % 2 == 0:
+            wider.append(f"mesh.dp_replicate={dims.dp_replicate // 2}")
+        else:
+            wider = None
+    if wider and result.world_size % (2 * dims.tp) == 0:
         out.append((f"tp {2 * dims.tp} (the same global batch over half the data ranks)",
                     [*wider, *derived]))
     if pipe is not None:

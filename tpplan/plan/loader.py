@@ -127,8 +127,8 @@ def _clone(value: Any) -> Any:
         return out
     if isinstance(value, LSeq):
         out = LSeq(value.loc)
-        for v, loc in zip(value, value.item_locs):
-            out.push(_clone(v), loc)
+        for i, v in enumerate(value):
+            out.push(_clone(v), value.item_loc(i))
         return out
     return value
 
