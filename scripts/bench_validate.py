@@ -6,7 +6,7 @@ size), so nothing of this script counts. The command is single-threaded, so on a
 machine wall ≈ CPU; on a shared one CPU time is the figure that does not depend on load.
 
     python scripts/bench_validate.py                 # the table in docs/benchmarks.md
-    python scripts/bench_validate.py --only-target   # 405b at 4,096 ranks only
+    python scripts/bench_validate.py --only-target   # 405b at 4,096 ranks, tp 2 and tp 8, only
     python scripts/bench_validate.py --only-target --baseline /path/to/other/checkout
 
 Each row sizes the step at 8 sequences per data-parallel rank (the global batch is set to
@@ -28,7 +28,9 @@ from checkout import command
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "plans" / "llama.yaml"
-TARGET = ("405b", 126, 4096, 8)
+# Issue 27's target: 405B on 4,096 ranks at tp 2 and at tp 8, each in at most 5 s.
+TARGETS = (("405b", 4096, 2), ("405b", 4096, 8))
+TARGET_SECONDS = 5.0
 
 
 def measure(config: str, layers: int | None, world: int, tp: int, root: Path = ROOT) -> dict:
@@ -70,7 +72,7 @@ def main() -> int:
           f"start; python {sys.version.split()[0]}")
     print("| config | layers | world size | tp | wall (s) | CPU (s) | peak RSS (MiB) | valid |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
-    runs = [TARGET[:1] + (None,) + TARGET[2:]] * args.repeat
+    runs = [(config, None, world, tp) for config, world, tp in TARGETS for _ in range(args.repeat)]
     if not args.only_target:
         runs += [("405b", n, 4096, 8) for n in (8, 32, 63)]
         runs += [("405b", None, w, 8) for w in (64, 512)]
@@ -87,19 +89,26 @@ def main() -> int:
             ratios.append(r["seconds"] / base["seconds"])
             print(f"|   baseline | | | | {base['seconds']:.1f} | {base['cpu']:.1f} | "
                   f"{base['peak_mib']:.0f} | ratio {ratios[-1]:.3f}x |", flush=True)
-        if (config, world) == ("405b", 4096) and layers is None:
+        if (config, world, tp) in TARGETS and layers is None:
             targets.append(r)
-    target = sorted(targets, key=lambda r: r["seconds"])[len(targets) // 2]  # the median run
-    ok = all(r["ok"] for r in targets) and target["seconds"] <= 10 and \
-        max(r["peak_mib"] for r in targets) <= 2048
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     if ratios:
         print(f"this tree / baseline, wall time: median {sorted(ratios)[len(ratios) // 2]:.3f}x "
               f"over {len(ratios)} rows")
-    print(f"target (405b, 4,096 ranks, tp 8), median of {len(targets)}: "
-          f"{target['seconds']:.1f} s wall, {target['cpu']:.1f} s CPU, "
-          f"{max(r['peak_mib'] for r in targets):.0f} MiB peak "
-          f"-> {'met' if ok else 'NOT met'} (≤ 10 s, ≤ 2 GiB)")
+    ok = True
+    for config, world, tp in TARGETS:
+        runs_at = sorted((r for r in targets if (r["config"], r["world"], r["tp"]) == (config, world, tp)),
+                         key=lambda r: r["cpu"])
+        median = runs_at[len(runs_at) // 2]
+        met = all(r["ok"] for r in runs_at) and median["cpu"] <= TARGET_SECONDS and \
+            max(r["peak_mib"] for r in runs_at) <= 2048
+        ok = ok and met
+        # CPU time is the verdict: the command is single-threaded, so on an idle machine it is
+        # the wall time, and on a shared one it does not count the other processes' turns.
+        print(f"target ({config}, {world:,} ranks, tp {tp}), median of {len(runs_at)}: "
+              f"{median['seconds']:.1f} s wall, {median['cpu']:.1f} s CPU, "
+              f"{max(r['peak_mib'] for r in runs_at):.0f} MiB peak "
+              f"-> {'met' if met else 'NOT met'} (≤ {TARGET_SECONDS:g} s CPU, ≤ 2 GiB)")
     return 0 if ok else 1
 
 

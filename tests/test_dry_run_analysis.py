@@ -283,3 +283,21 @@ def test_differences_from_the_minimum_print_with_their_sign():
     assert "TP below the minimum" in text and "+-" not in text
     assert "-3 all_reduce in forward (-1.00 KiB)" in text
     assert "+0 all_gather in backward (+512 B)" in text
+
+
+@pytest.mark.parametrize("shape,ranks,dim", [((10, 4), 4, 0), ((5, 3), 4, 0), ((6, 2), 4, 0), ((0, 3), 2, 0),
+                                             ((4, 7), 8, 1), ((3, 2), 1, 0), ((2048, 8), 2048, 0)])
+def test_fsdp_chunks_made_on_demand_are_the_chunks_fsdp_makes(shape, ranks, dim):
+    """The dry run's lazy stand-in for FSDP2's ``_chunk_with_empty`` hands out the same
+    views: shape, stride and offset into the parameter, every index and from the end."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from tpplan.analysis.dryrun import _Chunks
+
+    t = torch.empty(shape)
+    eager, lazy = _chunk_with_empty(t, ranks, dim), _Chunks(t, ranks, dim)
+    assert len(lazy) == len(eager) == ranks
+    for i in [*range(ranks), -1]:
+        a, b = eager[i], lazy[i]
+        assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+        assert (a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())

@@ -111,10 +111,67 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         raise RuntimeError("a process group is already running; the dry run needs its own")
     dist.init_process_group("fake", rank=rank, world_size=world_size)
     try:
-        yield
+        with _fsdp_init_on_demand():
+            yield
     finally:
         dist.destroy_process_group()
         forget_meshes()
+
+
+class _Chunks(Sequence):
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` entries, as FSDP2's
+    ``_chunk_with_empty`` returns it, but each chunk made only when it is read. FSDP2 reads
+    two of them (this rank's and the first) and builds all ``n``: at 2,048 data-parallel
+    ranks that is most of a 405B dry run's time."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        self.size = tensor.size(dim)
+        self.chunk = -(-self.size // num_chunks)  # torch.chunk's chunk length
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i):  # noqa: ANN001 - an index, as a list takes
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        if i < 0:
+            i += self.num_chunks
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        if self.size == 0:  # torch.chunk splits an empty dimension into empty chunks, n of them
+            return self.tensor.narrow(self.dim, 0, 0)
+        start = i * self.chunk
+        if start >= self.size:
+            return self.tensor.new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.chunk, self.size - start))
+
+
+@contextlib.contextmanager
+def _fsdp_init_on_demand() -> Iterator[None]:
+    """FSDP2's parameter sharding with :class:`_Chunks` and each mesh pair joined once: the
+    same tensors and meshes, made only as often as they differ."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original_chunks, original_concatenate = _fsdp_param._chunk_with_empty, DeviceMesh._concatenate
+    concatenated: dict[tuple[int, ...], tuple[list, DeviceMesh]] = {}
+
+    def concatenate(meshes: list) -> DeviceMesh:
+        # FSDP2 joins its data-parallel mesh and a parameter's TP mesh once per parameter;
+        # the joined mesh depends only on the two meshes, so each pair is joined once.
+        key = tuple(map(id, meshes))
+        if key not in concatenated:  # the meshes are kept with it, so their ids stay theirs
+            concatenated[key] = (list(meshes), original_concatenate(meshes))
+        return concatenated[key][1]
+
+    _fsdp_param._chunk_with_empty = _Chunks
+    DeviceMesh._concatenate = staticmethod(concatenate)
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original_chunks
+        DeviceMesh._concatenate = staticmethod(original_concatenate)
 
 
 def forget_meshes() -> None:
