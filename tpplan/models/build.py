@@ -142,6 +142,32 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
+# Tensor methods that only write values into their tensor (initializers and the arithmetic
+# they do on it with Python numbers): on a meta tensor there are no values, so they change
+# nothing, yet each costs a dispatch. A 405B model calls them thousands of times.
+_VALUE_WRITES = frozenset({
+    "uniform_", "normal_", "fill_", "zero_", "random_", "exponential_", "bernoulli_",
+    "log_normal_", "cauchy_", "geometric_", "erfinv_", "clamp_", "clamp_min_", "clamp_max_",
+    "mul_", "add_", "sub_", "div_", "fmod_", "abs_", "neg_", "sqrt_", "exp_", "log_",
+})
+
+
+class _SkipValueWritesOnMeta(torch.overrides.TorchFunctionMode):
+    """Construction on meta without the initializers' dispatches: an ``nn.init`` function,
+    or a value write whose only tensor is its target, on a meta tensor returns the target, as
+    the meta kernels would. (``nn.init``'s functions are caught whole: the writes inside the
+    ones that hand themselves to this mode run with the mode off.)"""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            if getattr(func, "__module__", None) == "torch.nn.init" or (
+                    getattr(func, "__name__", None) in _VALUE_WRITES and
+                    not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))):
+                return args[0]
+        return func(*args, **kwargs)
+
+
 def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", real_buffers: bool = False) -> nn.Module:
     """Construct the plan's model on ``device`` (``meta``: shapes only, no memory).
 
@@ -183,7 +209,9 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
 
             fn, kwargs = llama.Transformer, {"cfg": builtin_llama(spec)}
     try:
-        with torch.device(device):
+        skip = _SkipValueWritesOnMeta() if torch.device(device).type == "meta" else \
+            contextlib.nullcontext()
+        with torch.device(device), skip:
             model = fn(**kwargs)
     except PlanErrors:
         raise
