@@ -323,3 +323,40 @@ def test_the_bound_never_exceeds_the_estimate():
                         fsdp_overlap=rng.uniform(0, 1), tp_overlap=rng.uniform(0, 1))
             gpn = rng.choice([1, 2, 8])
             assert step_time_bound(r, dev, c) <= estimate_step(r, dev, gpn, c).step_time
+
+
+def test_calibration_fits_what_the_runs_tell_apart(tmp_path):
+    """Step times made by the model itself at planted constants (compute 0.3, NVLink 0.6),
+    for two layouts whose communication shares differ (FSDP over dp_shard 2, hidden behind
+    compute up to its overlap; TP 2 on the critical path): both runs together recover both
+    constants; one run alone pins only compute efficiency (one number, one constant), and
+    reproduces its own step."""
+    import json
+
+    from tpplan.analysis.calibration import fit_report
+
+    dev = Device("cpu", 8 * 2**30, bf16_flops=50e9, intra_node_bandwidth=2e9,
+                 inter_node_bandwidth=1e9, collective_latency=0.0, intra_node_latency=20e-6)
+    truth = replace(C, compute_efficiency=0.3, intra_node_efficiency=0.6)
+    paths = []
+    for name, tp in (("a", 1), ("b", 2)):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "plan.yaml").write_text(
+            f"extends: {PLAN}\nmesh: {{tp: {tp}, dp_shard: -1, dp_replicate: 1}}\n"
+            "train: {seq_len: 64, global_batch_size: 4}\n")
+        step = estimate_step(dry_run(str(run / "plan.yaml"), 2, [], ANALYSES), dev, 8,
+                             truth).step_time
+        rows = [dict(step=i, step_time_s=step, tokens_per_s=256 / step,
+                     tokens_per_s_per_device=128 / step) for i in range(3)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        paths.append(run / "metrics.jsonl")
+    start = replace(C, compute_efficiency=0.5, intra_node_efficiency=0.9)
+    both, report = fit_report(paths, None, [], dev, 8, start)
+    assert report[0]["fitted"] == ["compute_efficiency", "intra_node_efficiency"]
+    assert both.compute_efficiency == pytest.approx(0.3, rel=1e-3)
+    assert both.intra_node_efficiency == pytest.approx(0.6, rel=1e-3)
+    assert [r["ratio"] for r in report] == pytest.approx([1.0, 1.0], rel=1e-4)
+    one, report = fit_report(paths[1:], None, [], dev, 8, start)
+    assert report[0]["fitted"] == ["compute_efficiency"] and one.intra_node_efficiency == 0.9
+    assert report[0]["ratio"] == pytest.approx(1.0, rel=1e-4)

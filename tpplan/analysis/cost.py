@@ -277,7 +277,8 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
 
 def calibrate(metrics_paths, plan_path, overrides, device: Device, gpus_per_node: int = 8,
               constants: CostConstants | None = None, world_size: int | None = None):
-    """Fit ``compute_efficiency`` to measured step times (:mod:`.calibration`)."""
+    """Fit ``compute_efficiency`` (and a link's efficiency where the runs tell it apart) to
+    measured step times (:mod:`.calibration`)."""
     from .calibration import fit_compute_efficiency
 
     return fit_compute_efficiency(metrics_paths, plan_path, overrides, device, gpus_per_node,

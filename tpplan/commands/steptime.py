@@ -24,7 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "tp_overlap: fractions hidden; docs/search.md)")
     p.add_argument("--calibrate", metavar="METRICS", action="append", default=[],
                    help="fit compute efficiency to a `tpplan train` run's metrics.jsonl (its "
-                        "plan.yaml next to it gives the layout), repeatable; needs --device")
+                        "plan.yaml next to it gives the layout), repeatable: runs whose "
+                        "communication shares differ also fit the links' efficiencies; "
+                        "needs --device")
 
 
 def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]:
