@@ -4,8 +4,9 @@ Every term is in seconds per optimizer step on the busiest rank, so a user sees 
 dominates (formulas, device figures and their sources: docs/search.md):
 
 - ``compute``: the model's training FLOPs (:mod:`.flops`: ``3 ×`` forward, ``6N + 12·L·d·s``
-  per token) on the rank, GEMM by GEMM, over ``device.bf16_flops × compute_efficiency ×
-  f(shape)``: ``f`` (:mod:`.gemm`) is what the rank's own matrix shapes (after TP sharding,
+  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction ×
+  compute_efficiency × f(shape)``: ``gemm_fraction`` the rate a large GEMM measurably
+  reaches on the device; ``f`` (:mod:`.gemm`) is what the rank's own matrix shapes (after TP sharding,
   at its micro-batch) lose to tile and wave quantization and to memory bandwidth;
 - ``recompute``: the forward of the blocks activation checkpointing recomputes in backward;
 - ``tp``, ``fsdp`` (``dp_shard``), ``dp`` (``dp_replicate``), ``pp_p2p``: the dry run's
@@ -44,7 +45,7 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; 
 class CostConstants:
     """Every assumption of the model, stated and configurable."""
 
-    compute_efficiency: float = 0.5  # fraction of the dense bf16 peak the matmuls reach
+    compute_efficiency: float = 0.625  # fraction of a large GEMM's rate the step's compute reaches
     intra_node_efficiency: float = 0.8  # fraction of NVLink bandwidth collectives reach
     inter_node_efficiency: float = 0.8  # fraction of the NIC's bandwidth
     fsdp_overlap: float = 0.9  # fraction of FSDP all-gather/reduce-scatter hidden by compute
@@ -205,7 +206,7 @@ def _compute(result, device: Device, c: CostConstants,
         raise ValueError(f"device {device.name} has no bf16 peak: no compute estimate")
     step, dims = result.step, result.resolution.dims
     tokens = step.global_batch * step.seq_len
-    speed = device.bf16_flops * c.compute_efficiency
+    speed = _rate(device, c)
     cp = getattr(dims, "cp", 1)  # context parallelism: each rank holds seq/cp of a sequence
     rows = step.micro_batch * step.seq_len // cp
     work = unit_work(flops, linear_splits(result.resolution.rule_of), dims.tp, rows,
@@ -215,6 +216,13 @@ def _compute(result, device: Device, c: CostConstants,
     return (dict(compute=train * per_rank_tokens / speed,
                  recompute=recomputed * per_rank_tokens / speed), tokens,
             (train_flops + recomputed_flops) * per_rank_tokens)
+
+
+def _rate(device: Device, c: CostConstants) -> float:
+    """FLOP/s of the step's compute at large, well-shaped GEMMs: the bf16 peak, times the
+    fraction a large GEMM measurably reaches on the device (``gemm_fraction``), times
+    ``compute_efficiency``."""
+    return device.bf16_flops * (device.gemm_fraction or 1.0) * c.compute_efficiency
 
 
 def step_time_bound(result, device: Device, constants: CostConstants | None = None,
@@ -264,8 +272,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         flops_per_token=flops.train_per_token, matmul_params=flops.matmul_params,
         attention_width=flops.attention_width, model_flops_per_step=model,
         rank_flops_per_step=rank_flops,
-        gemm_efficiency=rank_flops / (busy * device.bf16_flops * c.compute_efficiency)
-        if busy else 1.0,
+        gemm_efficiency=rank_flops / (busy * _rate(device, c)) if busy else 1.0,
         comm_seconds_before_overlap=raw, comm_latency_seconds=comm["latency"],
         first_unit_exposure=comm["first"], bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(

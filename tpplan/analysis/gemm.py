@@ -33,7 +33,8 @@ import math
 
 from ..plan.devices import Device
 
-__all__ = ["TILE_M", "TILE_N", "TILE_K", "BYTES", "gemm_efficiency", "linear_efficiencies"]
+__all__ = ["TILE_M", "TILE_N", "TILE_K", "BYTES", "gemm_efficiency", "linear_efficiencies",
+           "causal_fraction", "linear_splits", "unit_work"]
 
 TILE_M, TILE_N, TILE_K = 256, 128, 64
 BYTES = 2  # bf16 operands
@@ -73,6 +74,17 @@ def linear_efficiencies(tokens: int, in_features: int, out_features: int, device
     return (gemm_efficiency(tokens, out_features, in_features, device, rate),
             gemm_efficiency(tokens, in_features, out_features, device, rate),
             gemm_efficiency(out_features, in_features, tokens, device, rate))
+
+
+CAUSAL_BLOCK = 128  # FlashAttention-2's key/value block on the diagonal
+
+
+def causal_fraction(seq: int) -> float:
+    """The share of the ``seq × seq`` score matrix a causal attention kernel computes:
+    FlashAttention-2 (Dao 2023, section 3.1.1) skips the blocks above the diagonal, about
+    half, and computes the diagonal blocks whole: ``(1 + block/seq) / 2``. The FLOPs
+    (and MFU) still count the whole matrix, as PaLM and torchtitan do; the time does not."""
+    return min(1.0, 0.5 * (1 + CAUSAL_BLOCK / seq)) if seq > 0 else 1.0
 
 
 _SPLITS: dict[int, tuple[object, dict[str, str]]] = {}
@@ -130,6 +142,7 @@ def _unit_work(flops, splits, tp, tokens, micro_batch, seq, device, rate):
         batch = micro_batch * local_heads
         attn = 0.5 / gemm_efficiency(seq, seq, hd, device, rate, batch) + \
             0.5 / gemm_efficiency(seq, hd, seq, device, rate, batch)  # 1 / mean efficiency
+        attn *= causal_fraction(seq)
     out = {}
     for unit, forward in flops.forward.items():
         fwd = train = 0.0
