@@ -3,7 +3,8 @@
 
 1. The "device": one CPU core (OMP_NUM_THREADS=1, one per rank) -- its fp32 matmul peak
    measured on a large square matmul (the training computes in fp32 on CPU), and gloo's
-   all-reduce bandwidth between two local processes, measured, as the "intra-node" link.
+   all-reduce between two local processes, measured, as the "intra-node" link: its
+   bandwidth on a 16 MiB buffer, its latency (α per ring step) on a 4-byte one.
 2. ``tpplan train`` on 2 processes with layout A (tp 1, dp_shard 2), then layout B (tp 2).
 3. ``calibrate`` on A's metrics.jsonl; the fitted model's step time for A against A's
    measured median step (this is the fit: it must agree), and for B (a prediction).
@@ -57,18 +58,27 @@ def _allreduce(rank, world, port, out, nbytes):
     for _ in range(5):
         dist.all_reduce(x)
     dt = (time.perf_counter() - t0) / 5
+    tiny = torch.zeros(1)
+    for _ in range(10):
+        dist.all_reduce(tiny)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(tiny)
+    alpha = (time.perf_counter() - t0) / 200 / (2 * (world - 1))  # a ring's 2(n-1) steps
     if rank == 0:  # ring wire bytes one rank sends: 2(n-1)/n of the buffer
-        Path(out).write_text(str(2 * (world - 1) / world * nbytes / dt))
+        Path(out).write_text(json.dumps([2 * (world - 1) / world * nbytes / dt, alpha]))
     dist.destroy_process_group()
 
 
-def gloo_bandwidth(nbytes: int = 16 * 2 ** 20) -> float:
+def gloo_link(nbytes: int = 16 * 2 ** 20) -> tuple[float, float]:
+    """gloo's all-reduce bandwidth (bytes/s one rank sends) and latency per ring step."""
     from tpplan.parallel.runtime import spawn
 
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "bw")
         spawn(_allreduce, 2, out, nbytes)
-        return float(Path(out).read_text())
+        bw, alpha = json.loads(Path(out).read_text())
+        return bw, alpha
 
 
 def train(run_dir: Path, sets: list[str], steps: int) -> Path:
@@ -84,10 +94,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    peak, bw = matmul_peak(), gloo_bandwidth()
+    peak, (bw, alpha) = matmul_peak(), gloo_link()
     # NVLink's figure counts both directions; the model halves it, so give gloo's twice.
+    # The measured α replaces NCCL's (the whole call's time is steps × α: no separate base).
     cpu = Device("cpu-core", 8 * GiB, bf16_flops=peak, intra_node_bandwidth=2 * bw,
-                 inter_node_bandwidth=bw, description="one CPU core, fp32 matmul, gloo")
+                 inter_node_bandwidth=bw, description="one CPU core, fp32 matmul, gloo",
+                 collective_latency=0.0, intra_node_latency=alpha, inter_node_latency=alpha)
     base = Path(args.out or tempfile.mkdtemp(prefix="calib-"))
     metrics = {name: train(base / name.split()[0], sets, args.steps)
                for name, sets in LAYOUTS.items()}
@@ -101,7 +113,8 @@ def main() -> int:
 
     r = dry_run(str(metrics[names[1]].parent / "plan.yaml"), 2, [], ANALYSES)
     predicted_b = estimate_step(r, cpu, 2, fitted)
-    report = dict(peak_flops=peak, gloo_bandwidth=bw, fitted=fitted.to_json(),
+    report = dict(peak_flops=peak, gloo_bandwidth=bw, gloo_latency_per_step=alpha,
+                  fitted=fitted.to_json(),
                   fit={names[0]: fit_rows[0]},
                   prediction={names[1]: dict(measured=measured_b,
                                              predicted=predicted_b.step_time,

@@ -4,15 +4,19 @@ Every term is in seconds per optimizer step on the busiest rank, so a user sees 
 dominates (formulas, device figures and their sources: docs/search.md):
 
 - ``compute``: the model's training FLOPs (:mod:`.flops`: ``3 ×`` forward, ``6N + 12·L·d·s``
-  per token) on the rank, over ``device.bf16_flops × compute_efficiency``;
+  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction ×
+  compute_efficiency × f(shape)``: ``gemm_fraction`` the rate a large GEMM measurably
+  reaches on the device; ``f`` (:mod:`.gemm`) is what the rank's own matrix shapes (after TP sharding,
+  at its micro-batch) lose to tile and wave quantization and to memory bandwidth;
 - ``recompute``: the forward of the blocks activation checkpointing recomputes in backward;
-- ``tp``, ``fsdp`` (``dp_shard``), ``dp`` (``dp_replicate``), ``pp_p2p``: the dry run's wire
-  bytes per mesh dimension (``comm_per_step``: ring-algorithm bytes one rank sends) over
-  the link that dimension's groups use -- NVLink (half the quoted both-ways figure, one
-  direction) when a group fits in a node, else the GPU's NIC -- times the link's
-  efficiency. TP is on the critical path (``tp_overlap``); FSDP's and HSDP's collectives
-  hide behind compute up to ``fsdp_overlap``, except the first all-gather of each
-  micro-batch and the last reduce-scatter / all-reduce of the step (nothing to hide behind);
+- ``tp``, ``fsdp`` (``dp_shard``), ``dp`` (``dp_replicate``), ``pp_p2p``: the dry run's
+  collectives per mesh dimension (``comm_per_step``), each call ``α₀ + steps × α + wire
+  bytes / β`` on the link that dimension's groups use (:mod:`.collectives`: NVLink inside a
+  node, the GPU's NIC across nodes; α from NCCL's tuning model or the device). TP is on the
+  critical path (``tp_overlap``); FSDP's and HSDP's collectives hide behind compute up to
+  ``fsdp_overlap``, except the first all-gather of each micro-batch and the last
+  reduce-scatter / all-reduce of the step (nothing to hide behind); rows of other sources
+  (``ep``: all-to-all, hidden up to ``ep_overlap``; ``cp``) are their own terms;
 - ``bubble``: the schedule's idle time, ``bubble_fraction × (compute + recompute + tp)``
   (tpplan's bubble fraction is idle time over the rank's work, ``(p-1)/m`` for 1F1B).
 
@@ -25,23 +29,28 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..plan.devices import Device
+from .collectives import (all_to_all_time, bandwidth, collective_time, cp_all_gather_time,
+                          latency, ring_attention_time)
 from .flops import ModelFlops, model_flops
+from .gemm import gemm_efficiency, linear_splits, unit_work
 
 __all__ = ["CostConstants", "DEFAULT_CONSTANTS", "StepEstimate", "estimate_step", "calibrate",
-           "links", "MESH_ORDER", "step_time_bound", "flops_of"]
+           "links", "groups", "MESH_ORDER", "step_time_bound", "flops_of", "collective_time",
+           "all_to_all_time", "ring_attention_time", "cp_all_gather_time", "gemm_efficiency"]
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first; tp innermost
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; tp innermost
 
 
 @dataclass(frozen=True)
 class CostConstants:
     """Every assumption of the model, stated and configurable."""
 
-    compute_efficiency: float = 0.5  # fraction of the dense bf16 peak the matmuls reach
+    compute_efficiency: float = 0.625  # fraction of a large GEMM's rate the step's compute reaches
     intra_node_efficiency: float = 0.8  # fraction of NVLink bandwidth collectives reach
     inter_node_efficiency: float = 0.8  # fraction of the NIC's bandwidth
     fsdp_overlap: float = 0.9  # fraction of FSDP all-gather/reduce-scatter hidden by compute
     tp_overlap: float = 0.0  # fraction of TP collectives hidden (0: on the critical path)
+    ep_overlap: float = 0.0  # fraction of EP all-to-alls hidden (0: dispatch/combine wait)
     source: str = "defaults"
 
     def to_json(self) -> dict:
@@ -92,36 +101,42 @@ class StepEstimate:
                     constants=self.constants.to_json(), details=self.details)
 
 
-def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
-    """``intra`` or ``inter`` for each mesh dimension of more than one rank: ranks are laid
-    out ``pp × dp_replicate × dp_shard × tp`` (tp innermost, consecutive ranks on one node),
-    so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the product
-    of the inner dimensions; it stays in a node when that span is at most ``gpus_per_node``.
-    ``dp`` is dp_replicate and dp_shard flattened."""
+def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, int]]:
+    """``(link, nodes)`` for each mesh dimension of more than one rank: ranks are laid out
+    ``pp × dp_replicate × dp_shard × cp × tp`` (tp innermost, consecutive ranks on one
+    node), so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the
+    product of the inner dimensions; it stays in a node (``intra``) when that span is at most
+    ``gpus_per_node``, else it spans ``nodes`` nodes (``inter``). ``dp`` is dp_replicate and
+    dp_shard flattened; ``ep`` (expert parallelism borrows the innermost ranks) spans ``ep``
+    consecutive ranks."""
     out, stride = {}, 1
+
+    def add(name: str, n: int) -> None:
+        if n > 1:
+            inside = stride * n <= gpus_per_node
+            per_node = max(1, gpus_per_node // stride)
+            out[name] = ("intra", 1) if inside else ("inter", -(-n // per_node))
+
     for dim in reversed(MESH_ORDER):
         n = sizes.get(dim, 1)
-        if n > 1:
-            out[dim] = "intra" if stride * n <= gpus_per_node else "inter"
+        add(dim, n)
         if dim == "dp_shard":
-            dp = n * sizes.get("dp_replicate", 1)
-            if dp > 1:
-                out["dp"] = "intra" if stride * dp <= gpus_per_node else "inter"
+            add("dp", n * sizes.get("dp_replicate", 1))
         stride *= n
+    stride = 1
+    add("ep", sizes.get("ep", 1))
     return out
 
 
-def _bandwidth(device: Device, link: str, c: CostConstants) -> float:
-    """Bytes/s one rank sends at over ``link``: NVLink's quoted figure counts both
-    directions, a ring sends in one; the NIC's is one direction already."""
-    if link == "intra":
-        if not device.intra_node_bandwidth:
-            raise ValueError(f"device {device.name} has no intra-node bandwidth")
-        return device.intra_node_bandwidth / 2 * c.intra_node_efficiency
-    if not device.inter_node_bandwidth:
-        raise ValueError(f"device {device.name} has no inter-node bandwidth: a mesh dimension "
-                         "spans nodes (raise --gpus-per-node or give the device one)")
-    return device.inter_node_bandwidth * c.inter_node_efficiency
+def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
+    """``intra`` or ``inter`` for each mesh dimension of more than one rank (:func:`groups`)."""
+    return {k: v[0] for k, v in groups(sizes, gpus_per_node).items()}
+
+
+def _sizes(dims) -> dict[str, int]:
+    """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
+    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                cp=getattr(dims, "cp", 1), ep=getattr(dims, "ep", 1), tp=dims.tp)
 
 
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",
@@ -132,33 +147,47 @@ def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple
     """Seconds per term (before overlap) and the first-unit exposure of the FSDP/DP terms,
     from the dry run's ``comm_per_step``; and the link of each dimension. Under a pipeline
     those rows are already the busiest pp rank's, for its own stages."""
-    dims = result.resolution.dims
-    sizes = dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
-    link = links(sizes, gpus_per_node)
+    sizes = _sizes(result.resolution.dims)
+    group = groups(sizes, gpus_per_node)
     seconds: dict[str, float] = {}
     first: dict[str, float] = {}
+    alpha: dict[str, float] = {}
     comm = result.extra["comm_per_step"]
     for row in comm["collectives"]:
         if not row["wire_bytes"]:
             continue
-        term = TERM_OF.get((row["source"], row["mesh_dim"])) or TERM_OF[(row["source"], None)]
-        t = row["wire_bytes"] / _bandwidth(device, link.get(row["mesh_dim"], "intra"), c)
+        src, dim = row["source"], row["mesh_dim"]
+        term = TERM_OF.get((src, dim)) or TERM_OF.get((src, None)) or src
+        link, nodes = group.get(dim, ("intra", 1))
+        lat = row["count"] * latency(row["kind"], sizes.get(dim, 1), link, device, nodes)
+        t = lat + row["wire_bytes"] / bandwidth(device, link, c.intra_node_efficiency,
+                                                c.inter_node_efficiency)
         seconds[term] = seconds.get(term, 0.0) + t
+        alpha[term] = alpha.get(term, 0.0) + lat
         if term in ("fsdp", "dp"):  # nothing to hide behind: one all-gather per micro-batch
             once = result.step.grad_accum if row["kind"] == "all_gather" else 1
             first[term] = first.get(term, 0.0) + t * min(once, row["count"]) / row["count"]
-    return seconds, dict(link=link, first=first)
+    return seconds, dict(link={k: v[0] for k, v in group.items()}, first=first, latency=alpha)
 
 
-def _rank_flops(flops: ModelFlops, result) -> tuple[float, float, int]:
-    """Training and recomputed FLOPs per token of the busiest pp rank's units, and how many
-    pp ranks the model's units are divided over (1 without a pipeline)."""
+def _rank_flops(flops: ModelFlops, result, work: dict[str, tuple[float, float]]
+                ) -> tuple[float, float, float, float, int]:
+    """The busiest pp rank's training and recomputed work per token (FLOPs over each GEMM's
+    efficiency, ``work``: :func:`tpplan.analysis.gemm.unit_work`), the same as plain FLOPs,
+    and how many pp ranks the model's units are divided over (1 without a pipeline)."""
     pipe = result.extra.get("pipeline")
     ranks = flops.rank_units(pipe.get("stages") if pipe else None)
     ac = result.plan.spec.activation_checkpointing
     ckpt = set(result.resolution.ac_blocks[::ac.every]) if ac.enabled else set()
-    best = max(ranks, key=lambda u: 3 * flops.forward_of(u) + flops.forward_of(ckpt & set(u)))
-    return 3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)), len(ranks)
+
+    def cost(units) -> tuple[float, float]:
+        return (sum(work[u][1] for u in units if u in work),
+                sum(work[u][0] for u in units if u in work and u in ckpt))
+
+    best = max(ranks, key=lambda u: sum(cost(u)))
+    train, recomputed = cost(best)
+    return (train, recomputed, 3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)),
+            len(ranks))
 
 
 def flops_of(result) -> ModelFlops:
@@ -175,13 +204,25 @@ def _compute(result, device: Device, c: CostConstants,
     the rank's FLOPs per step."""
     if not device.bf16_flops:
         raise ValueError(f"device {device.name} has no bf16 peak: no compute estimate")
-    tokens = result.step.global_batch * result.step.seq_len
-    train, recomputed, pp_ranks = _rank_flops(flops, result)
+    step, dims = result.step, result.resolution.dims
+    tokens = step.global_batch * step.seq_len
+    speed = _rate(device, c)
+    cp = getattr(dims, "cp", 1)  # context parallelism: each rank holds seq/cp of a sequence
+    rows = step.micro_batch * step.seq_len // cp
+    work = unit_work(flops, linear_splits(result.resolution.rule_of), dims.tp, rows,
+                     step.micro_batch, step.seq_len // cp, device, speed)
+    train, recomputed, train_flops, recomputed_flops, pp_ranks = _rank_flops(flops, result, work)
     per_rank_tokens = tokens / (result.world_size / pp_ranks)  # a stage's ranks split tokens
-    speed = device.bf16_flops * c.compute_efficiency
     return (dict(compute=train * per_rank_tokens / speed,
                  recompute=recomputed * per_rank_tokens / speed), tokens,
-            (train + recomputed) * per_rank_tokens)
+            (train_flops + recomputed_flops) * per_rank_tokens)
+
+
+def _rate(device: Device, c: CostConstants) -> float:
+    """FLOP/s of the step's compute at large, well-shaped GEMMs: the bf16 peak, times the
+    fraction a large GEMM measurably reaches on the device (``gemm_fraction``), times
+    ``compute_efficiency``."""
+    return device.bf16_flops * (device.gemm_fraction or 1.0) * c.compute_efficiency
 
 
 def step_time_bound(result, device: Device, constants: CostConstants | None = None,
@@ -220,6 +261,8 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         share = rest / hideable if hideable else 0.0
         terms[k] = raw.get(k, 0.0) - hidden * share
     terms["pp_p2p"] = raw.get("pp_p2p", 0.0)
+    for k in raw.keys() - terms.keys():  # ep's all-to-alls, cp's exchanges (their own rows)
+        terms[k] = raw[k] * (1 - c.ep_overlap if k == "ep" else 1.0)
     pipe = result.extra.get("pipeline") or {}
     terms["bubble"] = pipe.get("bubble_fraction", 0.0) * (busy + terms["tp"])
     step_time = sum(terms.values())
@@ -229,8 +272,9 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         flops_per_token=flops.train_per_token, matmul_params=flops.matmul_params,
         attention_width=flops.attention_width, model_flops_per_step=model,
         rank_flops_per_step=rank_flops,
-        comm_seconds_before_overlap=raw, first_unit_exposure=comm["first"],
-        bubble_fraction=pipe.get("bubble_fraction", 0.0))
+        gemm_efficiency=rank_flops / (busy * _rate(device, c)) if busy else 1.0,
+        comm_seconds_before_overlap=raw, comm_latency_seconds=comm["latency"],
+        first_unit_exposure=comm["first"], bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(
         step_time=step_time, tokens_per_step=tokens,
         tokens_per_s_per_device=tokens / step_time / world,
@@ -240,7 +284,8 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
 
 def calibrate(metrics_paths, plan_path, overrides, device: Device, gpus_per_node: int = 8,
               constants: CostConstants | None = None, world_size: int | None = None):
-    """Fit ``compute_efficiency`` to measured step times (:mod:`.calibration`)."""
+    """Fit ``compute_efficiency`` (and a link's efficiency where the runs tell it apart) to
+    measured step times (:mod:`.calibration`)."""
     from .calibration import fit_compute_efficiency
 
     return fit_compute_efficiency(metrics_paths, plan_path, overrides, device, gpus_per_node,

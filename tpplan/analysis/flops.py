@@ -12,7 +12,7 @@ familiar ``6N + 12·L·d·s`` per token. Weights are counted from global shapes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -29,6 +29,9 @@ class ModelFlops:
     blocks: tuple[str, ...]  # the units that are repeated blocks
     matmul_params: int  # weights of every Linear (the N of 6N)
     attention_width: int  # n_heads × head_dim (0: unknown, attention not counted)
+    # unit path -> its Linear layers as (path, in_features, out_features): the GEMM shapes
+    linears: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    attention_heads: int = 0  # n_heads (0: unknown)
 
     @property
     def train_per_token(self) -> float:
@@ -54,17 +57,24 @@ class ModelFlops:
         return list(per_rank.values())
 
 
-def _attention_width(model: nn.Module) -> int:
-    """``n_heads × head_dim`` from the model's config (ours or a HuggingFace one), 0 if none."""
+def _attention_heads(model: nn.Module) -> tuple[int, int]:
+    """``(n_heads, head_dim)`` from the model's config (ours or a HuggingFace one), zeros
+    if none."""
     cfg = getattr(model, "config", None)
     if cfg is None:
-        return 0
+        return 0, 0
     heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
     dim = getattr(cfg, "dim", None) or getattr(cfg, "hidden_size", None)
     if not heads or not dim:
-        return 0
+        return 0, 0
     head_dim = getattr(cfg, "head_dim", None) or dim // heads
-    return int(heads * head_dim)
+    return int(heads), int(head_dim)
+
+
+def _attention_width(model: nn.Module) -> int:
+    """``n_heads × head_dim`` from the model's config (ours or a HuggingFace one), 0 if none."""
+    heads, head_dim = _attention_heads(model)
+    return heads * head_dim
 
 
 def _units(model: nn.Module, blocks: str | None) -> list[tuple[str, nn.Module, bool]]:
@@ -90,18 +100,32 @@ def _linear_weights(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
 
 
+def _linear_shapes(path: str, module: nn.Module) -> tuple[tuple[str, int, int], ...]:
+    """Each Linear under ``module`` as ``(path, in_features, out_features)``, global shapes
+    (a DTensor's ``shape`` is the whole tensor)."""
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            o, i = m.weight.shape
+            out.append((f"{path}.{name}" if name else path, int(i), int(o)))
+    return tuple(out)
+
+
 def model_flops(model: nn.Module, seq_len: int, blocks: str | None = None) -> ModelFlops:
     """Forward FLOPs per token of each unit of ``model`` at sequence length ``seq_len``;
     ``blocks``: the path of the blocks' container when the model's own structure does not
     show it (a single block is not "repeated")."""
     blocks = find_blocks(model) or blocks
-    width = _attention_width(model) if blocks else 0
+    heads, head_dim = _attention_heads(model) if blocks else (0, 0)
+    width = heads * head_dim
     forward: dict[str, float] = {}
+    linears: dict[str, tuple[tuple[str, int, int], ...]] = {}
     block_units = []
     for path, module, is_block in _units(model, blocks):
         f = 2.0 * _linear_weights(module)
+        linears[path] = _linear_shapes(path, module)
         if is_block:
             f += 4.0 * seq_len * width
             block_units.append(path)
         forward[path] = f
-    return ModelFlops(forward, tuple(block_units), _linear_weights(model), width)
+    return ModelFlops(forward, tuple(block_units), _linear_weights(model), width, linears, heads)

@@ -76,7 +76,7 @@ def render(out, data: dict) -> None:
         t.add_column(col, justify="right" if col in ("#", "tokens/s/GPU", "step", "MFU",
                                                       "headroom") else "left")
     for i, r in enumerate(data["ranked"], 1):
-        t.add_row(str(i), f"{r['tokens_per_s_per_device']:,.0f}", f"{r['step_time']:.2f} s",
+        t.add_row(str(i), f"{r['tokens_per_s_per_device']:,.0f}", f"{r['step_time']:.3g} s",
                   f"{r['mfu']:.1%}", r["dominant"], size(r["headroom"]),
                   Text(" ".join(f"--set '{s}'" for s in r["sets"])))
     out.print(t)

@@ -10,7 +10,7 @@ TERM_NAMES = {
     "compute": "compute (forward + backward)", "recompute": "recompute (activation checkpointing)",
     "tp": "tp collectives (critical path)", "fsdp": "fsdp all-gather / reduce-scatter (exposed)",
     "dp": "dp_replicate all-reduce (exposed)", "pp_p2p": "pipeline send/recv",
-    "bubble": "pipeline bubble"}
+    "bubble": "pipeline bubble", "ep": "ep all-to-all (exposed)", "cp": "cp exchange"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "tp_overlap: fractions hidden; docs/search.md)")
     p.add_argument("--calibrate", metavar="METRICS", action="append", default=[],
                    help="fit compute efficiency to a `tpplan train` run's metrics.jsonl (its "
-                        "plan.yaml next to it gives the layout), repeatable; needs --device")
+                        "plan.yaml next to it gives the layout), repeatable: runs whose "
+                        "communication shares differ also fit the links' efficiencies; "
+                        "needs --device")
 
 
 def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]:
@@ -105,15 +107,23 @@ def render(out, st: dict[str, Any]) -> None:
         f"weights + attention; {st['tokens_per_step']:,} tokens per step); dominant: "
         f"{st['dominant']}"))
     out.print(Text(
-        f"constants ({c['source']}): compute {c['compute_efficiency']:.3g} of "
+        f"constants ({c['source']}): compute {c['compute_efficiency']:.3g} × "
+        f"{(dev.get('gemm_fraction') or 1.0):.3g} (a large GEMM's) of "
         f"{dev['bf16_flops'] / 1e12:,.1f} TFLOP/s, intra-node {c['intra_node_efficiency']:.3g} "
         f"of {_bw(dev['intra_node_bandwidth'])} (one direction: half), inter-node "
         f"{c['inter_node_efficiency']:.3g} of {_bw(dev['inter_node_bandwidth'])}, fsdp_overlap "
-        f"{c['fsdp_overlap']:.3g}, tp_overlap {c['tp_overlap']:.3g}; device figures: "
+        f"{c['fsdp_overlap']:.3g}, tp_overlap {c['tp_overlap']:.3g}, ep_overlap "
+        f"{c.get('ep_overlap', 0.0):.3g}; device figures: "
         "docs/search.md"))
+    lat = {k: v for k, v in d.get("comm_latency_seconds", {}).items() if v}
+    raw = d["comm_seconds_before_overlap"]
+    out.print(Text(
+        f"GEMM shapes: the rank's matmuls run at {d.get('gemm_efficiency', 1.0):.1%} of a large "
+        f"GEMM's rate ({(dev.get('gemm_fraction') or 1.0):.3g} of the peak, measured, × "
+        f"compute_efficiency); latency (α) in the collectives: "
+        + (", ".join(f"{k} {v:.4g} s of {raw[k]:.4g} s" for k, v in lat.items()) or "none")))
     first = d["first_unit_exposure"]
     if first:
-        raw = d["comm_seconds_before_overlap"]
         out.print(Text("overlap: " + "; ".join(
             f"{k} {raw[k]:.4g} s before overlap, of which {v:.4g} s can never hide (each "
             "micro-batch's first all-gather, the step's last reduction)"

@@ -343,7 +343,7 @@
         attrs: { "data-rank": i + 1, "data-tokens": r.tokens_per_s_per_device, "data-peak": r.peak,
                  "data-headroom": r.headroom, "data-dominant": r.dominant },
         cells: [num(i + 1), num(Math.round(r.tokens_per_s_per_device).toLocaleString("en-US"), r.tokens_per_s_per_device),
-          num(`${r.step_time.toFixed(2)} s`, r.step_time), num(`${(100 * r.mfu).toFixed(1)}%`, r.mfu),
+          num(`${r.step_time.toPrecision(3)} s`, r.step_time), num(`${(100 * r.mfu).toFixed(1)}%`, r.mfu),
           r.dominant, num(size(r.headroom), r.headroom), r.sets.map((s) => `--set '${s}'`).join(" ")] }))));
     root.append(el("p", { id: "search-counts", text: `${d.candidates} candidates: ${d.passed_checks} pass the plan's ` +
       `checks, ${d.fitting} checked to fit; not analysed further, their bound already slower than the last ` +
