@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .parallel.mesh import ParallelDims
+    from .plan.specs import ModelSpec
     from .parallel.report import ApplyReport
     from .parallel.stages import Pipeline
     from .parallel.resolve import Resolution
@@ -59,6 +60,12 @@ class Plan:
         if spec is not None and name in SECTIONS:
             return getattr(spec, name)
         raise AttributeError(f"'Plan' object has no attribute '{name}'")
+
+    def require_model(self) -> "ModelSpec":
+        """The ``model`` section; a located :class:`PlanErrors` when the plan has none."""
+        from .plan.sections import require_model
+
+        return require_model(self.spec)
 
     def section(self, name: str) -> LMap:
         """A section of the plan document as written (located), empty if absent. The typed
