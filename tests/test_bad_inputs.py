@@ -209,3 +209,34 @@ def test_require_fit_exits_3_when_a_rank_does_not_fit(capsys):
     assert rc == 3
     rc, out = run_main(capsys, "validate", *tiny, "--require-fit")
     assert rc == 2 and out.strip() == "error: --require-fit needs --device or --device-memory"
+
+
+# -- the pipeline stage contract, checked on meta before any process group ----------------------
+
+CONTRACT = ("rule 3: a model's forward tolerates the parts a stage does not own, which are None "
+            "on that stage (docs/pipeline.md)")
+
+
+@pytest.mark.parametrize("command", [["validate", "--world-size", "2"], ["verify", "--nproc", "2"],
+                                     ["train"]])
+def test_a_model_that_breaks_the_stage_contract_is_named_with_the_rule(capsys, write_plan,
+                                                                        monkeypatch, command):
+    """MiniGPT's forward calls its head and embeddings unconditionally: on a stage they are
+    None. It used to fail on a rank with "TypeError: 'NoneType' object is not callable"."""
+    if command == ["train"]:  # one rank of a 2-rank launch: its checks run before the group
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    plan = write_plan("mesh: {pp: 2, tp: 1}\nmodel: {factory: 'toy_models:mini_gpt'}\n"
+                      "pipeline: {schedule: gpipe}\ntrain: {global_batch_size: 4, seq_len: 16}\n")
+    rc, out = run_main(capsys, *command, "--plan", plan)
+    assert rc == 1
+    assert error_lines(out) == [
+        f"{plan}:3:1: error: pipeline stage 0 (wte, wpe, blocks.0) fails run alone: TypeError: "
+        "'NoneType' object is not callable in the model's forward (MiniGPT.forward) (at "
+        f"tests/toy_models.py:70); the model breaks the stage contract, {CONTRACT}"]
+
+
+def test_models_that_keep_the_stage_contract_pass_it(capsys):
+    """The built-in Llama and a HuggingFace decoder (through its stage wrapper) split cleanly."""
+    for plan, world in ((PLANS / "llama-3d.yaml", 8), (TEST_PLANS / "hf" / "llama-pp.yaml", 4)):
+        rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", world)
+        assert rc == 0 and not error_lines(out), out[-2000:]
