@@ -23,3 +23,9 @@ def returns_container() -> nn.ModuleList:
 
 def negative_width(width: int = -1) -> nn.Module:
     return nn.Linear(4, width)
+
+
+def exits(code: int = 3) -> nn.Module:
+    import sys
+
+    sys.exit(code)

@@ -199,3 +199,29 @@ def test_export_with_a_missing_plan_names_it(capsys, one_process_run, tmp_path):
                            tmp_path / "missing.yaml", "-o", tmp_path / "out")
     assert rc == 1 and printed.strip() == (f"{tmp_path / 'missing.yaml'}: error: cannot read "
                                            "plan: No such file or directory")
+
+
+def test_export_with_a_plan_that_does_not_fit_the_checkpoint_is_located(capsys, one_process_run,
+                                                                        tmp_path):
+    """The run trained a 1-block, width-32 Llama; the shipped plan's is 2 blocks of 256 and a
+    factory model has other names: each is refused at the plan's model line, nothing written
+    (it used to export the checkpoint under either plan, exit 0)."""
+    ckpt = next((one_process_run / "checkpoints").glob("step-*"))
+    rc, out = run_main(capsys, "export", "--checkpoint", one_process_run, "--plan",
+                       PLANS / "llama.yaml", "-o", tmp_path / "a")
+    assert rc == 1 and out.splitlines()[0].startswith(
+        f"{PLANS / 'llama.yaml'}:4:1: error: checkpoint {ckpt} does not fit this plan's model "
+        "(llama3 debug): ")
+    assert "have other shapes: tok_embeddings.weight [256, 32] (the plan's model: [256, " in out
+    assert "pass --plan with the plan the run used" in out
+    plan = tmp_path / "gpt.yaml"
+    plan.write_text("model: {factory: 'toy_models:mini_gpt'}\n")
+    rc, out = run_main(capsys, "export", "--checkpoint", one_process_run, "--plan", plan,
+                       "-o", tmp_path / "b")
+    assert rc == 1 and out.splitlines()[0].startswith(
+        f"{plan}:1:1: error: checkpoint {ckpt} does not fit this plan's model "
+        "(toy_models:mini_gpt): ")
+    assert "of its tensors are not the model's: tok_embeddings.weight" in out
+    assert not any((tmp_path / d / "model.safetensors").exists() for d in "ab")
+    rc, out = run_main(capsys, "export", "--checkpoint", one_process_run, "-o", tmp_path / "c")
+    assert rc == 0 and (tmp_path / "c" / "model.safetensors").is_file()  # the run's own plan

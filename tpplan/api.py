@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .parallel.mesh import ParallelDims
+    from .plan.specs import ModelSpec
     from .parallel.report import ApplyReport
     from .parallel.stages import Pipeline
     from .parallel.resolve import Resolution
@@ -60,6 +61,12 @@ class Plan:
             return getattr(spec, name)
         raise AttributeError(f"'Plan' object has no attribute '{name}'")
 
+    def require_model(self) -> "ModelSpec":
+        """The ``model`` section; a located :class:`PlanErrors` when the plan has none."""
+        from .plan.sections import require_model
+
+        return require_model(self.spec)
+
     def section(self, name: str) -> LMap:
         """A section of the plan document as written (located), empty if absent. The typed
         form of every section is ``plan.<section>`` (``plan.train.seq_len``)."""
@@ -94,13 +101,21 @@ class Plan:
     def resolve(self, model: "nn.Module", world_size: int) -> "Resolution":
         """Match every pattern against ``model`` and run every check at ``world_size``.
 
-        Needs no process group, so mistakes surface before any collective. The result has
+        Needs no process group, so mistakes surface before any collective; with pipeline
+        stages, each stage's forward runs on meta against the stage contract
+        (docs/pipeline.md). The result has
         ``errors`` (empty when the plan fits) and which modules each rule, unit and
         attribute resolved to.
         """
         from .parallel.resolve import resolve
 
-        return resolve(self.spec, model, world_size)
+        res = resolve(self.spec, model, world_size)
+        if res.pipeline is not None and not res.errors:
+            # the stage contract, run on meta (validate, verify and train all come here first)
+            from .parallel.contract import stage_contract
+
+            res.errors.extend(stage_contract(model, res.pipeline, self.spec))
+        return res
 
     def check(self, model: "nn.Module", world_size: int) -> "Resolution":
         """:meth:`resolve`, raising :class:`PlanErrors` when anything is wrong."""

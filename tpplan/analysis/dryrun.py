@@ -221,7 +221,11 @@ def run_analysis(result: DryRun, name: str, analysis: Callable[[DryRun], None]) 
     reason in ``result.analysis_errors`` and under ``name``), never a traceback."""
     try:
         analysis(result)
-    except Exception as e:  # noqa: BLE001 - reported as this analysis's error, with its reason
+    except PlanErrors as e:  # the plan's own mistake, found by running the model (a layout count)
+        seen = {(x.loc, x.message) for x in result.errors}  # each analysis runs the model
+        result.errors.extend(x for x in e.errors if (x.loc, x.message) not in seen)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - this analysis's error, with its reason
+        # (a model whose forward calls sys.exit stops the analysis, not the command)
         reason = f"{type(e).__name__}: {e}".splitlines()[0]
         result.analysis_errors.append(AnalysisError(name, reason))
         result.extra[name] = {"error": reason}
@@ -243,7 +247,7 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
     result = DryRun(world_size)
     try:
         plan = result.plan = load(plan_path, overrides)
-        model = build_model(plan.model, device="meta")
+        model = build_model(plan.require_model(), device="meta")
         result.checkpoint_bytes = checkpoint_bytes(model)
         res = result.resolution = plan.resolve(model, world_size)
         errs = ErrorList(res.errors)

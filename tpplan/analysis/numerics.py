@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
+from ..plan.errors import PlanError, PlanErrors
 from ..plan.packing import packed_params
 from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
@@ -53,7 +54,7 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def reference_step(plan: Plan, tokens: torch.Tensor, seed: int) -> StepResult:
     """Forward and backward of the plan's model on one device, no parallelism."""
     torch.manual_seed(seed)
-    model = build_model(plan.model, device="cpu").eval()  # eval: dropout off on both sides
+    model = build_model(plan.require_model(), device="cpu").eval()  # eval: dropout off on both sides
     apply_freeze(plan.freeze, model)  # what the plan freezes has no gradient on either side
     logits = model(tokens[:, :-1])
     loss = _loss(logits, tokens[:, 1:])
@@ -75,7 +76,7 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
     group's first rank (on the last stage) its data-parallel slice of the logits."""
     plan = load(plan_path, overrides)
     torch.manual_seed(seed)
-    model = build_model(plan.model, device="cpu").eval()
+    model = build_model(plan.require_model(), device="cpu").eval()
     mesh = plan.build_mesh("cpu")
     step = _pipeline_step if plan.pipeline is not None else _plain_step
     step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir)
@@ -257,7 +258,7 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     if pipe is not None:  # a block per stage at least; whole micro-batches per rank
         layers = max(layers, dims.pp * pipe.stages_per_rank)
         batch_per_rank = -(-batch_per_rank // pipe.microbatches) * pipe.microbatches
-    shrunk = shrink_overrides(plan.model, dims.tp, layers, seq_len) if shrink else []
+    shrunk = shrink_overrides(plan.require_model(), dims.tp, layers, seq_len) if shrink else []
     # The step verify runs, in the plan's own terms, so the trainer's checks apply to it
     # (under a pipeline the micro-batches are the schedule's).
     step = [f"train.seq_len={seq_len}", f"train.global_batch_size={batch_per_rank * dims.dp}"]
@@ -266,7 +267,15 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     every = shrunk + step + list(overrides)  # the user's --set wins
     plan = load(plan_path, every)
     shape = plan.step_shape(nproc)  # seq_len under SP: a located error, not a crash
-    model = build_model(plan.model, device="meta")
+    model = build_model(plan.require_model(), device="meta")
     plan.check(model, nproc)
-    tokens = make_batch(vocab_size(model), shape.global_batch, shape.seq_len, seed)
+    vocab = vocab_size(model)
+    if vocab is None:  # no range to draw token ids from: refuse, naming the model's line
+        spec = plan.require_model()
+        what = f"model.factory '{spec.factory}'" if spec.factory else "the model"
+        raise PlanErrors([PlanError(
+            f"{what} builds a {type(model).__name__} with no token embedding (nn.Embedding) and "
+            "no config.vocab_size: verify feeds a model a batch of token ids and cannot tell "
+            "which ids it takes", spec.locs.get("factory", spec.loc))])
+    tokens = make_batch(vocab, shape.global_batch, shape.seq_len, seed)
     return VerifyStep(plan, every, tokens)

@@ -39,6 +39,7 @@ from ..parallel.mesh import ParallelDims
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
 from ..plan.pipeline import SCHEDULES
+from ..plan.sections import require_model
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
@@ -82,7 +83,7 @@ class Evaluator:
         except PlanError as e:
             raise PlanErrors([e]) from None
         self.base = parse_plan(self.doc, self.path)
-        self.model = build_model(self.base.model, device="meta")  # never applied: shared
+        self.model = build_model(require_model(self.base), device="meta")  # never applied: shared
         self.checkpoint = checkpoint_bytes(self.model)
         self.meshes: dict[ParallelDims, Any] = {}
         self.resolutions: dict[tuple, Any] = {}

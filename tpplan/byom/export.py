@@ -107,6 +107,36 @@ def _diagnose(checkpoint: Path, error: BaseException) -> str:
     return f"{checkpoint / next(iter(needed))}: {reason}" if len(needed) == 1 else reason
 
 
+def check_fits_plan(checkpoint: Path, spec: ModelSpec) -> None:
+    """The checkpoint's model tensors are the plan's model's, name for name and shape for
+    shape (from the checkpoint's metadata, before anything is read); else one error at the
+    plan's ``model`` line naming the first differences. An export of weights under another
+    model's names or shapes would load into nothing, or fail only where it is used."""
+    from ..checkpoint.stream import ModelTensors
+
+    try:
+        tensors = ModelTensors(checkpoint)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, as export says
+        raise read_failure(checkpoint, e) from None
+    stored = {n: tensors.shape(n) for n in tensors.names()}
+    model = build_model(spec, "meta")
+    wanted = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    missing = [n for n, _ in model.named_parameters() if n not in stored]
+    extra = [n for n in stored if n not in wanted]
+    wrong = [f"{n} {list(stored[n])} (the plan's model: {list(shape)})"
+             for n, shape in wanted.items() if n in stored and stored[n] != shape]
+    problems = [f"{what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+                for what, names in ((f"{len(missing)} of the model's tensors are not in it",
+                                     missing), (f"{len(wrong)} have other shapes", wrong),
+                                    (f"{len(extra)} of its tensors are not the model's", extra))
+                if names]
+    if problems:
+        what = spec.factory or spec.hf or spec.hf_config or f"{spec.name} {spec.config or 'debug'}"
+        raise PlanErrors([PlanError(f"checkpoint {checkpoint} does not fit this plan's model "
+                                    f"({what}): {'; '.join(problems)}; pass --plan with the "
+                                    "plan the run used", spec.loc)])
+
+
 def find_plan(checkpoint: Path) -> Path:
     """The resolved plan the run wrote (``<run>/plan.yaml``) above a checkpoint."""
     for folder in list(checkpoint.parents)[:3]:
@@ -123,12 +153,6 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
 
     checkpoint = checked_checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
-    state = read_weights(checkpoint)
-    if not state:
-        raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
-    if dtype:
-        state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
-                 for k, v in state.items()}
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"cannot write to '{out}': it is a file; -o names a folder")
@@ -136,9 +160,17 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CommandError(f"cannot create the folder '{out}': {e.strerror}") from None
-    spec, inputs = plan.model, model_inputs(plan.document, plan.model)
+    spec = plan.require_model()
+    inputs = model_inputs(plan.document, spec)
     for name in ("model.safetensors", "config.json" if spec.is_hf else SPEC_FILE):
         refuse_inputs(out / name, inputs)  # before anything is written
+    check_fits_plan(checkpoint, spec)  # from the metadata, before the weights are read
+    state = read_weights(checkpoint)
+    if not state:
+        raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
+    if dtype:
+        state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                 for k, v in state.items()}
     with atomic_output(out / "model.safetensors") as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata={"format": "pt"})
     if spec.is_hf:

@@ -123,7 +123,7 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     checkpoint = checked_checkpoint(Path(checkpoint))
     plan_file = Path(plan_path or find_plan(checkpoint))
     plan = load(plan_file)
-    spec = plan.model
+    spec = plan.require_model()
     if not (spec.is_hf or spec.name == "llama3"):
         raise CommandError("--format hf exports a HuggingFace model (model.hf, hf_config or "
                            "pretrained) or the built-in llama3; this plan's model is "

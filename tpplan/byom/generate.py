@@ -158,7 +158,7 @@ def _from_run(checkpoint: Path, plan_path: Path | None) -> Generator:
     checkpoint = checked_checkpoint(checkpoint)
     plan_file = Path(plan_path or find_plan(checkpoint))
     plan = load(plan_file)
-    model = build_model(plan.model, "meta", real_buffers=True)
+    model = build_model(plan.require_model(), "meta", real_buffers=True)
     try:
         model.load_state_dict(read_weights(checkpoint), strict=False, assign=True)
     except RuntimeError as e:  # a shape that does not fit

@@ -24,6 +24,7 @@ from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
+from ..plan.yamlio import not_a_file
 from .head_rules import attach_head_params, take_hf_head_params
 from .hf_rules import unshardable
 from .import_rules import GRAD_ALLREDUCE, expand, grad_allreduce_rule, like_blocks, regroup
@@ -53,8 +54,11 @@ def _config_file(target: str) -> Path | None:
             _fail(f"cannot read '{target}': No such file or directory")
         return None
     file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
+    if path.is_dir() and not file.exists():
         _fail(f"'{target}' is a folder without a config.json")
+    kind = not_a_file(file.stat().st_mode)
+    if kind:
+        _fail(f"cannot read '{file}': it is {kind}, not a JSON config")
     try:
         data = json.loads(file.read_text())
     except OSError as e:

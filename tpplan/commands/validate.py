@@ -34,7 +34,30 @@ def register(sub) -> None:
                    help="exit 1 when an analysis (memory, communication) cannot be computed "
                         "for this model; without it such a failure is reported and the exit "
                         "status follows the plan's own errors")
+    p.add_argument("--require-fit", action="store_true",
+                   help=f"with --device or --device-memory: exit {EXIT_DOES_NOT_FIT} when a rank "
+                        "does not fit (or its memory could not be computed), for CI jobs that "
+                        "gate on the verdict; plan errors still exit 1")
     p.set_defaults(run=run)
+
+
+EXIT_DOES_NOT_FIT = 3  # the plan is valid, but a rank does not fit the device (--require-fit)
+
+
+def _fit_status(result, args: argparse.Namespace) -> int:
+    """``--require-fit``: :data:`EXIT_DOES_NOT_FIT` with one line saying why, else 0."""
+    if not args.require_fit:
+        return 0
+    verdict = result.extra.get("fit")
+    if verdict is None:
+        print("error: --require-fit: cannot tell whether a rank fits: memory per rank could "
+              "not be computed", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if not verdict["fits"]:
+        print(f"error: --require-fit: a rank needs {size(verdict['needed'])}, more than "
+              f"{verdict['device']['name']}'s {size(verdict['capacity'])}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if bad_world_size(args.world_size, "--world-size"):
         return 2
     device = device_from_args(args)
+    if args.require_fit and device is None:
+        print("error: --require-fit needs --device or --device-memory", file=sys.stderr)
+        return 2
     constants, calibration = steptime.constants(args, device)
     from ..train.pretrained import plan_problems
 
@@ -64,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                    f"world size {args.world_size}" + "".join(f", --set {o}" for o in args.overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
-        return 1 if result.errors or (args.strict and result.analysis_errors) else 0
+        return 1 if result.errors or (args.strict and result.analysis_errors) else \
+            _fit_status(result, args)
     if result.errors:
         print_errors(result.errors)
         return 1
@@ -90,9 +117,9 @@ def run(args: argparse.Namespace) -> int:
     if result.analysis_errors:
         out.print(f"[yellow]the plan is valid, but {len(result.analysis_errors)} of its "
                   f"analyses could not run[/yellow] (reasons above; {result.seconds:.2f} s)")
-        return 1 if args.strict else 0
+        return 1 if args.strict else _fit_status(result, args)
     out.print(f"[green]valid[/green] ({result.seconds:.2f} s)")
-    return 0
+    return _fit_status(result, args)
 
 
 PART_NAMES = {

@@ -39,9 +39,9 @@ def _factory(spec: ModelSpec) -> Callable[..., nn.Module]:
     except ImportError as e:
         raise PlanErrors([PlanError(f"model.factory: cannot import '{module_name}': {e}"
                                     f"{_user_frame(e)}", loc)]) from None
-    except Exception as e:  # noqa: BLE001 - the module's own code failed on import
-        raise PlanErrors([PlanError(f"model.factory: importing '{module_name}' raised "
-                                    f"{_one_line(e)}{_user_frame(e)}", loc)]) from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the module's own code failed on import
+        raise PlanErrors([PlanError(f"model.factory: importing '{module_name}' "
+                                    f"{_raised(e)}{_user_frame(e)}", loc)]) from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         names = [n for n in dir(module) if callable(getattr(module, n)) and not n.startswith("_")]
@@ -61,6 +61,14 @@ def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     text = text if len(text) <= 300 else text[:297] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _raised(e: BaseException) -> str:
+    """``raised ValueError: ...``, or ``called sys.exit(3)``: a user's code that exits the
+    process is a mistake to report at the plan's line, not a way out of the command."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({'' if e.code is None else repr(e.code)})"
+    return f"raised {_one_line(e)}"
 
 
 def _user_frame(e: BaseException) -> str:
@@ -93,21 +101,21 @@ def _builtin_kwargs(spec: ModelSpec, name: str, sizes: dict[str, Any]) -> None:
     errs.raise_if_any()
 
 
-def _build_failed(spec: ModelSpec, e: Exception) -> PlanError:
+def _build_failed(spec: ModelSpec, e: BaseException) -> PlanError:
     """A builder's exception as an error at the plan line that chose the builder (an
     unexpected keyword argument: at that kwarg)."""
     if spec.factory:
-        what, loc = f"model.factory '{spec.factory}' raised", spec.locs.get("factory")
+        what, loc = f"model.factory '{spec.factory}'", spec.locs.get("factory")
     elif spec.is_hf:
-        what = f"building transformers' {spec.hf or 'model'} raised"
+        what = f"building transformers' {spec.hf or 'model'}"
         loc = spec.locs.get("config") or spec.locs.get("hf") or spec.locs.get("hf_config")
     else:
-        what = f"building {spec.name} (config {spec.config or 'debug'}) raised"
+        what = f"building {spec.name} (config {spec.config or 'debug'})"
         loc = spec.locs.get("kwargs") or spec.locs.get("config") or spec.locs.get("name")
     bad = re.search(r"unexpected keyword argument '(\w+)'", str(e)) if isinstance(e, TypeError) else None
     if bad and f"kwargs.{bad.group(1)}" in spec.locs:
         loc = spec.locs[f"kwargs.{bad.group(1)}"]
-    return PlanError(f"{what} {_one_line(e)}{_user_frame(e)}", loc or spec.loc)
+    return PlanError(f"{what} {_raised(e)}{_user_frame(e)}", loc or spec.loc)
 
 
 def _check_built(spec: ModelSpec, model: Any) -> nn.Module:
@@ -215,6 +223,6 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
             model = fn(**kwargs)
     except PlanErrors:
         raise
-    except Exception as e:  # noqa: BLE001 - the user's code or sizes: located, no traceback
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's code or sizes: located
         raise PlanErrors([_build_failed(spec, e)]) from None
     return _check_built(spec, model)

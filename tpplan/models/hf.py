@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
+from ..plan.yamlio import not_a_file
 from .hf_stages import mark_stageable
 
 __all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
@@ -91,20 +92,48 @@ def hf_config(spec: ModelSpec):
         loc = spec.locs.get("hf_config", spec.loc)
         path = hf_config_path(spec)
         try:
+            kind = not_a_file(path.stat().st_mode)
+            if kind:
+                raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': it is {kind}, "
+                                            "not a JSON config", loc)])
             data = json.loads(path.read_text())
         except OSError as e:
             raise PlanErrors([PlanError(f"model.hf_config: cannot read '{path}': {e.strerror}",
                                         loc)]) from None
         except ValueError as e:
             raise PlanErrors([PlanError(f"model.hf_config: '{path}' is not JSON: {e}", loc)]) from None
+        if not isinstance(data, dict):
+            raise PlanErrors([PlanError(f"model.hf_config: '{path}' holds a JSON "
+                                        f"{type(data).__name__}, not a config (an object)", loc)])
         model_type = data.pop("model_type", None)
         data.update(spec.hf_kwargs)  # the plan's model.config overrides the file
         try:
             return transformers.AutoConfig.for_model(model_type, **data)
         except ValueError as e:
             raise PlanErrors([PlanError(f"model.hf_config: {e}", loc)]) from None
+        except Exception as e:  # noqa: BLE001 - a field of the wrong type, a failed check
+            raise PlanErrors([_config_error(e, spec, f"'{path}'", loc)]) from None
     cls = _model_class(spec)
-    return cls.config_class(**dict(spec.hf_kwargs))
+    try:
+        return cls.config_class(**dict(spec.hf_kwargs))
+    except Exception as e:  # noqa: BLE001 - as above
+        raise PlanErrors([_config_error(e, spec, "model.config",
+                                        spec.locs.get("config", spec.loc))]) from None
+
+
+def _config_error(e: Exception, spec: ModelSpec, source: str, loc) -> PlanError:
+    """transformers' (huggingface_hub's strict dataclass) refusal of a config field as one
+    located line: at the plan's ``model.config.<field>`` when the plan sets it, else at the
+    config file's line, naming the field and what it expected."""
+    cause = e.__cause__ if e.__cause__ is not None else e
+    field = re.search(r"field '(\w+)'", str(e))
+    reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if field:
+        name = field.group(1)
+        reason = re.sub(rf"^Field '{name}' ", "", reason)
+        where = f"model.config.{name}" if name in spec.hf_kwargs else f"{source}: field '{name}'"
+        return PlanError(f"{where}: {reason}", spec.locs.get(f"config.{name}", loc))
+    return PlanError(f"{source}: transformers refuses the config: {reason}", loc)
 
 
 def _model_class(spec: ModelSpec):

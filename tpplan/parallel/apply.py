@@ -28,6 +28,7 @@ from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
 from .tied import retie, tied_groups
+from .prepare_io import check_layout_counts
 from .tp_styles import build_style
 
 __all__ = ["apply_plan", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "loss_context"]
@@ -48,6 +49,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
         style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
             rule.style, modules[path], modules.get(path.rpartition(".")[0]))
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
+        if rule.style.name.startswith("prepare_"):
+            check_layout_counts(modules[path], path, rule)
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     localize_kv_groups(modules, res.rule_of, tp)

@@ -25,7 +25,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-__all__ = ["PrepareInputOutput"]
+from ..plan.errors import PlanError, PlanErrors
+from ..plan.specs import Rule
+
+__all__ = ["PrepareInputOutput", "check_layout_counts"]
 
 
 def _tokens(args: tuple, kwargs: dict) -> tuple[int, int] | None:
@@ -88,3 +91,46 @@ class PrepareInputOutput(PrepareModuleInputOutput):
         self.prepare_module_output._apply(module, device_mesh)
         module.register_forward_hook(after)
         return module
+
+
+def _count(layouts: Any) -> int | None:
+    return None if layouts is None else len(layouts) if isinstance(layouts, list) else 1
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def check_layout_counts(module: nn.Module, path: str, rule: Rule) -> None:
+    """Hooks, run before the style's own, that turn a ``prepare_*`` rule whose
+    ``input_layouts`` / ``output_layouts`` list more or fewer entries than the module is
+    called with or returns into :class:`PlanErrors` at the rule's line, naming the module
+    and both counts. PyTorch says only "module inputs and input_layouts should have same
+    length!"; the number of inputs a module gets is known only when it is called, so the
+    check runs in the forward (the dry run's traces find it before any process group)."""
+    name, opts = rule.style.name, rule.style.options
+    inputs = _count(opts.get("input_layouts")) if name != "prepare_output" else None
+    outputs = _count(opts.get("output_layouts")) if name != "prepare_input" else None
+    what = f"'{path}' ({type(module).__name__})"
+
+    def fail(message: str) -> None:
+        raise PlanErrors([PlanError(message, rule.loc)])
+
+    def check_inputs(mod, args):
+        if len(args) != inputs:
+            keywords = " (keyword inputs take input_kwarg_layouts)" if name != "prepare_output" \
+                else ""
+            fail(f"{what} is called with {_plural(len(args), 'positional input')}, but "
+                 f"'input_layouts' lists {inputs}: give one layout per positional input, null "
+                 f"for one left alone{keywords}")
+
+    def check_outputs(mod, args, output):
+        n = len(output) if isinstance(output, tuple) else 1
+        if n != outputs:
+            fail(f"{what} returns {_plural(n, 'output')}, but 'output_layouts' lists "
+                 f"{outputs}: give one layout per output, null for one left alone")
+
+    if inputs is not None:
+        module.register_forward_pre_hook(check_inputs, prepend=True)
+    if outputs is not None:
+        module.register_forward_hook(check_outputs, prepend=True)

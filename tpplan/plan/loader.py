@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import Loc, PlanError
-from .yamlio import LMap, LSeq, load_file, load_text
+from .yamlio import LMap, LSeq, load_file, load_text, not_a_file
 
 __all__ = ["read_document", "apply_override", "overridden"]
 
@@ -68,8 +68,9 @@ def _read(path: Path, chain: tuple[str, ...]) -> LMap:
         raise PlanError(f"'extends' chain deeper than {MAX_EXTENDS} files", loc)
     if not target.exists():
         raise PlanError(f"'extends' names '{parent}', which does not exist ({target})", loc)
-    if not target.is_file():
-        raise PlanError(f"'extends' names '{parent}', which is a folder, not a plan ({target})", loc)
+    kind = not_a_file(target.stat().st_mode)
+    if kind:
+        raise PlanError(f"'extends' names '{parent}', which is {kind}, not a plan ({target})", loc)
     return merge(_read(target, chain + (str(target),)), doc)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ErrorList, nearest
+from .errors import ErrorList, Loc, PlanError, PlanErrors, nearest
 from .patterns import compile_pattern
 from .pipeline import parse_pipeline
 from .reader import Reader
@@ -23,7 +23,7 @@ from .trainer import (
 )
 from .yamlio import LMap, LSeq
 
-__all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
+__all__ = ["TOP_LEVEL", "parse_plan", "parse_model", "require_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
@@ -257,3 +257,15 @@ def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
         if _pattern_ok(pattern, f"'freeze' pattern '{item}'", loc, errs):
             out.append(FreezeRule(pattern, frozen, loc))
     return out
+
+
+def require_model(spec: PlanSpec) -> ModelSpec:
+    """The ``model`` section, for a command that builds the model from it. A plan may leave
+    it out (``tpplan.load(...).apply(my_model, mesh)`` brings its own model); a command
+    that needs one says so at the plan's first line."""
+    if spec.model is None:
+        raise PlanErrors([PlanError(
+            "the plan has no 'model' section; this command builds the model from it (model: "
+            "{name: llama3}, {factory: 'package.module:function'}, {hf: ...} or "
+            "{hf_config: ...})", Loc(spec.source, 1, 1))])
+    return spec.model

@@ -9,7 +9,9 @@ expanded into all of memory.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ import yaml
 
 from .errors import Loc, PlanError
 
-__all__ = ["LMap", "LSeq", "load_file", "load_text", "plain", "MAX_BYTES", "MAX_NODES"]
+__all__ = ["LMap", "LSeq", "load_file", "load_text", "not_a_file", "plain", "MAX_BYTES",
+           "MAX_NODES"]
 
 MAX_BYTES = 1 << 20  # a plan is a page of text; a megabyte is already absurd
 MAX_NODES = 100_000  # values after alias expansion
@@ -153,18 +156,38 @@ def load_text(text: str, file: str = "<plan>") -> Any:
     return _Walker(file).walk(node)
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_file(mode: int) -> str | None:
+    """What a path whose ``os.stat`` mode is ``mode`` is when it is no regular file ("a
+    folder", "a character device", "a named pipe (FIFO)", ...); None for a regular file.
+
+    An input tpplan reads (a plan, a config.json, a data file) must be a regular file: a
+    device such as /dev/zero never ends, a FIFO or a terminal (/dev/stdin) blocks until
+    someone writes, and every rank of a run reads the plan again, which a pipe cannot
+    give twice."""
+    return next((kind for test, kind in _KINDS if test(mode)), None if stat.S_ISREG(mode)
+                else "not a regular file")
+
+
 def load_file(path: str | Path) -> Any:
     """Read and parse a YAML file into located values."""
     p = Path(path)
     try:
-        size = p.stat().st_size
+        st = os.stat(p)
     except OSError as e:
         raise PlanError(f"cannot read plan: {e.strerror}", Loc(str(path), 0, 0)) from None
-    if size > MAX_BYTES:
-        raise PlanError(f"the file is {size} bytes; a plan is refused above {MAX_BYTES}",
+    kind = not_a_file(st.st_mode)
+    if kind:
+        raise PlanError(f"cannot read plan: it is {kind}, not a YAML file"
+                        + ("" if kind == "a folder" else " (a plan is read again by every rank: "
+                           "save it to a file)"), Loc(str(path), 0, 0))
+    if st.st_size > MAX_BYTES:
+        raise PlanError(f"the file is {st.st_size} bytes; a plan is refused above {MAX_BYTES}",
                         Loc(str(path), 1, 1))
-    if p.is_dir():
-        raise PlanError("cannot read plan: it is a folder, not a YAML file", Loc(str(path), 0, 0))
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as e:

@@ -11,6 +11,7 @@ The loss is the mean over the global batch's counted targets (:mod:`.evaluate`).
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +66,8 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     except ckpt.Damaged as e:
         raise TrainError(f"cannot resume: {e}") from None
     except RuntimeError as e:
+        if (oom := out_of_memory(prep, e)) is not None:
+            raise oom from None
         if not _peer_lost(e):
             raise
         first = str(e).strip().splitlines()[0]
@@ -77,6 +80,31 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
             claimed.lock.release()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
+
+
+_OOM = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
+
+
+def out_of_memory(prep: Prepared, e: RuntimeError) -> TrainError | None:
+    """A rank that ran out of memory (CUDA's OutOfMemoryError, the CPU allocator's refusal)
+    as one line at the plan's batch keys, None for any other error. How much a step needs
+    is known before a run only from the dry run (``tpplan validate --device-memory``); the
+    trainer learns it when the allocation fails, so it is caught here, on every phase."""
+    text = str(e)
+    if not (isinstance(e, torch.OutOfMemoryError) or _OOM.search(text)):
+        return None
+    tried = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ ?[KMGT]i?B)", text)
+    tried = (f"{int(tried.group(1)) / 2**30:,.1f} GiB" if tried.group(1) else tried.group(2)) \
+        if tried else None
+    t, step = prep.plan.train, prep.step
+    key = "micro_batch_size" if "micro_batch_size" in t.locs else "global_batch_size"
+    where = t.locs.get(key, t.loc)
+    return TrainError(
+        f"rank {dist.get_rank()} ran out of memory{f' (tried to allocate {tried})' if tried else ''}: "
+        f"each data-parallel rank runs micro-batches of {step.micro_batch} × {t.seq_len} tokens "
+        f"(train.{key}{f' at {where}' if where else ''}); lower it, or see the peak per rank "
+        f"first: tpplan validate --plan {prep.plan.source} --world-size {dist.get_world_size()} "
+        "--device-memory SIZE", every_rank=True)
 
 
 def _peer_lost(e: RuntimeError) -> bool:

@@ -89,7 +89,7 @@ def _logits_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
     as_spawned_rank(rank, world, port)
     warnings.simplefilter("ignore")
     plan = load_plan(plan_path, overrides)
-    model = build_model(plan.model, device="meta", real_buffers=True)
+    model = build_model(plan.require_model(), device="meta", real_buffers=True)
     source = check(plan.model, model)
     mesh = plan.build_mesh("cpu")
     try:
@@ -129,7 +129,7 @@ def plan_problems(plan_path: str, overrides) -> list:
         plan = load_plan(plan_path, overrides)
         if not plan.model or not plan.model.pretrained:
             return []
-        check(plan.model, build_model(plan.model, device="meta", real_buffers=True))
+        check(plan.model, build_model(plan.require_model(), device="meta", real_buffers=True))
     except PlanErrors as e:
         return list(e.errors)
     return []

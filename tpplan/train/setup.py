@@ -114,7 +114,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     if plan.pipeline is not None:
         _pipeline_limits(plan, errs)
     errs.raise_if_any()
-    model = build_model(plan.model, device="meta", real_buffers=True)
+    model = build_model(plan.require_model(), device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
     source = pretrained.check(plan.model, model) if plan.model.pretrained else None
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
