@@ -13,7 +13,8 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from ..plan.styles import EP_STYLES, PACKED_STYLES, SHARDING_STYLES
+from .expert_parallel import check_expert_parallel
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .head_params import check_head_params
@@ -109,7 +110,7 @@ def _uneven_hint(size: int, tp: int) -> str:
 
 
 def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
-                   tp: int) -> None:
+                   tp: int, ep: int = 1) -> None:
     errs = res.errors
     for rule in plan.rules:
         hits = _match(rule.pattern, paths)
@@ -131,6 +132,8 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             elif rule.style.name in PACKED_STYLES:
                 check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
+            elif rule.style.name in EP_STYLES:
+                check_expert_parallel(rule, path, modules[path], ep, errs)
             elif rule.style.name == "mla_kv_a_proj":
                 check_latent(rule, path, modules[path], modules.get(path.rpartition(".")[0]), errs)
             elif rule.style.name == "kv_colwise":
@@ -238,7 +241,8 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     paths = list(modules)
     params = {n for n, _ in model.named_parameters()}
     tp = dims.tp if dims else plan.mesh.tp
-    _resolve_rules(plan, res, paths, modules, params, tp)
+    _resolve_rules(plan, res, paths, modules, params, tp, dims.ep if dims else plan.mesh.ep)
+    _check_ep(plan, res)
     _resolve_attrs(plan, res, paths, modules, params, tp)
     if plan.fsdp is not None:
         _resolve_units(plan, res, paths, modules, params)
@@ -267,6 +271,20 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         _check_tied_across_stages(res.pipeline, model, plan.pipeline.loc, errs)
     res.errors = _collapse_repeats(errs)
     return res
+
+
+def _check_ep(plan: PlanSpec, res: Resolution) -> None:
+    """``mesh.ep`` against the rules: experts to spread, and what it does not compose with."""
+    ep, loc = plan.mesh.ep, plan.mesh.locs.get("ep", plan.mesh.loc)
+    if ep == 1:
+        return
+    if not any(r.style.name in EP_STYLES for r, _ in res.rules):
+        res.errors.add(f"mesh ep={ep} but no rule uses the 'expert_parallel' style, so no "
+                       "experts would be spread over it; add one for the experts modules "
+                       "(e.g. 'model.layers.*.mlp.experts': expert_parallel) or drop ep", loc)
+    if plan.mesh.pp > 1:
+        res.errors.add(f"mesh ep={ep} with pipeline stages (pp={plan.mesh.pp}) is not "
+                       "supported yet; use ep without pp", loc)
 
 
 def _check_tied_across_stages(split: PipelineSplit, model: nn.Module, loc, errs: ErrorList) -> None:
