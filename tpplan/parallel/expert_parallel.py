@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,10 @@ __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_exp
            "dispatch_counts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
+# Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
+# only the tokens its own experts were chosen for, the rest are dropped), the silent bug
+# `tpplan verify` must catch (tests/test_expert_parallel.py).
+NO_DISPATCH_ENV = "TPPLAN_TEST_EP_NO_DISPATCH"
 
 
 def expert_count(module: nn.Module) -> int | None:
@@ -138,6 +143,9 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     local = num_experts // ep
     k = top_k_index.shape[-1]
     counts = dispatch_counts(top_k_index, num_experts)
+    if os.environ.get(NO_DISPATCH_ENV) == "1":
+        return _without_dispatch(module, forward, mesh.get_local_rank() * local, local,
+                                 hidden_states, top_k_index, top_k_weights)
     order = torch.argsort(top_k_index.reshape(-1), stable=True)  # pairs grouped by expert
     token = order // k
     got = torch.empty_like(counts)  # got[r * local + j]: rows rank r sends to my expert j
@@ -164,6 +172,21 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
 
 
+def _without_dispatch(module: nn.Module, forward, first: int, local: int,
+                      hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The wrong thing on purpose (:data:`NO_DISPATCH_ENV`): remote experts' tokens dropped."""
+    mine = (top_k_index >= first) & (top_k_index < first + local)
+    ids = torch.where(mine, top_k_index - first, local)  # local: transformers' "no expert"
+    held = _local(module, list(module._tpplan_ep_params), 1)
+    try:
+        module.num_experts = local
+        return forward(hidden_states, ids, top_k_weights * mine)
+    finally:
+        module.num_experts = local * module._tpplan_ep_size
+        module._parameters.update(held)
+
+
 class ExpertParallel(ParallelStyle):
     """Spread a mixture-of-experts module's routed experts over the ep ranks and route its
     tokens to them with all-to-all (see the module docstring).
@@ -188,6 +211,7 @@ class ExpertParallel(ParallelStyle):
                                    src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         module._tpplan_ep_params = tuple(names)
+        module._tpplan_ep_size = device_mesh.size()
         module.forward = functools.partial(_ep_forward, module, module.forward, device_mesh,
                                            num_experts)
         return module
