@@ -87,3 +87,29 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
     monkeypatch.delenv("TPPLAN_TEST_EP_NO_DISPATCH")
     rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "2", "--no-shrink")
     assert rc == 0, out
+
+
+@pytest.mark.parametrize("mesh, rule, line, col, says", [
+    # ep borrows dp_shard's ranks: 3 does not divide the 4 there
+    ("{ep: 3, dp_shard: -1}", RULE, 1, 12, "mesh ep=3 must divide the data-parallel ranks it "
+     "borrows: dp_shard=4"),
+    # tp's ranks hold the same tokens: not borrowed, and the message says so
+    ("{tp: 2, ep: 4, dp_shard: -1}", RULE, 1, 19, "ep does not borrow them"),
+    # 4 experts over ep 4 fit; over a dp_shard of 8 with ep 8 they do not
+    ("{ep: 8, dp_shard: -1}", RULE, 4, 3, "holds 4 experts and mesh ep=8 does not divide them"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp.expert": expert_parallel', 4, 3,
+     "matches no module of the model"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp": expert_parallel', 4, 3,
+     "is not an experts container"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp.gate": expert_parallel', 4, 3,
+     "is not an experts container"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.self_attn": replicate', 1, 12,
+     "no rule uses the 'expert_parallel' style"),
+])
+def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
+                                              says):
+    world = 8 if "ep: 8" in mesh else 4
+    plan = _plan(tmp_path, "bad", configs["qwen3_moe"], mesh, rule)
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", str(world))
+    assert rc == 1 and "Traceback" not in out, out
+    assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out

@@ -51,12 +51,14 @@ NO_DISPATCH_ENV = "TPPLAN_TEST_EP_NO_DISPATCH"
 
 def expert_count(module: nn.Module) -> int | None:
     """The number of routed experts a module holds as ``[num_experts, ...]`` parameters
-    (its ``num_experts`` attribute, every own parameter leading with it), else None."""
+    (its ``num_experts`` attribute, every own parameter leading with it, one at least a
+    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None."""
     n = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not params:
         return None
-    return n if all(p.dim() >= 2 and p.shape[0] == n for p in params) else None
+    stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
+    return n if stacked and any(p.dim() == 3 for p in params) else None
 
 
 def local_expert_params(module: nn.Module) -> list[str]:
