@@ -7,6 +7,7 @@ fail ``tpplan verify``; plan mistakes are located errors before any process star
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, run_main
@@ -113,3 +114,58 @@ def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, r
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", str(world))
     assert rc == 1 and "Traceback" not in out, out
     assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
+
+
+def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
+                out: str) -> None:
+    """One forward and backward of the plan under a collective recorder; each rank saves
+    its all-to-alls on the ep group as (count, bytes)."""
+    import torch
+
+    import tpplan
+    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.analysis.numerics import make_batch
+    from tpplan.models import build_model
+    from tpplan.parallel.mesh import dp_rank
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
+    plan = tpplan.load(plan_path, overrides)
+    shape = plan.step_shape(world)
+    torch.manual_seed(0)
+    model = build_model(plan.model, device="cpu")
+    mesh = plan.build_mesh("cpu")
+    model = plan.apply(model, mesh)
+    tokens = make_batch(128, shape.global_batch, shape.seq_len, 0).chunk(
+        plan.parallel_dims(world).dp)[dp_rank(mesh)]
+    with CollectiveRecorder() as rec:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a})]))
+    torch.distributed.destroy_process_group()
+
+
+def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
+    """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
+    sends its tokens × top-k rows whatever the routing, and what one rank receives another
+    sent), while the dry run assumes balanced routing for each rank's own figure."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    overrides = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}")):
+        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh)
+        predicted = dry_run(plan, 4, overrides, comm)
+        assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+        ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
+        assert ep["count"] == 2 * 5  # per MoE block: counts, dispatch, combine; 2 in backward
+        out = tmp_path / family
+        out.mkdir()
+        spawn(_a2a_worker, 4, plan, overrides, str(out))
+        real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        assert all(count == ep["count"] and groups == 1 for count, _, groups in real), real
+        assert sum(b for _, b, _ in real) == 4 * ep["balanced_bytes"], (real, ep)

@@ -248,9 +248,10 @@ class Accumulation:
 def rows(trace: TPTrace, fsdp: list[dict], step: Accumulation, dims: ParallelDims) -> list[dict[str, Any]]:
     """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
-    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}
+    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate,
+             "ep": dims.ep}
     for (kind, dim, _bw, nbytes, module), n in trace.counts.items():
-        a = acc[("tp", kind, dim)]
+        a = acc[("ep" if dim == "ep" else "tp", kind, dim)]
         n *= step.count(module)
         nbytes = step.nbytes(module, nbytes)
         a[0] += n

@@ -40,7 +40,7 @@ from ..plan.errors import ErrorList
 from ..plan.specs import Rule
 
 __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
-           "dispatch_counts"]
+           "dispatch_counts", "balanced_counts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
 # Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
@@ -94,6 +94,18 @@ def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
         errs.add(f"{where} holds {n} experts and mesh ep={ep} does not divide them", rule.loc)
 
 
+def balanced_counts(pairs: int, num_experts: int) -> list[int]:
+    """(token, expert) pairs per expert under balanced routing (the first experts take the
+    remainder): what the dry run assumes, having no expert ids to count."""
+    return [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
 def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(token, expert) pairs per expert; ValueError naming an id out of range (a routing
     bug that a silent drop would turn into a plausible but wrong loss)."""
@@ -144,7 +156,10 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     ep, group = mesh.size(), mesh.get_group()
     local = num_experts // ep
     k = top_k_index.shape[-1]
-    counts = dispatch_counts(top_k_index, num_experts)
+    if _shapes_only(top_k_index):  # the dry run: no ids to count, so routing is balanced
+        counts = top_k_index.new_tensor(balanced_counts(top_k_index.numel(), num_experts))
+    else:
+        counts = dispatch_counts(top_k_index, num_experts)
     if os.environ.get(NO_DISPATCH_ENV) == "1":
         return _without_dispatch(module, forward, mesh.get_local_rank() * local, local,
                                  hidden_states, top_k_index, top_k_weights)
@@ -152,10 +167,19 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     token = order // k
     got = torch.empty_like(counts)  # got[r * local + j]: rows rank r sends to my expert j
     dist.all_to_all_single(got, counts, group=group)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = got.view(ep, local).sum(1).tolist()
+    if _shapes_only(top_k_index):  # every rank routes as this one does
+        got = counts.view(ep, local)[mesh.get_local_rank()].repeat(ep)
+        per_expert = balanced_counts(top_k_index.numel(), num_experts)
+        mine = per_expert[mesh.get_local_rank() * local:][:local]
+        send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+        recv = [sum(mine)] * ep
+        ids = torch.tensor([j for _ in range(ep) for j in range(local) for _ in range(mine[j])],
+                           dtype=torch.long, device=got.device)
+    else:
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = got.view(ep, local).sum(1).tolist()
+        ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
-    ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     names = list(module._tpplan_ep_params)
     held = _local(module, names, ep)
     try:  # the module's own expert code, on its local experts
