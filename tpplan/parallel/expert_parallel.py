@@ -37,10 +37,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..plan.errors import ErrorList
-from ..plan.specs import Rule
+from ..plan.specs import MeshSpec, Rule
+from ..plan.styles import EP_STYLES
 
 __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
-           "dispatch_counts", "balanced_counts"]
+           "dispatch_counts", "balanced_counts", "check_experts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
 # Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
@@ -104,6 +105,26 @@ def _shapes_only(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return t.device.type == "meta" or is_fake(t)
+
+
+def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
+    """Every ``expert_parallel`` module of a :class:`~tpplan.parallel.resolve.Resolution`
+    against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
+    spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
+    errs = res.errors
+    for path, rule in res.rule_of.items():
+        if rule.style.name in EP_STYLES:
+            check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
+    ep, loc = mesh.ep, mesh.locs.get("ep", mesh.loc)
+    if ep == 1:
+        return
+    if not any(r.style.name in EP_STYLES for r, _ in res.rules):
+        errs.add(f"mesh ep={ep} but no rule uses the 'expert_parallel' style, so no experts "
+                 "would be spread over it; add one for the experts modules (e.g. "
+                 "'model.layers.*.mlp.experts': expert_parallel) or drop ep", loc)
+    if mesh.pp > 1:
+        errs.add(f"mesh ep={ep} with pipeline stages (pp={mesh.pp}) is not supported yet; "
+                 "use ep without pp", loc)
 
 
 def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import EP_STYLES, PACKED_STYLES, SHARDING_STYLES
-from .expert_parallel import check_expert_parallel
+from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from .expert_parallel import check_experts
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .head_params import check_head_params
@@ -110,7 +110,7 @@ def _uneven_hint(size: int, tp: int) -> str:
 
 
 def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
-                   tp: int, ep: int = 1) -> None:
+                   tp: int) -> None:
     errs = res.errors
     for rule in plan.rules:
         hits = _match(rule.pattern, paths)
@@ -132,14 +132,13 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             elif rule.style.name in PACKED_STYLES:
                 check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)
-            elif rule.style.name in EP_STYLES:
-                check_expert_parallel(rule, path, modules[path], ep, errs)
             elif rule.style.name == "mla_kv_a_proj":
                 check_latent(rule, path, modules[path], modules.get(path.rpartition(".")[0]), errs)
             elif rule.style.name == "kv_colwise":
                 check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                                  tp, errs)
     check_norms_beside_colwise(res, modules)
+    check_experts(plan.mesh, res, modules)
     check_head_params(res, modules, tp)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
@@ -226,10 +225,9 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     ``stage``: ``model`` is one pipeline stage of the model the plan was checked against,
     so a pattern matching nothing here (the embedding's rule on a middle stage) is fine.
 
-    What is checked: the mesh against the world size, every pattern (rules, ``divide_by_tp``,
-    FSDP units, activation checkpointing and compile blocks) against the model's modules,
-    each sharded dimension and divided attribute against tp. The ``train`` section's batch
-    against the mesh is the step's check (:func:`tpplan.plan.step_shape`), not apply's."""
+    Checked: the mesh against the world size, every pattern of every section against the
+    model's modules, each sharded dimension, divided attribute and experts module against
+    tp and ep (the batch is :func:`tpplan.plan.step_shape`'s check, not apply's)."""
     errs = ErrorList()
     try:
         dims = ParallelDims.of(plan.mesh, world_size)
@@ -241,8 +239,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     paths = list(modules)
     params = {n for n, _ in model.named_parameters()}
     tp = dims.tp if dims else plan.mesh.tp
-    _resolve_rules(plan, res, paths, modules, params, tp, dims.ep if dims else plan.mesh.ep)
-    _check_ep(plan, res)
+    _resolve_rules(plan, res, paths, modules, params, tp)
     _resolve_attrs(plan, res, paths, modules, params, tp)
     if plan.fsdp is not None:
         _resolve_units(plan, res, paths, modules, params)
@@ -271,20 +268,6 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         _check_tied_across_stages(res.pipeline, model, plan.pipeline.loc, errs)
     res.errors = _collapse_repeats(errs)
     return res
-
-
-def _check_ep(plan: PlanSpec, res: Resolution) -> None:
-    """``mesh.ep`` against the rules: experts to spread, and what it does not compose with."""
-    ep, loc = plan.mesh.ep, plan.mesh.locs.get("ep", plan.mesh.loc)
-    if ep == 1:
-        return
-    if not any(r.style.name in EP_STYLES for r, _ in res.rules):
-        res.errors.add(f"mesh ep={ep} but no rule uses the 'expert_parallel' style, so no "
-                       "experts would be spread over it; add one for the experts modules "
-                       "(e.g. 'model.layers.*.mlp.experts': expert_parallel) or drop ep", loc)
-    if plan.mesh.pp > 1:
-        res.errors.add(f"mesh ep={ep} with pipeline stages (pp={plan.mesh.pp}) is not "
-                       "supported yet; use ep without pp", loc)
 
 
 def _check_tied_across_stages(split: PipelineSplit, model: nn.Module, loc, errs: ErrorList) -> None:
