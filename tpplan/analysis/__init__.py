@@ -81,7 +81,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
 
         comm, trace, parts = pipeline_comm(result, param, reduce, step, stage_cache)
     else:
-        if dims.tp > 1:
+        if dims.tp > 1 or dims.ep > 1:  # ep: the experts' all-to-all, traced with TP's
             trace = tp_trace(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
                              shape.seq_len, shape.micro_batch, param)
         else:
@@ -96,6 +96,8 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         n *= step.count(module)
         a[0] += n
         a[1] += n * step.nbytes(module, nbytes)
+    if dims.ep > 1:
+        comm["ep_all_to_all"] = _ep_bounds(comm["collectives"], dims.ep)
     result.extra["comm_per_step"] = dict(
         grad_accum=shape.grad_accum, **comm,
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
@@ -103,6 +105,17 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
     if minimum:
         result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize, parts)
+
+
+def _ep_bounds(collectives: list[dict[str, Any]], ep: int) -> dict[str, int]:
+    """The experts' all-to-all per rank per step: as traced (balanced routing: every rank
+    sends and receives ``tokens × top-k / ep`` rows to and from each) and its worst case,
+    every token choosing experts of one rank, which then receives (and sends back) ``ep``
+    times the balanced rows: a bound of ``ep ×`` the balanced bytes (docs/moe.md)."""
+    a2a = [r for r in collectives if r["mesh_dim"] == "ep"]
+    balanced = sum(r["bytes"] for r in a2a)
+    return dict(count=sum(r["count"] for r in a2a), balanced_bytes=balanced,
+                worst_case_bytes=ep * balanced)
 
 
 def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:
@@ -129,7 +142,9 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
         parts = [(s.module, s.res) for s in stages]
     measured_n: Counter = Counter()
     measured_b: Counter = Counter()
-    for (kind, _dim, bw, b, module), n in trace.counts.items():
+    for (kind, dim, bw, b, module), n in trace.counts.items():
+        if dim == "ep":  # the experts' all-to-all: not tensor parallelism's traffic
+            continue
         n *= step.count(module)
         measured_n[(kind, bw)] += n
         measured_b[(kind, bw)] += n * step.nbytes(module, b)

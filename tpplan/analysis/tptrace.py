@@ -25,9 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.introspect import find_blocks
-from ..parallel.apply import apply_ac, apply_tp, loss_context
+from ..parallel.apply import apply_ac, apply_ep, apply_tp, loss_context
 from ..parallel.attention import fused_attention_on_meta
-from ..parallel.mesh import MESH_DIMS
+from ..parallel.mesh import MESH_DIMS, expert_meshes
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
@@ -143,6 +143,10 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
+    ep_mesh = None
+    if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
+        ep_mesh, _ = expert_meshes(mesh, res.dims.ep)
+        groups[ep_mesh.get_group().group_name] = "ep"
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
     def prepared(model: nn.Module) -> nn.Module:
@@ -153,6 +157,9 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         apply_tp(model, mesh["tp"], dataclasses.replace(
             res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
             attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
+        if ep_mesh is not None:
+            apply_ep(model, ep_mesh, dataclasses.replace(
+                res, rule_of={p: r for p, r in res.rule_of.items() if p in paths}))
         ac = plan.activation_checkpointing
         if ac.enabled:
             # Recomputed blocks re-issue their forward collectives in backward: count them.

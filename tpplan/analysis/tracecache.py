@@ -186,7 +186,7 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         ac = plan.activation_checkpointing
-        key = (res.dims.tp, seq_len, micro_batch, dtype, ac.mode, ac.every)
+        key = (res.dims.tp, res.dims.ep, seq_len, micro_batch, dtype, ac.mode, ac.every)
         if key not in self.tp_traces:
             self.tp_traces[key] = trace_tp(plan, res, mesh, build, seq_len, micro_batch, dtype)
             self.traces["tp"] += 1
@@ -198,7 +198,7 @@ class Evaluator:
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
     ac, pipe = spec.activation_checkpointing, spec.pipeline
-    return (dims.tp, dims.pp, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
+    return (dims.tp, dims.pp, dims.ep, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
             pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 

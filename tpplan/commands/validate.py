@@ -194,6 +194,11 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
         t.add_row(r["source"], r["kind"], r["mesh_dim"], str(r["count"]), size(r["bytes"]),
                   size(r["wire_bytes"]))
     out.print(t)
+    ep = comm.get("ep_all_to_all")
+    if ep:
+        out.print(Text(f"experts' all-to-all: {ep['count']} per step, {size(ep['balanced_bytes'])}"
+                       f" with balanced routing, at most {size(ep['worst_case_bytes'])} when "
+                       "every token chooses one rank's experts"))
     style = f"a Megatron-style {mini['style']} plan"
     if mini["at_minimum"]:
         out.print(f"[green]TP at the minimum[/green]: {style} moves "

@@ -18,12 +18,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
-from ..plan.styles import PACKED_STYLES
+from ..plan.styles import EP_STYLES, PACKED_STYLES
 from .attention import register_cpu_attention
 from .freeze import apply_freeze
 from .kv_heads import kv_style, localize_kv_groups
 from .fsdp_units import fsdp_calls
-from .mesh import dp_mesh
+from .expert_parallel import ExpertParallel
+from .mesh import dp_mesh, expert_meshes
 from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
@@ -31,7 +32,8 @@ from .tied import retie, tied_groups
 from .prepare_io import check_layout_counts
 from .tp_styles import build_style
 
-__all__ = ["apply_plan", "apply_tp", "apply_ac", "apply_compile", "apply_fsdp", "loss_context"]
+__all__ = ["apply_plan", "apply_tp", "apply_ep", "apply_ac", "apply_compile", "apply_fsdp",
+           "loss_context"]
 
 log = logging.getLogger("tpplan")
 
@@ -43,9 +45,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     register_cpu_attention()  # attention run on DTensors works on a CPU mesh too
     modules = dict(model.named_modules())
     styles = {id(rule): build_style(rule.style) for rule, _ in res.rules
-              if rule.style.name not in PACKED_STYLES}
+              if rule.style.name not in PACKED_STYLES + EP_STYLES}
     tied = tied_groups(model)
     for path, rule in res.rule_of.items():
+        if rule.style.name in EP_STYLES:
+            continue  # apply_ep's, on the ep ranks; the experts stay whole on every tp rank
         style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
             rule.style, modules[path], modules.get(path.rpartition(".")[0]))
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
@@ -57,6 +61,20 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     for attr_rule, found in res.attrs:
         for path, value in found:
             setattr(modules[path], attr_rule.attribute, value // tp)
+
+
+def expert_paths(res: Resolution) -> list[str]:
+    """The modules an ``expert_parallel`` rule matched."""
+    return [p for p, rule in res.rule_of.items() if rule.style.name in EP_STYLES]
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, res: Resolution) -> None:
+    """Each experts module's experts spread over ``ep_mesh``, tokens routed by all-to-all."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    modules = dict(model.named_modules())
+    for path in expert_paths(res):
+        parallelize_module(modules[path], ep_mesh, ExpertParallel())
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
@@ -84,10 +102,13 @@ def apply_compile(model: nn.Module, blocks: list[str], fullgraph: bool) -> None:
         modules[path].compile(fullgraph=fullgraph)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: FSDPSpec, res: Resolution) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: FSDPSpec, res: Resolution,
+               experts: DeviceMesh | None = None) -> None:
     """``fully_shard`` each unit (deepest first, so nested units shard inside out), root last.
 
-    A pattern entry is one call per matched module, a list entry one call for all of them."""
+    A pattern entry is one call per matched module, a list entry one call for all of them.
+    ``experts``: the efsdp mesh under expert parallelism: each experts module is a unit of
+    its own, its local experts sharded over the efsdp ranks (tpplan.parallel.mesh)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
@@ -98,6 +119,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, spec: FSDPSpec, res: Resoluti
     if spec.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     modules = dict(model.named_modules())
+    if experts is not None:
+        for path in expert_paths(res):
+            fully_shard(modules[path], **{**kwargs, "mesh": experts})
     for paths in fsdp_calls(res):
         targets = [modules[p] for p in paths]
         # fully_shard takes a list for several modules that share one all-gather.
@@ -120,6 +144,12 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], res)
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
+    experts = None
+    if dims.ep > 1:
+        ep_mesh, efsdp_mesh = expert_meshes(mesh, dims.ep)
+        apply_ep(model, ep_mesh, res)
+        experts = efsdp_mesh
+        log.info("applied expert parallel: %d modules on ep=%d", len(expert_paths(res)), dims.ep)
     ac = plan.activation_checkpointing
     if ac.enabled:
         apply_ac(model, res.ac_blocks, ac.every)
@@ -128,7 +158,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         apply_compile(model, res.compile_blocks, plan.compile.fullgraph)
         log.info("compiled %d blocks", len(res.compile_blocks))
     if plan.fsdp is not None:
-        apply_fsdp(model, dp_mesh(mesh), plan.fsdp, res)
+        apply_fsdp(model, dp_mesh(mesh), plan.fsdp, res, experts)
         log.info("applied FSDP2: %d units + root on dp=%d", len(res.units), dims.dp)
     if plan.freeze:  # last: SequenceParallel turns requires_grad on for the norms it shards
         log.info("froze %d parameters", apply_freeze(plan.freeze, model))

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from ..plan.patterns import generalize
 from .mesh import ParallelDims
+from ..plan.styles import EP_STYLES
 from .resolve import Resolution, shard_dims
 
 __all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
@@ -31,6 +32,7 @@ class UnitSize:
 
     unit: str
     elements: int
+    mesh_dim: str = "dp_shard"  # "efsdp": an experts module under expert parallelism
 
 
 def fsdp_calls(res: Resolution) -> list[list[str]]:
@@ -80,11 +82,23 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[Un
         for path in paths:
             for name, _ in modules[path].named_parameters(prefix=path):
                 owner.setdefault(name, i)
+    # Under expert parallelism each experts module is a unit of its own, sharded first
+    # (apply_fsdp): its num_experts / ep local experts, over the efsdp ranks.
+    experts = [p for p, r in res.rule_of.items() if r.style.name in EP_STYLES] \
+        if dims.ep > 1 else []
+    ep_owner = {f"{path}.{n}": i for i, path in enumerate(experts)
+                for n, _ in modules[path].named_parameters(recurse=False)}
+    ep_elements = [0] * len(experts)
     elements = [0] * (len(calls) + 1)
     for name, p in model.named_parameters():
+        if name in ep_owner:
+            local = (p.shape[0] // dims.ep, *p.shape[1:])
+            ep_elements[ep_owner[name]] += _gathered(local, dims.efsdp)
+            continue
         module = modules[name.rpartition(".")[0]]
         local = tp_local_shape(name, tuple(p.shape), module, res, dims.tp)
         elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard)
     labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
               for paths in calls] + [ROOT]
-    return [UnitSize(label, n) for label, n in zip(labels, elements) if n]
+    return [UnitSize(path, n, "efsdp") for path, n in zip(experts, ep_elements)] + \
+        [UnitSize(label, n) for label, n in zip(labels, elements) if n]

@@ -14,6 +14,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from .expert_parallel import check_experts
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .head_params import check_head_params
@@ -137,6 +138,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                                  tp, errs)
     check_norms_beside_colwise(res, modules)
+    check_experts(plan.mesh, res, modules)
     check_head_params(res, modules, tp)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
@@ -223,10 +225,9 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     ``stage``: ``model`` is one pipeline stage of the model the plan was checked against,
     so a pattern matching nothing here (the embedding's rule on a middle stage) is fine.
 
-    What is checked: the mesh against the world size, every pattern (rules, ``divide_by_tp``,
-    FSDP units, activation checkpointing and compile blocks) against the model's modules,
-    each sharded dimension and divided attribute against tp. The ``train`` section's batch
-    against the mesh is the step's check (:func:`tpplan.plan.step_shape`), not apply's."""
+    Checked: the mesh against the world size, every pattern of every section against the
+    model's modules, each sharded dimension, divided attribute and experts module against
+    tp and ep (the batch is :func:`tpplan.plan.step_shape`'s check, not apply's)."""
     errs = ErrorList()
     try:
         dims = ParallelDims.of(plan.mesh, world_size)

@@ -33,13 +33,15 @@ AC_MODES = ("none", "full", "selective")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
-    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "tp"))
+    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "tp", "ep"))
     d = MeshSpec()
     spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
                     r.get("dp_replicate", int, d.dp_replicate), r.get("pp", int, d.pp),
+                    ep=r.get("ep", int, d.ep),
                     loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc, locs=r.locs())
     r.at_least("tp", spec.tp, 1)
     r.at_least("pp", spec.pp, 1)
+    r.at_least("ep", spec.ep, 1)
     r.at_least("dp_replicate", spec.dp_replicate, 1)
     if spec.dp_shard == 0 or spec.dp_shard < -1:
         errs.add(f"'mesh.dp_shard' must be at least 1, or -1 for the ranks left over, got "

@@ -50,12 +50,14 @@ def torch_dtype(name: str | None, default: str = "float32"):
 @dataclass
 class MeshSpec:
     """``mesh:`` — degrees of the named mesh, outermost ``pp`` first; ``dp_shard: -1`` takes
-    the ranks left over."""
+    the ranks left over. ``ep`` (expert parallelism) adds no ranks: it borrows them from
+    ``dp_shard`` (docs/moe.md)."""
 
     tp: int = 1
     dp_shard: int = -1
     dp_replicate: int = 1
     pp: int = 1
+    ep: int = 1
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 

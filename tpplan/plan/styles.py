@@ -47,6 +47,15 @@ tpplan's own styles for weights PyTorch's styles cannot split (tpplan.parallel.p
   3-D parameters (``gate_up_proj`` [experts, 2 x inter, hidden], ``down_proj`` [experts,
   hidden, inter]): each expert's intermediate dimension split over tp (gate and up halves
   separately), the output summed over tp. No options; transformers' ``moe_tp_experts``.
+
+Expert parallelism (tpplan.parallel.expert_parallel; docs/moe.md):
+
+- ``expert_parallel``: a mixture-of-experts module holding its routed experts as parameters
+  ``[num_experts, ...]`` and called as ``experts(hidden_states, top_k_index,
+  top_k_weights)`` (transformers 5's experts classes): each of ``mesh.ep`` ranks keeps
+  ``num_experts / ep`` experts; tokens go to the rank owning each of their experts with an
+  all-to-all and come back with another. No options. Not a tensor-parallel style: it is
+  applied on the ``ep`` ranks, and whole on every tp rank.
 """
 
 from __future__ import annotations
@@ -55,8 +64,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Layout", "NAMES", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "TPPLAN_OPTIONS",
-           "parse_layout", "StyleSpec"]
+__all__ = ["Layout", "NAMES", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "EP_STYLES",
+           "TPPLAN_OPTIONS", "parse_layout", "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,7 @@ STYLES: dict[str, dict[str, str]] = {
     "kv_colwise": {"head_dim": INT, "input_layouts": LAYOUT},
     "mla_kv_a_proj": {"rope_dim": INT},
     "local_params": {"head_params": NAMES},
+    "expert_parallel": {},
 }
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
@@ -161,6 +171,7 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
 # styles that shard parameters, and the module types PyTorch can shard with them
 SHARDING_STYLES = ("colwise", "rowwise")
 PACKED_STYLES = ("packed_colwise", "experts_colwise_rowwise")  # tpplan's own, parallel.packed
+EP_STYLES = ("expert_parallel",)  # applied on mesh.ep, not tp (parallel.expert_parallel)
 
 
 @dataclass

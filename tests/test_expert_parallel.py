@@ -1,0 +1,171 @@
+"""Expert parallelism (docs/moe.md): ``mesh.ep`` and the ``expert_parallel`` style on two tiny
+HF mixtures of experts (Qwen3-MoE: 4 experts, top-2; Mixtral: 8 experts, top-3) match one
+device on 4 gloo processes -- logits, loss and every gradient, the router's included -- at
+ep 4, ep 2 with the experts FSDP-sharded over the 2 ranks left, ep 2 under HSDP, and ep 2
+beside tp 2 with sequence parallelism; one spawn for all. Experts sharded without dispatch
+fail ``tpplan verify``; plan mistakes are located errors before any process starts."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, run_main
+
+from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sweep_hf  # noqa: E402
+
+FSDP = 'fsdp: {units: [model.embed_tokens, "model.layers.*", [model.norm, lm_head]]}'
+RULE = '"model.layers.*.mlp.experts": expert_parallel'
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    """Two tiny MoE configs with different expert counts and top-k."""
+    folder = tmp_path_factory.mktemp("moe")
+    out = {}
+    for family, fields in (("qwen3_moe", {}),
+                           ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 3})):
+        path = folder / f"{family}.json"
+        path.write_text(json.dumps(sweep_hf.tiny_config(family, **fields)))
+        out[family] = path
+    return out
+
+
+def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = FSDP) -> str:
+    path = folder / f"{name}.yaml"
+    path.write_text(f"mesh: {mesh}\nmodel: {{hf_config: {config}}}\n"
+                    f"tensor_parallel:\n  {rules}\n{extra}\n")
+    return str(path)
+
+
+def _sp_plan(capsys, folder, family: str, config) -> str:
+    """import-hf's tp 2 + SP plan with the experts spread over ep 2 instead of TP'd."""
+    imported = folder / f"{family}-sp-import.yaml"
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "-o", imported)
+    assert rc == 0, out
+    text = imported.read_text()
+    assert '"model.layers.*.mlp.experts": experts_colwise_rowwise' in text
+    text = text.replace("mlp.experts\": experts_colwise_rowwise", "mlp.experts\": expert_parallel")
+    text = text.replace("mesh: {tp: 2, dp_shard: -1}", "mesh: {tp: 2, ep: 2, dp_shard: -1}")
+    path = folder / f"{family}-sp-ep.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
+    plans = []
+    for family, config in configs.items():
+        plans += [_plan(tmp_path, f"{family}-ep4", config, "{ep: 4, dp_shard: -1}"),
+                  _plan(tmp_path, f"{family}-ep2-efsdp2", config, "{ep: 2, dp_shard: 4}"),
+                  _sp_plan(capsys, tmp_path, family, config)]
+    plans.append(_plan(tmp_path, "qwen3_moe-hsdp", configs["qwen3_moe"],
+                       "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
+    steps = [verify_step(p, 4, shrink=False) for p in plans]
+    jobs = [(p, s.overrides, s.tokens, 0) for p, s in zip(plans, steps)]
+    for path, step, par in zip(plans, steps, parallel_steps(jobs, 4)):
+        assert not isinstance(par, str), f"{path}: {par}"
+        ref = reference_step(step.plan, step.tokens, 0)
+        cmp = compare(ref, par)
+        assert cmp.ok, (path, cmp.failures)
+        routers = [n for n in ref.grads if n.endswith("mlp.gate.weight")]
+        experts = [n for n in ref.grads if n.endswith("mlp.experts.down_proj")]
+        assert len(routers) == len(experts) == 2  # two MoE blocks, each compared
+        for name in routers:  # the router learns through the dispatch: its gradient flows
+            assert par.grads[name].abs().sum() > 0, (path, name)
+
+
+def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys, monkeypatch):
+    plan = _plan(tmp_path, "ep2", configs["qwen3_moe"], "{ep: 2, dp_shard: -1}")
+    monkeypatch.setenv("TPPLAN_TEST_EP_NO_DISPATCH", "1")  # spawned ranks inherit it
+    rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "2", "--no-shrink")
+    assert rc == 1, out
+    assert "numerics differ" in out and "FAIL" in out
+    monkeypatch.delenv("TPPLAN_TEST_EP_NO_DISPATCH")
+    rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "2", "--no-shrink")
+    assert rc == 0, out
+
+
+@pytest.mark.parametrize("mesh, rule, line, col, says", [
+    # ep borrows dp_shard's ranks: 3 does not divide the 4 there
+    ("{ep: 3, dp_shard: -1}", RULE, 1, 12, "mesh ep=3 must divide the data-parallel ranks it "
+     "borrows: dp_shard=4"),
+    # tp's ranks hold the same tokens: not borrowed, and the message says so
+    ("{tp: 2, ep: 4, dp_shard: -1}", RULE, 1, 19, "ep does not borrow them"),
+    # 4 experts over ep 4 fit; over a dp_shard of 8 with ep 8 they do not
+    ("{ep: 8, dp_shard: -1}", RULE, 4, 3, "holds 4 experts and mesh ep=8 does not divide them"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp.expert": expert_parallel', 4, 3,
+     "matches no module of the model"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp": expert_parallel', 4, 3,
+     "is not an experts container"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp.gate": expert_parallel', 4, 3,
+     "is not an experts container"),
+    ("{ep: 2, dp_shard: -1}", '"model.layers.*.self_attn": replicate', 1, 12,
+     "no rule uses the 'expert_parallel' style"),
+])
+def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
+                                              says):
+    world = 8 if "ep: 8" in mesh else 4
+    plan = _plan(tmp_path, "bad", configs["qwen3_moe"], mesh, rule)
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", str(world))
+    assert rc == 1 and "Traceback" not in out, out
+    assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
+
+
+def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
+                out: str) -> None:
+    """One forward and backward of the plan under a collective recorder; each rank saves
+    its all-to-alls on the ep group as (count, bytes)."""
+    import torch
+
+    import tpplan
+    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.analysis.numerics import make_batch
+    from tpplan.models import build_model
+    from tpplan.parallel.mesh import dp_rank
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
+    plan = tpplan.load(plan_path, overrides)
+    shape = plan.step_shape(world)
+    torch.manual_seed(0)
+    model = build_model(plan.model, device="cpu")
+    mesh = plan.build_mesh("cpu")
+    model = plan.apply(model, mesh)
+    tokens = make_batch(128, shape.global_batch, shape.seq_len, 0).chunk(
+        plan.parallel_dims(world).dp)[dp_rank(mesh)]
+    with CollectiveRecorder() as rec:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(
+        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a})]))
+    torch.distributed.destroy_process_group()
+
+
+def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
+    """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
+    sends its tokens × top-k rows whatever the routing, and what one rank receives another
+    sent), while the dry run assumes balanced routing for each rank's own figure."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    overrides = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}")):
+        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh)
+        predicted = dry_run(plan, 4, overrides, comm)
+        assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+        ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
+        assert ep["count"] == 2 * 5  # per MoE block: counts, dispatch, combine; 2 in backward
+        out = tmp_path / family
+        out.mkdir()
+        spawn(_a2a_worker, 4, plan, overrides, str(out))
+        real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+        assert all(count == ep["count"] and groups == 1 for count, _, groups in real), real
+        assert sum(b for _, b, _ in real) == 4 * ep["balanced_bytes"], (real, ep)

@@ -1,0 +1,267 @@
+"""Expert parallelism: the ``expert_parallel`` style (docs/moe.md).
+
+A mixture-of-experts module in transformers 5 holds its routed experts as parameters
+``[num_experts, ...]`` (``gate_up_proj``, ``down_proj``, gpt-oss's biases) and is called as
+``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])``. Under this
+style each of the ``ep`` ranks keeps ``num_experts / ep`` consecutive experts, held as
+DTensors ``Shard(0)`` on the ep mesh: the parameter keeps its full-model name and shape, so
+checkpoints are keyed per expert of the whole model and resume on any ep, and FSDP2 shards
+the local experts again over the ``efsdp`` ranks (its 2-D DTensor path, as for TP).
+
+The router stays outside, on each rank's own tokens. Dispatch is dropless:
+
+1. each rank counts its (token, expert) pairs per expert and exchanges the counts
+   (``all_to_all_single``), so every rank knows how many rows it will receive;
+2. the pairs, sorted by expert, go to the rank owning the expert with a variable-size
+   differentiable all-to-all (``all_to_all_single_autograd``);
+3. the module's own forward (any of transformers' experts implementations) runs on what
+   arrived, with its local experts and a weight of one per row;
+4. the rows come back by the reverse all-to-all, are multiplied by the router's weights on
+   the rank that routed them (so the router's gradient is computed where the router ran)
+   and summed per token.
+
+An expert id outside ``[0, num_experts)`` raises at run time: it is never dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..plan.errors import ErrorList
+from ..plan.specs import MeshSpec, Rule
+from ..plan.styles import EP_STYLES
+
+__all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
+           "dispatch_counts", "balanced_counts", "check_experts"]
+
+CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
+# Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
+# only the tokens its own experts were chosen for, the rest are dropped), the silent bug
+# `tpplan verify` must catch (tests/test_expert_parallel.py).
+NO_DISPATCH_ENV = "TPPLAN_TEST_EP_NO_DISPATCH"
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """The number of routed experts a module holds as ``[num_experts, ...]`` parameters
+    (its ``num_experts`` attribute, every own parameter leading with it, one at least a
+    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None."""
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not params:
+        return None
+    stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
+    return n if stacked and any(p.dim() == 3 for p in params) else None
+
+
+def local_expert_params(module: nn.Module) -> list[str]:
+    """The names of the parameters the style splits over ep (all the module's own)."""
+    return [n for n, p in module.named_parameters(recurse=False)]
+
+
+def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
+                          errs: ErrorList) -> None:
+    """Whether ``rule`` (``expert_parallel``) fits ``module`` at ``ep``; errors at the rule."""
+    where = f"module '{path}' ({type(module).__name__})"
+    if isinstance(module, nn.ModuleList):
+        errs.add(f"{where} is a list of expert modules, which expert_parallel does not "
+                 "split yet (only experts held as [num_experts, ...] parameters, as "
+                 "transformers 5 stores them)", rule.loc)
+        return
+    n = expert_count(module)
+    if n is None:
+        errs.add(f"{where} is not an experts container: expert_parallel needs a module with "
+                 "an integer 'num_experts' and its own parameters shaped [num_experts, ...] "
+                 "(transformers 5's experts classes, e.g. 'model.layers.*.mlp.experts')",
+                 rule.loc)
+        return
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    if len(names) < 3 or any(p != q for p, q in zip(names, CALL)):
+        errs.add(f"{where} is not called as experts(hidden_states, top_k_index, "
+                 f"top_k_weights) (its forward takes {', '.join(names) or 'something else'}), "
+                 "so expert_parallel cannot route its tokens", rule.loc)
+    if n % ep:
+        errs.add(f"{where} holds {n} experts and mesh ep={ep} does not divide them", rule.loc)
+
+
+def balanced_counts(pairs: int, num_experts: int) -> list[int]:
+    """(token, expert) pairs per expert under balanced routing (the first experts take the
+    remainder): what the dry run assumes, having no expert ids to count."""
+    return [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
+
+
+def _shapes_only(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
+    """Every ``expert_parallel`` module of a :class:`~tpplan.parallel.resolve.Resolution`
+    against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
+    spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
+    errs = res.errors
+    for path, rule in res.rule_of.items():
+        if rule.style.name in EP_STYLES:
+            check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
+    ep, loc = mesh.ep, mesh.locs.get("ep", mesh.loc)
+    if ep == 1:
+        return
+    if not any(r.style.name in EP_STYLES for r, _ in res.rules):
+        errs.add(f"mesh ep={ep} but no rule uses the 'expert_parallel' style, so no experts "
+                 "would be spread over it; add one for the experts modules (e.g. "
+                 "'model.layers.*.mlp.experts': expert_parallel) or drop ep", loc)
+    if mesh.pp > 1:
+        errs.add(f"mesh ep={ep} with pipeline stages (pp={mesh.pp}) is not supported yet; "
+                 "use ep without pp", loc)
+
+
+def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(token, expert) pairs per expert; ValueError naming an id out of range (a routing
+    bug that a silent drop would turn into a plausible but wrong loss)."""
+    flat = top_k_index.reshape(-1)
+    if flat.numel() and (bool(flat.min() < 0) or bool(flat.max() >= num_experts)):
+        bad = flat[(flat < 0) | (flat >= num_experts)][0].item()
+        raise ValueError(f"expert_parallel: the router chose expert {bad}, outside "
+                         f"[0, {num_experts}): refusing to drop its tokens")
+    return torch.bincount(flat, minlength=num_experts)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _local(module: nn.Module, names: list[str], ep: int) -> dict[str, nn.Parameter]:
+    """The local experts in place of the module's parameters (returned, to put back).
+
+    Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
+    here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
+    one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
+    (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
+    gloo lacks.)"""
+    held = {n: module._parameters[n] for n in names}
+    for n, p in held.items():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        module._parameters[n] = _ScaleGrad.apply(local, 1.0 / ep) if ep > 1 else local
+    return held
+
+
+def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
+                hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"expert_parallel: routing weights of shape {tuple(top_k_weights.shape)}"
+                         f" do not match the expert ids' {tuple(top_k_index.shape)}")
+    ep, group = mesh.size(), mesh.get_group()
+    local = num_experts // ep
+    k = top_k_index.shape[-1]
+    if _shapes_only(top_k_index):  # the dry run: no ids to count, so routing is balanced
+        counts = top_k_index.new_tensor(balanced_counts(top_k_index.numel(), num_experts))
+    else:
+        counts = dispatch_counts(top_k_index, num_experts)
+    if os.environ.get(NO_DISPATCH_ENV) == "1":
+        return _without_dispatch(module, forward, mesh.get_local_rank() * local, local,
+                                 hidden_states, top_k_index, top_k_weights)
+    order = torch.argsort(top_k_index.reshape(-1), stable=True)  # pairs grouped by expert
+    token = order // k
+    got = torch.empty_like(counts)  # got[r * local + j]: rows rank r sends to my expert j
+    dist.all_to_all_single(got, counts, group=group)
+    if _shapes_only(top_k_index):  # every rank routes as this one does
+        got = counts.view(ep, local)[mesh.get_local_rank()].repeat(ep)
+        per_expert = balanced_counts(top_k_index.numel(), num_experts)
+        mine = per_expert[mesh.get_local_rank() * local:][:local]
+        send = [sum(per_expert[r * local:(r + 1) * local]) for r in range(ep)]
+        recv = [sum(mine)] * ep
+        ids = torch.tensor([j for _ in range(ep) for j in range(local) for _ in range(mine[j])],
+                           dtype=torch.long, device=got.device)
+    else:
+        send = counts.view(ep, local).sum(1).tolist()
+        recv = got.view(ep, local).sum(1).tolist()
+        ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
+    rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
+    names = list(module._tpplan_ep_params)
+    held = _local(module, names, ep)
+    try:  # the module's own expert code, on its local experts
+        module.num_experts = local
+        out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
+                                                      device=rows.device), *args, **kwargs)
+        # every local expert is in the graph even when no token reached it, so each rank's
+        # gradients (and FSDP's reduce-scatter of them) cover the same parameters
+        out = out + sum(module._parameters[n].sum() for n in names) * 0
+    finally:
+        module.num_experts = num_experts
+        module._parameters.update(held)
+    back = all_to_all_single_autograd(out, send, recv, group)
+    weights = top_k_weights.reshape(-1)[order].to(back.dtype)
+    combined = torch.zeros_like(hidden_states)
+    return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
+
+
+def _without_dispatch(module: nn.Module, forward, first: int, local: int,
+                      hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The wrong thing on purpose (:data:`NO_DISPATCH_ENV`): remote experts' tokens dropped."""
+    mine = (top_k_index >= first) & (top_k_index < first + local)
+    ids = torch.where(mine, top_k_index - first, local)  # local: transformers' "no expert"
+    held = _local(module, list(module._tpplan_ep_params), 1)
+    try:
+        module.num_experts = local
+        return forward(hidden_states, ids, top_k_weights * mine)
+    finally:
+        module.num_experts = local * module._tpplan_ep_size
+        module._parameters.update(held)
+
+
+class ExpertParallel(ParallelStyle):
+    """Spread a mixture-of-experts module's routed experts over the ep ranks and route its
+    tokens to them with all-to-all (see the module docstring).
+
+    The module holds its experts as parameters ``[num_experts, ...]`` and is called as
+    ``experts(hidden_states, top_k_index, top_k_weights)``; every own parameter becomes a
+    DTensor ``Shard(0)`` on ``device_mesh`` (the ep mesh,
+    :func:`tpplan.parallel.mesh.expert_meshes`). No options.
+
+    Example::
+
+        >>> ep_mesh, _ = expert_meshes(mesh, ep=2)
+        >>> parallelize_module(block.mlp.experts, ep_mesh, ExpertParallel())
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        num_experts = expert_count(module)
+        names = local_expert_params(module)
+        for name in names:
+            param = module._parameters[name]
+            dt = distribute_tensor(param.detach(), device_mesh, [Shard(0)],
+                                   src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        module._tpplan_ep_params = tuple(names)
+        module._tpplan_ep_size = device_mesh.size()
+        module.forward = functools.partial(_ep_forward, module, module.forward, device_mesh,
+                                           num_experts)
+        return module
+
+    def __repr__(self) -> str:
+        return "ExpertParallel()"
