@@ -19,7 +19,8 @@ from .styles import StyleSpec
 __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
     "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
-    "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
+    "TensorBoardSpec", "TrainSpec", "Unit", "WandbSpec", "WANDB_MODES",
+    "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
 ]
 
 # Names a plan may use for a dtype -> the canonical name (also torch's attribute name).
@@ -261,11 +262,38 @@ class CheckpointSpec:
 
 
 @dataclass
+class TensorBoardSpec:
+    """``metrics.tensorboard:`` — event files for TensorBoard, in ``dir`` (default
+    ``<run_dir>/tensorboard``)."""
+
+    dir: str | None = None
+
+
+@dataclass
+class WandbSpec:
+    """``metrics.wandb:`` — a Weights & Biases run in ``project``; ``offline`` writes it under
+    ``dir`` (default the run folder) for ``wandb sync`` later, ``online`` streams it."""
+
+    project: str = "tpplan"
+    mode: str = "offline"
+    dir: str | None = None
+    name: str | None = None  # default: the run folder's name
+
+
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass
 class MetricsSpec:
-    """``metrics:`` — where the run folder is and how often rank 0 reports."""
+    """``metrics:`` — where the run folder is, how often rank 0 reports, the metric sinks
+    beside ``metrics.jsonl`` and the steps to profile (``profile``: first and last, both
+    included)."""
 
     run_dir: str | None = None  # default runs/<plan file stem>
     log_interval: int = 1
+    tensorboard: TensorBoardSpec | None = None
+    wandb: WandbSpec | None = None
+    profile: tuple[int, int] | None = None
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 
