@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Loc
+from .sinks import TensorBoardSpec, WandbSpec
 from .styles import StyleSpec
 
 __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
     "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
-    "TensorBoardSpec", "TrainSpec", "Unit", "WandbSpec", "WANDB_MODES",
-    "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
+    "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
 ]
 
 # Names a plan may use for a dtype -> the canonical name (also torch's attribute name).
@@ -262,32 +262,8 @@ class CheckpointSpec:
 
 
 @dataclass
-class TensorBoardSpec:
-    """``metrics.tensorboard:`` — event files for TensorBoard, in ``dir`` (default
-    ``<run_dir>/tensorboard``)."""
-
-    dir: str | None = None
-
-
-@dataclass
-class WandbSpec:
-    """``metrics.wandb:`` — a Weights & Biases run in ``project``; ``offline`` writes it under
-    ``dir`` (default the run folder) for ``wandb sync`` later, ``online`` streams it."""
-
-    project: str = "tpplan"
-    mode: str = "offline"
-    dir: str | None = None
-    name: str | None = None  # default: the run folder's name
-
-
-WANDB_MODES = ("offline", "online")
-
-
-@dataclass
 class MetricsSpec:
-    """``metrics:`` — where the run folder is, how often rank 0 reports, the metric sinks
-    beside ``metrics.jsonl`` and the steps to profile (``profile``: first and last, both
-    included)."""
+    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile."""
 
     run_dir: str | None = None  # default runs/<plan file stem>
     log_interval: int = 1

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .errors import ErrorList, nearest
 from .reader import NUMBER, Reader, describe
-from .specs import (DATA_FORMATS, WANDB_MODES, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec,
-                    TensorBoardSpec, TrainSpec, WandbSpec)
+from .sinks import WANDB_MODES, TensorBoardSpec, WandbSpec
+from .specs import DATA_FORMATS, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec, TrainSpec
 from .yamlio import LMap, LSeq
 
 __all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_eval", "parse_metrics",

@@ -27,17 +27,17 @@ from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import step_batch
 from .evaluate import Evaluation
-from .memwatch import StepMemory, live_bytes
+from .memwatch import StepMemory, largest_peak, live_bytes, step_start_tensors
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
-from .profiling import StepProfiler, format_table
+from .profiling import StepProfiler
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 from .sinks import Sinks
-from .verdict import compare_estimate, write_estimate
+from .verdict import settle
 from .stepper import make_stepper
 
 __all__ = ["train"]
@@ -59,11 +59,8 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     mistake can be found alone), a damaged checkpoint, a failed save or a diverged loss --
     the same error on every rank. Returns the summary shown at the end, plus ``losses`` and
     ``step_times`` per step, and ``stopped`` (a signal name) when a signal ended it early.
-
-    ``estimate(world_size, device_type)``: the dry run's figures for this run (the command
-    passes :func:`tpplan.analysis.runcheck.estimate`), called on rank 0 before the process
-    group starts (the dry run has a fake one of its own); the end of the run prints them
-    next to what was measured (:mod:`.verdict`).
+    ``estimate(world_size, device_type)``: the dry run's figures, called on rank 0 before the
+    process group starts and printed at the end next to what was measured (:mod:`.verdict`).
     """
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
@@ -125,15 +122,6 @@ def _start_folder(prep: Prepared, claimed: Claim, start: int) -> list[str]:
         notes.append(f"metrics.jsonl: dropped {dropped} line(s) past step {start} "
                      f"(steps the checkpoint does not hold, or a line cut off by a kill)")
     return notes
-
-
-def _trained_and_buffers(parts: list) -> list[torch.Tensor]:
-    return [t for part in parts for t in (*part.parameters(), *part.buffers())]
-
-
-def _optimizer_state(optimizers: list) -> list[torch.Tensor]:
-    return [v for o in optimizers for st in o.state.values() for v in st.values()
-            if isinstance(v, torch.Tensor)]
 
 
 def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
@@ -212,7 +200,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
 
     with Preemption(plan.checkpoint.on_signal) as preemption:
         for step in range(start + 1, t.steps + 1):
-            memory.before(live_bytes(_trained_and_buffers(parts) + _optimizer_state(optimizers)))
+            memory.before(live_bytes(step_start_tensors(parts, optimizers)))
             t0 = time.perf_counter()
             with profiler.step(step):
                 batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch,
@@ -243,7 +231,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
             dt = time.perf_counter() - t0
             memory.after(step)
             if profiler.done(step):
-                _show_profile(reporter, profiler)
+                profiler.show(reporter.note)
             times.append(dt)
             losses.append(loss_value)
             row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
@@ -251,8 +239,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
                    "tokens_per_s_per_device": tokens_per_step / dt / world}
             if batch.mask is not None:
                 row["loss_tokens"] = batch.count
-            if plan.metrics.profile and plan.metrics.profile[0] <= step <= plan.metrics.profile[1]:
-                row["profiled"] = True  # slower: the profiler and its annotations run
+            row.update(profiler.mark(step))
             if device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
@@ -269,20 +256,18 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
                 break
 
     if profiler.done(start + len(times), stopped=True):  # stopped inside the window
-        _show_profile(reporter, profiler)
-    steady = [dt for dt, row in zip(times[1:], reporter.rows[1:]) if not row.get("profiled")] \
-        if rank == 0 else times[1:]
-    steady = steady or times[1:] or times
+        profiler.show(reporter.note)
+    steady = [dt for i, dt in enumerate(times[1:], start + 2) if not profiler.mark(i)] \
+        or times[1:] or times
     mean_dt = sum(steady) / max(len(steady), 1)
-    measured = _measured_peak(memory, device)
+    measured = largest_peak(memory, device)
     summary = {
         "steps": f"{start + len(times)}/{t.steps}" + (f" (resumed at {start})" if start else ""),
         "mesh": str(dims), "device": f"{world} × {device_type}",
         "first loss": losses[0] if losses else float("nan"),
         "final loss": losses[-1] if losses else float("nan"),
         **evaluation.summary(),
-        "step time (s, excl. first" + (" and profiled)" if plan.metrics.profile else ")"):
-            mean_dt,
+        f"step time (s, excl. first{' and profiled' * bool(plan.metrics.profile)})": mean_dt,
         "tokens/s (global)": tokens_per_step / mean_dt if mean_dt else 0.0,
         "tokens/s per device": tokens_per_step / mean_dt / world if mean_dt else 0.0,
         "MFU": GPU_ONLY if device_type != "cuda" else (
@@ -298,11 +283,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
         "checkpoint": str(last_saved) if last_saved else "none",
     }
     if rank == 0:
-        check = compare_estimate(predicted, measured, mean_dt, world, device_type, memory.how)
-        summary.update(check.rows)
-        write_estimate(prep.run_dir, check.record)
-        sinks.text("dry_run", "\n".join(f"{k}: {v}" for k, v in check.rows.items()),
-                   check.record)
+        summary.update(settle(prep.run_dir, predicted, measured, mean_dt, memory, sinks))
     reporter.close(summary)
     sinks.close()
     if stopped:
@@ -317,15 +298,3 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     summary["losses"], summary["step_times"] = losses, times
     return summary
 
-
-def _measured_peak(memory: StepMemory, device: torch.device) -> int | None:
-    """The largest measured peak over the ranks (every rank calls this), or None."""
-    value = torch.tensor(float(memory.peak if memory.peak is not None else -1), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item()) if value.item() >= 0 else None
-
-
-def _show_profile(reporter: Reporter, profiler: StepProfiler) -> None:
-    reporter.note(f"profile (rank 0; every rank's trace and figures in {profiler.folder}):")
-    for line in format_table(profiler.summary) + profiler.notes:
-        reporter.note("  " + line)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["StepMemory", "live_bytes"]
+__all__ = ["StepMemory", "largest_peak", "live_bytes", "step_start_tensors"]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR = Path("/proc/self/clear_refs")
@@ -106,3 +106,19 @@ class StepMemory:
         self.peak = self._live + max(grown - code, 0)
         self.step = step
         self.how = f"CPU resident set, step {step}"
+
+
+def step_start_tensors(parts: list, optimizers: list) -> list[torch.Tensor]:
+    """What a step starts with: parameters, buffers and the optimizer's state."""
+    return [t for part in parts for t in (*part.parameters(), *part.buffers())] + [
+        v for o in optimizers for st in o.state.values() for v in st.values()
+        if isinstance(v, torch.Tensor)]
+
+
+def largest_peak(memory: StepMemory, device: torch.device) -> int | None:
+    """The largest measured peak over the ranks (every rank calls this), or None."""
+    import torch.distributed as dist
+
+    value = torch.tensor(float(memory.peak if memory.peak is not None else -1), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item()) if value.item() >= 0 else None

@@ -148,6 +148,11 @@ class StepProfiler:
         with torch.profiler.record_function(f"{STEP}{step}"):
             yield
 
+    def mark(self, step: int) -> dict[str, bool]:
+        """``{"profiled": True}`` for a step in the window (slower: the profiler runs)."""
+        w = self.window
+        return {"profiled": True} if w is not None and w[0] <= step <= w[1] else {}
+
     def done(self, step: int, stopped: bool = False) -> bool:
         """After a step (outside its timing): write the traces once the window is over, or
         when the run stops inside it; True when they were written now."""
@@ -155,6 +160,12 @@ class StepProfiler:
             return False
         self._stop()
         return True
+
+    def show(self, note) -> None:
+        """Rank 0's table through ``note`` (the reporter's: a no-op on other ranks)."""
+        note(f"profile (rank 0; every rank's trace and figures in {self.folder}):")
+        for line in format_table(self.summary) + self.notes:
+            note("  " + line)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

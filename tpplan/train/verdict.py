@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ESTIMATE_FILE", "MEMORY_TOLERANCE", "Check", "compare_estimate", "read_estimate",
-           "write_estimate"]
+           "settle", "write_estimate"]
 
 ESTIMATE_FILE = "estimate.json"
 # measured / predicted peak. CPU: the resident set also holds the allocator's small blocks,
@@ -38,6 +38,19 @@ def _mib(n: float) -> str:
 class Check:
     rows: dict[str, str] = field(default_factory=dict)  # for the summary table
     record: dict[str, Any] = field(default_factory=dict)  # estimate.json
+
+
+def settle(run_dir: Path, predicted: dict[str, Any] | None, measured_peak: int | None,
+           step_time: float, memory, sinks) -> dict[str, str]:
+    """Rank 0 at the end of a run: the comparison recorded in the run folder and given to
+    the sinks; returns the summary table's rows."""
+    import torch.distributed as dist
+
+    check = compare_estimate(predicted, measured_peak, step_time, dist.get_world_size(),
+                             memory.device_type, memory.how)
+    write_estimate(run_dir, check.record)
+    sinks.text("dry_run", "\n".join(f"{k}: {v}" for k, v in check.rows.items()), check.record)
+    return check.rows
 
 
 def compare_estimate(predicted: dict[str, Any] | None, measured_peak: int | None,
