@@ -27,7 +27,7 @@ from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import step_batch
 from .evaluate import Evaluation
-from .memwatch import StepMemory, largest_peak, live_bytes, step_start_tensors
+from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
 from .profiling import StepProfiler
@@ -200,7 +200,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
 
     with Preemption(plan.checkpoint.on_signal) as preemption:
         for step in range(start + 1, t.steps + 1):
-            memory.before(live_bytes(step_start_tensors(parts, optimizers)))
+            memory.before(parts, optimizers)
             t0 = time.perf_counter()
             with profiler.step(step):
                 batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch,

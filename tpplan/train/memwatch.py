@@ -74,10 +74,12 @@ class StepMemory:
         self._before: dict[str, int] = {}
         self.cpu_ok = device_type == "cpu" and _STATUS.exists() and _CLEAR.exists()
 
-    def before(self, live: int) -> None:
-        """Call just before the step, with the bytes of tensors live at its start."""
+    def before(self, parts: list, optimizers: list) -> None:
+        """Call just before the step, with what it starts from (the model's parts and the
+        optimizers)."""
         if self.peak is not None or not self.cpu_ok:
             return
+        live = live_bytes(step_start_tensors(parts, optimizers))
         if not _mallopt(MEASURED_THRESHOLD):
             self.cpu_ok = False
             return
