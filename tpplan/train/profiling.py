@@ -191,11 +191,12 @@ def _top_level(events: list[dict]) -> list[dict]:
 
 def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     """Per profiled step: its wall time; ``compute``, the main thread's time in operators
-    outside collectives and their waits; per mesh dimension and kind the number of
-    collectives the step issued (phase ``step``, what the dry run counts) and their time --
-    on gloo the worker thread's time from a collective's start to its end (it runs beside
-    the main thread, so it can overlap compute), on CUDA the NCCL kernels' time; and the
-    trainer's own reductions (``clip``, ``loss``) apart. Times in milliseconds."""
+    outside collectives and their waits (on CUDA: the GPU kernels' time, NCCL's left out);
+    per mesh dimension and kind the number of collectives the step issued (phase ``step``,
+    what the dry run counts) and their time -- on gloo the worker thread's time from a
+    collective's start to its end (it runs beside the main thread, so it can overlap
+    compute), on CUDA the NCCL kernels' time; and the trainer's own reductions (``clip``,
+    ``loss``) apart. Times in milliseconds."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e["name"].startswith(STEP)), key=lambda e: e["ts"])
     if not steps:
@@ -214,13 +215,14 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
             votes[w["tid"]][comms[i]["name"].split()[1]] += 1
     thread_dim = {tid: c.most_common(1)[0][0] for tid, c in votes.items()}
     # CUDA: NCCL kernels carry the External id of the operator that launched them.
+    gpu = [e for e in events if e.get("cat") == "kernel"]
+    kernels = [e for e in gpu if "nccl" in e["name"].lower()]
     ext_dim = {}
-    for c in comms:
+    for c in comms if kernels else []:
         for e in events:
             if e.get("tid") == c["tid"] and c["ts"] <= e["ts"] <= c["ts"] + c["dur"] and \
                     "External id" in e.get("args", {}):
                 ext_dim[e["args"]["External id"]] = c["name"].split()[1]
-    kernels = [e for e in events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()]
     rows = []
     for s in steps:
         lo, hi = s["ts"], s["ts"] + s["dur"]
@@ -246,8 +248,11 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
             dim = ext_dim.get(k.get("args", {}).get("External id"))
             if dim is not None and lo <= k["ts"] <= hi:
                 seconds[dim] += k["dur"]
+        compute = max(busy - sum(e["dur"] for e in waits), 0)
+        if gpu:  # CUDA: the kernels' time, NCCL's left out
+            compute = sum(k["dur"] for k in gpu if lo <= k["ts"] <= hi and k not in kernels)
         rows.append({"step": int(s["name"][len(STEP):]), "wall_ms": s["dur"] / 1e3,
-                     "compute_ms": max(busy - sum(e["dur"] for e in waits), 0) / 1e3,
+                     "compute_ms": compute / 1e3,
                      "collectives": dict(sorted(count.items())),
                      "trainer_collectives": dict(sorted(other.items())),
                      "collective_ms": {d: v / 1e3 for d, v in sorted(seconds.items())}})
