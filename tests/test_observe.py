@@ -145,6 +145,27 @@ def other_runs(tmp_path_factory) -> tuple[Path, Path]:
     return base / "pp2-tp2", base / "seed1"
 
 
+def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
+    """The README's pipeline layout (pp 2 × tp 2) and a 2 × 2 run of another seed: the
+    measured peak (the largest over the ranks) within tolerance of the dry run's."""
+    from tpplan.train.verdict import MEMORY_TOLERANCE
+
+    for run in other_runs:
+        record = json.loads((run / "estimate.json").read_text())
+        ratio = record["measured"]["peak_bytes"] / record["dry_run"]["peak_bytes"]
+        assert MEMORY_TOLERANCE[0] <= ratio <= MEMORY_TOLERANCE[1], (run, ratio)
+
+
+def test_calibrate_reads_a_run_folder(watched):
+    """``--calibrate RUN_DIR``: the run's metrics.jsonl and plan.yaml, profiled steps left
+    out; one run is fitted exactly."""
+    run, _ = watched
+    proc = tpplan_cli("validate", "--plan", run / "plan.yaml", "--world-size", "4", "--device",
+                      "h100", "--calibrate", run, check=True)
+    assert f"calibration: {run / 'metrics.jsonl'} (world size 4, 1 steps)" in proc.stdout
+    assert "(1.000×)" in proc.stdout
+
+
 def test_report_side_by_side_names_where_runs_part(watched, other_runs, tmp_path):
     """A 2 × 2 run and a pp 2 × tp 2 run of the same plan and seed agree to fp32 rounding;
     another seed parts at its first step; the page draws every curve (headless Chromium)."""
@@ -229,3 +250,33 @@ def test_metrics_section_mistakes_are_located(tmp_path):
                       "--set", f"metrics.run_dir={tmp_path / 'run'}")
     assert proc.returncode == 1 and "metrics.profile 2:5 ends after the last step " \
         "(train.steps=3)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_gpu_check_refuses_without_a_gpu_and_checks_its_arguments(tmp_path):
+    """scripts/gpu_check.sh's parts that run without a GPU: its arguments, and the refusal
+    (here nvidia-smi is kept off PATH, so it refuses also on a machine with a GPU)."""
+    import os
+    import shutil
+    import subprocess
+
+    from helpers import ROOT
+
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sed", "dirname", "cat", "grep"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+
+    def run(*args):
+        return subprocess.run([shutil.which("bash"), script, *args], capture_output=True,
+                              text=True, env=env, timeout=30)
+
+    bad = run("--steps", "3")
+    assert bad.returncode == 2 and "--steps must be a whole number of at least 10" in bad.stderr
+    unknown = run("--bogus")
+    assert unknown.returncode == 2 and "unknown argument '--bogus'" in unknown.stderr
+    assert run("--help").returncode == 0 and "fails loudly" in run("--help").stdout
+    refused = run("--steps", "12", "--out", str(tmp_path / "out"))
+    assert refused.returncode == 2 and "no NVIDIA GPU here (nvidia-smi not found)" in refused.stderr
+    assert not (tmp_path / "out").exists()
