@@ -29,7 +29,17 @@ def device_preset(name: str) -> Device | None:
 def estimate(plan_path: str, overrides: Sequence[str], world_size: int,
              device_type: str) -> dict[str, Any]:
     """``{peak_bytes, peak_at, step_time_s, device, step_time_note}`` of the plan at
-    ``world_size``, or ``{error}`` when the dry run cannot size it."""
+    ``world_size``, or ``{error}`` when the dry run cannot size it: a run is never stopped
+    by its estimate."""
+    try:
+        return _estimate(plan_path, overrides, world_size, device_type)
+    except Exception as e:  # noqa: BLE001 -- the run goes on; the summary says why
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return {"error": f"{type(e).__name__}: {first}"}
+
+
+def _estimate(plan_path: str, overrides: Sequence[str], world_size: int,
+              device_type: str) -> dict[str, Any]:
     from . import ANALYSES
     from .cost import estimate_step
     from .dryrun import dry_run
