@@ -25,8 +25,8 @@ __all__ = ["ESTIMATE_FILE", "MEMORY_TOLERANCE", "Check", "compare_estimate", "re
 
 ESTIMATE_FILE = "estimate.json"
 # measured / predicted peak. CPU: the resident set also holds the allocator's small blocks,
-# Python objects and gloo's buffers (a few MiB), never counted as tensors; a step of the
-# README's Quickstart reads 0.97-0.99 (docs/training.md, "Watch a run").
+# Python objects and gloo's buffers, never counted as tensors; the README's runs read
+# 0.92-0.98 (docs/training.md, "The dry run against the run").
 MEMORY_TOLERANCE = (0.85, 1.15)
 
 
