@@ -156,6 +156,22 @@ def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
         assert MEMORY_TOLERANCE[0] <= ratio <= MEMORY_TOLERANCE[1], (run, ratio)
 
 
+def test_one_runs_report_shows_the_dry_run_against_the_run(watched, tmp_path):
+    from browser import find_browser, parse, rendered_dom
+
+    run, _ = watched
+    page_file = tmp_path / "run.html"
+    proc = tpplan_cli("report", run, "--html", page_file, check=True)
+    record = json.loads((run / "estimate.json").read_text())
+    assert "against the dry run's" in proc.stdout and f"{run / 'profile'}" in proc.stdout
+    browser = find_browser()
+    if browser is None:
+        pytest.skip("no Chromium for the page (see tests/test_pages.py)")
+    p = parse(rendered_dom(browser, page_file)[0]).by_id("estimate")
+    assert int(p.attrs["data-measured"]) == record["measured"]["peak_bytes"]
+    assert int(p.attrs["data-predicted"]) == record["dry_run"]["peak_bytes"]
+
+
 def test_calibrate_reads_a_run_folder(watched):
     """``--calibrate RUN_DIR``: the run's metrics.jsonl and plan.yaml, profiled steps left
     out; one run is fitted exactly."""

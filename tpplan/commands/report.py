@@ -76,10 +76,14 @@ def _single(args: argparse.Namespace) -> int:
     if measured.get("peak_bytes") and predicted.get("peak_bytes"):
         out.print(f"the run: peak {size(measured['peak_bytes'])} per rank measured "
                   f"({measured.get('how')}) against the dry run's {size(predicted['peak_bytes'])}"
-                  f" (×{measured['peak_bytes'] / predicted['peak_bytes']:.2f})")
-    for summary in data["run"].get("profile") or []:
-        if summary and summary.get("steps"):
-            out.print(f"profile: {summary.get('trace')}")
+                  f" (×{measured['peak_bytes'] / predicted['peak_bytes']:.2f})", soft_wrap=True)
+    traced = [p for p in data["run"].get("profile") or [] if p and p.get("trace")]
+    if traced:
+        from pathlib import Path
+
+        steps = [r["step"] for r in traced[0]["steps"]]
+        out.print(f"profile: steps {steps[0]}..{steps[-1]}, {len(traced)} ranks' traces in "
+                  f"{Path(traced[0]['trace']).parent}", soft_wrap=True, highlight=False)
     if args.html:
         out.print(f"wrote {args.html}")
     return 0

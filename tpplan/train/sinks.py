@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,17 @@ class Sinks:
             w = metrics.wandb
             folder = Path(w.dir or run_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            self.wandb = wandb.init(project=w.project, mode=w.mode, dir=str(folder),
-                                    name=w.name or run_dir.resolve().name, config={"plan": config},
-                                    settings=wandb.Settings(silent=True, console="off"))
+            try:
+                self.wandb = wandb.init(project=w.project, mode=w.mode, dir=str(folder),
+                                        name=w.name or run_dir.resolve().name,
+                                        config={"plan": config},
+                                        settings=wandb.Settings(silent=True, console="off"))
+            except Exception as e:  # noqa: BLE001 -- W&B down or not logged in: train anyway
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                self.where["wandb"] = f"not started ({type(e).__name__}: {first})"
+                print(f"tpplan train: metrics.wandb: {self.where['wandb']}; training goes on, "
+                      f"metrics.jsonl has every figure", file=sys.stderr, flush=True)
+                return
             self.where["wandb"] = (f"{self.wandb.dir.removesuffix('/files')} (wandb sync it)"
                                    if w.mode == "offline" else self.wandb.url or w.project)
 
