@@ -51,7 +51,15 @@ def _estimate(plan_path: str, overrides: Sequence[str], world_size: int,
         return {"error": why}
     mem = r.extra["memory_per_rank"]
     out: dict[str, Any] = {"peak_bytes": mem["peak"], "peak_at": mem.get("peak_at"),
-                           "step_time_s": None, "device": None}
+                           "at_peak": mem.get("at_peak"), "step_time_s": None, "device": None,
+                           "mesh": r.resolution.dims.as_dict() if r.resolution else None}
+    comm = r.extra.get("comm_per_step", {})
+    if "collectives" in comm:  # per step: what `--profile`'s table counts
+        counts: dict[str, int] = {}
+        for c in comm["collectives"]:
+            key = f"{c['mesh_dim']} {c['kind']}"
+            counts[key] = counts.get(key, 0) + c["count"]
+        out["collectives"] = counts
     if device_type != "cuda":
         out["step_time_note"] = ("no estimate on CPU: the cost model knows GPU presets "
                                  "(tpplan validate --device; --calibrate fits one to runs)")

@@ -49,7 +49,9 @@ def settle(run_dir: Path, predicted: dict[str, Any] | None, measured_peak: int |
     check = compare_estimate(predicted, measured_peak, step_time, dist.get_world_size(),
                              memory.device_type, memory.how)
     write_estimate(run_dir, check.record)
-    sinks.text("dry_run", "\n".join(f"{k}: {v}" for k, v in check.rows.items()), check.record)
+    text = "\n\n".join(f"{k}: {v}" for k, v in check.rows.items())
+    sinks.text("dry_run", f"{text}\n\n```json\n{json.dumps(check.record, indent=1)}\n```",
+               check.record)
     return check.rows
 
 
@@ -62,7 +64,8 @@ def compare_estimate(predicted: dict[str, Any] | None, measured_peak: int | None
                              "step_time_s": step_time},
                 "dry_run": predicted, "memory_tolerance": list(MEMORY_TOLERANCE)}
     if predicted is None:
-        c.rows["dry run"] = "not run (the trainer was called without an estimate)"
+        c.rows["dry run"] = ("not run (train() was given no estimate, or was called with its "
+                             "caller's process group already up)")
         return c
     if predicted.get("error"):
         c.rows["dry run"] = f"could not run: {predicted['error']}"
