@@ -41,7 +41,8 @@ LINKS = ("intra_node_efficiency", "inter_node_efficiency")
 
 def measured_step(path: str | Path) -> dict[str, Any]:
     """The median step time of a run's ``metrics.jsonl`` (its first step, which pays for
-    warm-up, left out when there are others), its world size and step count."""
+    warm-up, and the steps ``--profile`` slowed left out when there are others), its world
+    size and step count."""
     rows = []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if line.strip():
@@ -50,6 +51,7 @@ def measured_step(path: str | Path) -> dict[str, Any]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
     rows = [r for r in rows if "step_time_s" in r]
+    rows = [r for r in rows if not r.get("profiled")] or rows
     if not rows:
         raise ValueError(f"{path}: no step_time_s in any row: not a tpplan train metrics.jsonl")
     steady = rows[1:] or rows

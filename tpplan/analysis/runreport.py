@@ -1,7 +1,7 @@
 """A run folder as data: its metrics over steps and the plan it ran, dry-run again.
 
 ``tpplan train`` leaves ``metrics.jsonl`` (one JSON object per logged step: ``step``,
-``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ... and ``val_loss`` when the run
+``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ... and ``eval_loss`` when the run
 evaluates) and ``plan.yaml`` (the resolved plan) in its run folder. The plan is dry-run at
 the run's world size, so the report shows the mesh, memory and communication it ran with.
 """
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunError", "run_report", "world_size_of"]
+__all__ = ["RunError", "run_metrics", "run_report", "world_size_of"]
 
 
 class RunError(Exception):
@@ -34,6 +34,20 @@ def _metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
         else:
             skipped += 1
     return sorted(rows, key=lambda r: r["step"]), skipped
+
+
+def _json(path: Path) -> Any:
+    """A JSON file tpplan train wrote (``estimate.json``: the dry run against the run,
+    ``profile/summary-rank<R>.json``: a profile's table), or None."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def run_metrics(folder: Path) -> tuple[list[dict[str, Any]], int]:
+    """A run folder's metrics rows by step, and the number of lines that could not be read."""
+    return _metrics(folder / "metrics.jsonl")
 
 
 def world_size_of(rows: list[dict[str, Any]]) -> int | None:
@@ -64,7 +78,10 @@ def run_report(run_dir: str | Path, world_size: int | None = None) -> dict[str, 
         source = plan_yaml.splitlines()[0].removeprefix("# resolved from ").strip()
     world = world_size or world_size_of(rows)
     out: dict[str, Any] = {"run": dict(dir=str(folder), metrics=rows, skipped_lines=skipped,
-                                       plan_yaml=plan_yaml, plan_source=source, world_size=world),
+                                       plan_yaml=plan_yaml, plan_source=source, world_size=world,
+                                       estimate=_json(folder / "estimate.json"),
+                                       profile=[_json(p) for p in sorted(
+                                           (folder / "profile").glob("summary-rank*.json"))]),
                            "plan": None, "plan_error": None}
     if plan_yaml is None:
         out["plan_error"] = f"{plan_file}: not found"

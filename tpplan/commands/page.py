@@ -38,8 +38,8 @@ TEMPLATE = """<!doctype html>
 
 
 def render_page(kind: str, data: dict[str, Any], title: str, subtitle: str = "") -> str:
-    """The page for ``data``: ``kind`` is ``plan`` (``validate --json``), ``search`` or ``run``
-    (``report --json``)."""
+    """The page for ``data``: ``kind`` is ``plan`` (``validate --json``), ``search``, ``run``
+    (``report --json`` of one run) or ``runs`` (of several)."""
     # Inside <script>, "</" would end the element: JSON allows "<\\/" for "</".
     payload = json.dumps(data).replace("</", "<\\/")
     return TEMPLATE.format(title=html.escape(title), subtitle=html.escape(subtitle), kind=kind,

@@ -23,8 +23,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(compute, intra_node, inter_node: fractions of peak; fsdp_overlap, "
                         "tp_overlap: fractions hidden; docs/search.md)")
     p.add_argument("--calibrate", metavar="METRICS", action="append", default=[],
-                   help="fit compute efficiency to a `tpplan train` run's metrics.jsonl (its "
-                        "plan.yaml next to it gives the layout), repeatable: runs whose "
+                   help="fit compute efficiency to a `tpplan train` run's metrics.jsonl or run "
+                        "folder (its plan.yaml gives the layout), repeatable: runs whose "
                         "communication shares differ also fit the links' efficiencies; "
                         "needs --device")
 
@@ -48,6 +48,9 @@ def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]
 
     from ..analysis.calibration import fit_report
 
+    # A run folder stands for its metrics.jsonl.
+    args.calibrate = [str(Path(m) / "metrics.jsonl") if Path(m).is_dir() else m
+                      for m in args.calibrate]
     for m in args.calibrate:
         if not Path(m).is_file():
             _fail(f"--calibrate {m}: no such file")

@@ -37,6 +37,10 @@ def register(sub) -> None:
                    help="start over in a run folder that already holds checkpoints")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="override the automatic choice (cuda + nccl where GPUs are present)")
+    p.add_argument("--profile", metavar="START:END", default=None,
+                   help="torch.profiler traces of steps START to END (both included) per rank "
+                        "in <run_dir>/profile/, and a table of compute against each mesh "
+                        "dimension's collectives (the plan key metrics.profile)")
     p.set_defaults(run=run)
 
 
@@ -62,6 +66,8 @@ def _relaunch(args: argparse.Namespace) -> int:
         argv.append("--overwrite")
     if args.device:
         argv += ["--device", args.device]
+    if args.profile:
+        argv += ["--profile", args.profile]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         torchrun(argv)
@@ -98,11 +104,17 @@ def run(args: argparse.Namespace) -> int:
             print("error: --nproc is for launching; under torchrun leave it out", file=sys.stderr)
             return 2
         return _relaunch(args)
+    from ..analysis.runcheck import estimate
     from ..train import TrainError, train
 
     rank0 = os.environ.get("RANK", "0") == "0"
+    overrides = list(args.overrides)
+    if args.profile:  # quoted: YAML would read 3:4 unquoted as text anyway, this says so
+        overrides.append(f'metrics.profile="{args.profile}"')
     try:
-        summary = train(args.plan, args.overrides, args.resume, args.overwrite, args.device)
+        summary = train(args.plan, overrides, args.resume, args.overwrite, args.device,
+                        estimate=lambda world, device: estimate(args.plan, overrides, world,
+                                                                 device))
     except TrainError as e:
         # Raised on every rank alike (before the process group, or agreed on after it):
         # say it once, fail everywhere.

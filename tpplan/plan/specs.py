@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Loc
+from .sinks import TensorBoardSpec, WandbSpec
 from .styles import StyleSpec
 
 __all__ = [
@@ -264,10 +265,13 @@ class CheckpointSpec:
 
 @dataclass
 class MetricsSpec:
-    """``metrics:`` — where the run folder is and how often rank 0 reports."""
+    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile."""
 
     run_dir: str | None = None  # default runs/<plan file stem>
     log_interval: int = 1
+    tensorboard: TensorBoardSpec | None = None
+    wandb: WandbSpec | None = None
+    profile: tuple[int, int] | None = None
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 

@@ -12,7 +12,8 @@ import math
 from pathlib import Path
 
 from .errors import ErrorList, nearest
-from .reader import NUMBER, Reader
+from .reader import NUMBER, Reader, describe
+from .sinks import WANDB_MODES, TensorBoardSpec, WandbSpec
 from .specs import DATA_FORMATS, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec, TrainSpec
 from .yamlio import LMap, LSeq
 
@@ -148,6 +149,65 @@ def parse_metrics(doc: LMap, errs: ErrorList) -> MetricsSpec:
     r = Reader.section(errs, doc, "metrics", _fields(MetricsSpec))
     spec = MetricsSpec(run_dir=r.get("run_dir", str, None),
                        log_interval=r.get("log_interval", int, d.log_interval),
+                       tensorboard=_tensorboard(r), wandb=_wandb(r), profile=_profile(r),
                        loc=r.m.loc, locs=r.locs())
     r.at_least("log_interval", spec.log_interval, 1)
     return spec
+
+
+def _sink(r: Reader, key: str, cls: type) -> Reader | None:
+    """A sink's section: ``true`` (its defaults), ``false``/null (off) or a mapping."""
+    value = r.m.get(key)
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = LMap(r.loc(key))
+    if not isinstance(value, LMap):
+        r.errs.add(f"'metrics.{key}' must be true, false or a mapping of {', '.join(_fields(cls))}, "
+                   f"got {describe(value)} {value!r}", r.loc(key))
+        return None
+    return Reader(r.errs, f"metrics.{key}", value, r.loc(key), _fields(cls))
+
+
+def _tensorboard(r: Reader) -> TensorBoardSpec | None:
+    s = _sink(r, "tensorboard", TensorBoardSpec)
+    return None if s is None else TensorBoardSpec(dir=s.get("dir", str, None))
+
+
+def _wandb(r: Reader) -> WandbSpec | None:
+    s = _sink(r, "wandb", WandbSpec)
+    if s is None:
+        return None
+    d = WandbSpec()
+    spec = WandbSpec(project=s.get("project", str, d.project), mode=s.get("mode", str, d.mode),
+                     dir=s.get("dir", str, None), name=s.get("name", str, None))
+    if spec.mode not in WANDB_MODES:
+        r.errs.add(f"'metrics.wandb.mode' must be one of {', '.join(WANDB_MODES)}, got "
+                   f"'{spec.mode}'{nearest(spec.mode, WANDB_MODES)}", s.loc("mode"))
+        spec.mode = d.mode
+    return spec
+
+
+def _profile(r: Reader) -> tuple[int, int] | None:
+    """``START:END`` (steps, both included) or ``[START, END]``; a single step ``N``."""
+    value = r.m.get("profile")
+    if value is None or value is False:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = [value, value]
+    elif isinstance(value, str) and value.count(":") == 1:
+        pair = value.split(":")
+    elif isinstance(value, LSeq) and len(value) == 2:
+        pair = list(value)
+    else:
+        pair = None
+    try:
+        first, last = (int(x) for x in pair) if pair is not None and not any(
+            isinstance(x, bool) for x in pair) else (None, None)
+    except (TypeError, ValueError):
+        first = last = None
+    if first is None or not 1 <= first <= last:
+        r.errs.add(f"'metrics.profile' must be START:END, the steps to profile (1 <= START "
+                   f"<= END, e.g. 3:4), got {value!r}", r.loc("profile"))
+        return None
+    return first, last

@@ -109,6 +109,10 @@ class _Walker:
             raise PlanError(f"YAML tag '{node.tag}' is not allowed in a plan; plans hold plain "
                             "mappings, lists, strings, numbers, booleans and null", loc)
         if isinstance(node, yaml.ScalarNode):
+            if node.tag.endswith(":int") and ":" in node.value:
+                # YAML 1.1 reads 3:4 as a base-60 integer (184); as in YAML 1.2 it stays
+                # text here (``metrics.profile: 3:4`` means steps 3 to 4).
+                return node.value
             return self.scalars.construct_object(node)
         if isinstance(node, yaml.SequenceNode):
             seq = LSeq(loc)

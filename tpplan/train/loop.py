@@ -11,10 +11,12 @@ The loss is the mean over the global batch's counted targets (:mod:`.evaluate`).
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,13 +28,17 @@ from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import step_batch
 from .evaluate import Evaluation
+from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
+from .profiling import StepProfiler
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
+from .sinks import Sinks
+from .verdict import settle
 from .stepper import make_stepper
 
 __all__ = ["train"]
@@ -45,7 +51,8 @@ def _init(parts: list, seed: int, device: torch.device) -> str:
 
 
 def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = None,
-          overwrite: bool = False, device_type: str | None = None) -> dict:
+          overwrite: bool = False, device_type: str | None = None,
+          estimate: Callable[[int, str], dict[str, Any]] | None = None) -> dict:
     """Run ``tpplan train`` in this process (one rank of torchrun, or a world of one).
 
     Raises :class:`~tpplan.plan.errors.PlanErrors` / :class:`~tpplan.train.setup.TrainError`
@@ -53,16 +60,21 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     mistake can be found alone), a damaged checkpoint, a failed save or a diverged loss --
     the same error on every rank. Returns the summary shown at the end, plus ``losses`` and
     ``step_times`` per step, and ``stopped`` (a signal name) when a signal ended it early.
+    ``estimate(world_size, device_type)``: the dry run's figures, called on rank 0 before the
+    process group starts and printed at the end next to what was measured (:mod:`.verdict`).
     """
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
     owned = not dist.is_initialized()  # a caller's own process group is left running
+    predicted = None
+    if estimate is not None and owned and int(os.environ.get("RANK", "0")) == 0:
+        predicted = estimate(prep.dims.world_size, device_type)
     mesh = prep.plan.build_mesh(device_type)
     claimed: Claim | None = None
     try:
         claimed = claim(prep, prep.model)  # shapes of the model before it is parallelized
-        return _run(prep, claimed, mesh, device_type)
+        return _run(prep, claimed, mesh, device_type, predicted)
     except ckpt.Damaged as e:
         raise TrainError(f"cannot resume: {e}") from None
     except RuntimeError as e:
@@ -140,7 +152,8 @@ def _start_folder(prep: Prepared, claimed: Claim, start: int) -> list[str]:
     return notes
 
 
-def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
+def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
+         predicted: dict[str, Any] | None) -> dict:
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
     accum, micro_size = prep.step.grad_accum, prep.step.micro_batch
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -194,6 +207,9 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
         header += f"\nresumed from {claimed.resume_from} at step {start}"
     header += "".join(f"\n{n}" for n in notes)
     reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
+    sinks = Sinks(plan.metrics, prep.run_dir, rank == 0, plan.to_dict())
+    profiler = StepProfiler(plan.metrics.profile, prep.run_dir, rank, device_type, mesh)
+    memory = StepMemory(device_type)
     record = hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank)
     evaluation = Evaluation(prep, parts[0], micro_size, dp_rank, device)  # no eval under pp
     times, losses, stopped = [], [], 0
@@ -212,31 +228,38 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
 
     with Preemption(plan.checkpoint.on_signal) as preemption:
         for step in range(start + 1, t.steps + 1):
+            memory.before(parts, optimizers)
             t0 = time.perf_counter()
-            batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch, t.seq_len,
-                               dp_rank, dims.dp)
-            record(step, batch.tokens)
-            tokens, mask = batch.to(device)
-            count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
-            loss_sum = stepper(tokens, mask, count)
-            # TP peers hold the same partial sums (under a pipeline, the last stage's ranks;
-            # the others hold 0): the world's total over tp is the global mean.
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-            loss_value = loss_sum.item() / dims.tp
-            grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group)
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                raise TrainError(
-                    f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
-                    f"diverged; stopped before the optimizer step (last checkpoint: "
-                    f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
-            lr = schedules[0].get_last_lr()[0]
-            for optimizer, schedule in zip(optimizers, schedules):
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-            if device_type == "cuda":
-                torch.cuda.synchronize()
+            with profiler.step(step):
+                batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch,
+                                   t.seq_len, dp_rank, dims.dp)
+                record(step, batch.tokens)
+                tokens, mask = batch.to(device)
+                count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
+                loss_sum = stepper(tokens, mask, count)
+                # TP peers hold the same partial sums (under a pipeline, the last stage's
+                # ranks; the others hold 0): the world's total over tp is the global mean.
+                with profiler.phase("loss"):
+                    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+                loss_value = loss_sum.item() / dims.tp
+                with profiler.phase("clip"):
+                    grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group)
+                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                    raise TrainError(
+                        f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
+                        f"diverged; stopped before the optimizer step (last checkpoint: "
+                        f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
+                lr = schedules[0].get_last_lr()[0]
+                for optimizer, schedule in zip(optimizers, schedules):
+                    optimizer.step()
+                    schedule.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if device_type == "cuda":
+                    torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            memory.after(step)
+            if profiler.done(step):
+                profiler.show(reporter.note)
             times.append(dt)
             losses.append(loss_value)
             row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
@@ -244,11 +267,13 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
                    "tokens_per_s_per_device": tokens_per_step / dt / world}
             if batch.mask is not None:
                 row["loss_tokens"] = batch.count
+            row.update(profiler.mark(step))
             if device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
             row.update(evaluation.after(step))
             reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
+            sinks.log(row)
             hooks.after_step(rank, step)
             stopped = preemption.agreed(device)
             interval = plan.checkpoint.interval
@@ -258,26 +283,37 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
             if stopped:
                 break
 
-    steady = times[1:] or times
+    if profiler.done(start + len(times), stopped=True):  # stopped inside the window
+        profiler.show(reporter.note)
+    steady = [dt for i, dt in enumerate(times[1:], start + 2) if not profiler.mark(i)] \
+        or times[1:] or times
     mean_dt = sum(steady) / max(len(steady), 1)
+    measured = largest_peak(memory, device)
     summary = {
         "steps": f"{start + len(times)}/{t.steps}" + (f" (resumed at {start})" if start else ""),
         "mesh": str(dims), "device": f"{world} × {device_type}",
         "first loss": losses[0] if losses else float("nan"),
         "final loss": losses[-1] if losses else float("nan"),
         **evaluation.summary(),
-        "step time (s, excl. first)": mean_dt,
+        f"step time (s, excl. first{' and profiled' * bool(plan.metrics.profile)})": mean_dt,
         "tokens/s (global)": tokens_per_step / mean_dt if mean_dt else 0.0,
         "tokens/s per device": tokens_per_step / mean_dt / world if mean_dt else 0.0,
         "MFU": GPU_ONLY if device_type != "cuda" else (
             "unknown GPU peak" if not peak else
             f"{flops_token * tokens_per_step / mean_dt / world / peak:.1%}"),
-        "peak memory": GPU_ONLY if device_type != "cuda" else
-        f"{torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB",
+        "peak memory": f"{measured / 2 ** 20:,.1f} MiB ({memory.how}, largest rank)"
+        if measured is not None else "not measured on this system (Linux with glibc, or CUDA)",
         "run folder": str(prep.run_dir),
+        "metrics": str(prep.run_dir / "metrics.jsonl"),
+        **sinks.where,
+        **({"profile": f"{profiler.folder} (trace-rank<R>.json: open in ui.perfetto.dev)"}
+           if plan.metrics.profile else {}),
         "checkpoint": str(last_saved) if last_saved else "none",
     }
+    if rank == 0:
+        summary.update(settle(prep.run_dir, predicted, measured, mean_dt, memory, sinks))
     reporter.close(summary)
+    sinks.close()
     if stopped:
         done = start + len(times)
         where = (f"checkpoint saved at {last_saved}; continue with --resume"
@@ -289,3 +325,4 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
             record_launch(prep.run_dir, stopped=summary["stopped"], step=done)
     summary["losses"], summary["step_times"] = losses, times
     return summary
+

@@ -2,8 +2,10 @@
 
 On a terminal: a rich progress bar with step, loss, grad norm, lr and tokens/s (with an
 ``eval`` section, the validation loss and perplexity on the steps it runs; on GPU, MFU and
-peak memory). Not on a terminal (CI logs, pipes): one plain line per log step.
-Always: ``metrics.jsonl`` in the run folder and a summary table at the end.
+peak memory) and the time left. Not on a terminal (CI logs, pipes): one plain line per log
+step, ending with the time left (``eta``: the steps to go at the mean step time so far, the
+first step left out). Always: ``metrics.jsonl`` in the run folder and a summary table at
+the end, which says where the metrics, the sinks' files, traces and checkpoints are.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Reporter:
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, active: bool,
                  header: str, console: Console | None = None):
-        self.active = active
+        self.active, self.total = active, total_steps
         self.rows: list[dict[str, Any]] = []
         if not active:
             return
@@ -85,7 +87,18 @@ class Reporter:
         if self.progress is not None:
             self.progress.update(self.task, completed=row["step"], info=info)
         elif show:
-            self.console.print(f"step {row['step']:>6}  {info}", highlight=False)
+            self.console.print(f"step {row['step']:>6}  {info}  eta {self.eta(row['step'])}",
+                               highlight=False)
+
+    def eta(self, step: int) -> str:
+        """The time left: the steps to go at the mean step time of this run's steps so far
+        (its first, which pays for warm-up, left out when there are others)."""
+        times = [r["step_time_s"] for r in self.rows if "step_time_s" in r]
+        times = times[1:] or times
+        left = max(self.total - step, 0) * (sum(times) / len(times) if times else 0.0)
+        m, sec = divmod(int(round(left)), 60)
+        h, m = divmod(m, 60)
+        return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
     def note(self, text: str) -> None:
         if self.active:  # one line however long its paths: tools and people grep for it

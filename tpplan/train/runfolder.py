@@ -6,7 +6,9 @@
   named. The lock of an earlier round of the *same* launch (torchrun restarting its
   workers) is taken over too.
 - **What tpplan wrote.** ``--overwrite`` removes only ``metrics.jsonl``, ``plan.yaml``,
-  ``batches/`` and the ``step-NNNNNN`` folders; anything else in the folder stays.
+  ``estimate.json``, ``batches/``, ``tensorboard/``, ``profile/`` and the ``step-NNNNNN``
+  folders; anything else in the folder stays (W&B runs under ``wandb/`` are each their
+  own run).
 - **Restarts.** ``.tpplan-launch`` records the launch (torchrun's rendezvous id): a worker
   started with the id already recorded there is a restart of that launch and resumes by
   itself from the last intact checkpoint.
@@ -30,8 +32,8 @@ __all__ = ["LAUNCH_FILE", "LOCK_FILE", "RunLock", "launch_id", "preflight", "rea
 
 LOCK_FILE = ".tpplan.lock"
 LAUNCH_FILE = ".tpplan-launch"
-WRITTEN_FILES = ("metrics.jsonl", "plan.yaml")
-WRITTEN_DIRS = ("batches",)
+WRITTEN_FILES = ("metrics.jsonl", "plan.yaml", "estimate.json")
+WRITTEN_DIRS = ("batches", "tensorboard", "profile")
 
 
 def launch_id() -> str | None:

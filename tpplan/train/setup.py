@@ -26,6 +26,7 @@ from . import pretrained
 from .corpora import load_corpora
 from .data import Corpus, DataError
 from .runfolder import launch_id, preflight, read_launch
+from .sinks import missing as missing_sink
 
 __all__ = ["Prepared", "TrainError", "prepare", "run_folders"]
 
@@ -113,7 +114,13 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         errs.extend(e.errors)
     if plan.pipeline is not None:
         _pipeline_limits(plan, errs)
+    profile = plan.metrics.profile
+    if profile is not None and profile[1] > t.steps:
+        errs.add(f"metrics.profile {profile[0]}:{profile[1]} ends after the last step "
+                 f"(train.steps={t.steps})", plan.metrics.locs.get("profile", plan.metrics.loc))
     errs.raise_if_any()
+    if problem := missing_sink(plan.metrics):
+        raise TrainError(problem)
     model = build_model(plan.require_model(), device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
     source = pretrained.check(plan.model, model) if plan.model.pretrained else None

@@ -292,7 +292,7 @@
     root.append(el("div", { class: "facts", id: "facts" }, fact("run folder", run.dir, "dir"),
       fact("steps logged", rows.length, "steps"), fact("world size", run.world_size ?? "-", "world_size"),
       fact("plan", run.plan_source || "plan.yaml", "plan")));
-    const series = [["loss", "loss"], ["val_loss", "validation loss"], ["tokens_per_s", "tokens/s (global)"],
+    const series = [["loss", "loss"], ["eval_loss", "validation loss"], ["val_loss", "validation loss"], ["tokens_per_s", "tokens/s (global)"],
                     ["grad_norm", "grad norm"], ["lr", "learning rate"]];
     const charts = el("div", { class: "charts", id: "charts" });
     for (const [key, label] of series) {
@@ -306,6 +306,11 @@
       root.append(el("h3", { text: `Last step (${last.step})` }), table("last-step", keys,
         [{ cells: keys.map((k) => ({ text: fmt(last[k]), num: true, attrs: { "data-key": k, "data-value": last[k] } })) }]));
     }
+    const est = run.estimate, dry = est && est.dry_run, got = est && est.measured;
+    if (dry && got && dry.peak_bytes && got.peak_bytes)
+      root.append(el("p", { id: "estimate", "data-measured": got.peak_bytes, "data-predicted": dry.peak_bytes },
+        `Peak memory per rank: ${size(got.peak_bytes)} measured (${got.how}) against the dry run's ${size(dry.peak_bytes)} ` +
+        `(×${(got.peak_bytes / dry.peak_bytes).toFixed(2)}).`));
     if (run.skipped_lines) root.append(el("p", { class: "warn", text: `${run.skipped_lines} line(s) of metrics.jsonl could not be read (a run cut off mid-line).` }));
     root.append(el("h2", { text: "The plan it ran" }), el("details", {}, el("summary", { text: "plan.yaml (resolved)" }),
       el("pre", { id: "plan-yaml", text: run.plan_yaml || "(no plan.yaml in the run folder)" })));
@@ -335,6 +340,52 @@
     return el("div", { class: "chart-box" }, el("h3", { text: `${label}: ${fmt(points[points.length - 1][1])} at step ${points[points.length - 1][0]}` }), box);
   }
 
+  // ---- runs side by side (`tpplan report A B ...`) --------------------------------------
+  function renderRuns(d, root) {
+    root.append(el("div", { class: "facts", id: "facts" }, fact("runs", d.runs.length, "runs"),
+      fact("baseline", d.baseline, "baseline")));
+    root.append(el("p", { class: "legend", id: "run-legend" }, ...d.runs.map((r, i) =>
+      el("span", { "data-run": i }, el("span", { class: "swatch", style: `background:${PALETTE[i % PALETTE.length]}` }), `${r.dir}  `))));
+    const labels = { loss: "loss", eval_loss: "validation loss", tokens_per_s: "tokens/s (global)", grad_norm: "grad norm" };
+    const charts = el("div", { class: "charts", id: "charts" });
+    for (const key of d.series) {
+      const lines = d.runs.map((r) => r.metrics.filter((m) => typeof m[key] === "number" && isFinite(m[key])).map((m) => [m.step, m[key]]));
+      if (lines.some((l) => l.length)) charts.append(overlay(key, labels[key] || key, lines));
+    }
+    root.append(el("h2", { text: "Over steps, overlaid" }), charts);
+    root.append(el("h2", { text: "Where the losses part (against the first run)" }),
+      table("partings", ["run", "first step apart", { text: "loss", num: true }, { text: "baseline", num: true },
+        { text: "tolerance", num: true }, "why this tolerance"], d.partings.map((p) => ({
+          attrs: { "data-run": p.run, "data-step": p.step === null ? "none" : p.step, "data-tolerance": p.tolerance },
+          cells: [p.run, p.step === null ? `none in ${p.common_steps} common steps` : String(p.step),
+            num(p.step === null ? "" : fmt(p.loss)), num(p.step === null ? "" : fmt(p.base_loss)), num(String(p.tolerance)), p.why] }))));
+    root.append(el("h2", { text: "How the plans differ" }), d.differences.length ?
+      table("differences", ["key", ...d.runs.map((r, i) => `run ${i + 1}`)], d.differences.map((x) => ({
+        attrs: { "data-key": x.key }, cells: [x.key, ...x.values.map((v) => JSON.stringify(v) ?? "-")] }))) :
+      el("p", { id: "differences", text: "The plans are the same." }));
+  }
+
+  function overlay(key, label, lines) {
+    const W = 440, H = 200, L = 56, B = 24, T = 10, R = 10;
+    const all = lines.flat();
+    const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
+    const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+    const sx = (x) => L + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (W - L - R);
+    const sy = (y) => H - B - (y1 === y0 ? 0.5 : (y - y0) / (y1 - y0)) * (H - B - T);
+    const box = svg("svg", { width: "100%", viewBox: `0 0 ${W} ${H}`, class: "chart", "data-series": key, "data-runs": lines.length },
+      svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }),
+      svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }),
+      svg("text", { x: 2, y: T + 8, text: fmt(y1) }), svg("text", { x: 2, y: H - B, text: fmt(y0) }),
+      svg("text", { x: L, y: H - 6, text: `step ${x0}` }), svg("text", { x: W - R - 60, y: H - 6, text: `step ${x1}` }));
+    lines.forEach((points, i) => {
+      if (!points.length) return;
+      box.append(svg("polyline", { fill: "none", stroke: PALETTE[i % PALETTE.length], "stroke-width": 1.6, "data-run": i,
+        "data-points": points.length, "data-last": points[points.length - 1][1], "data-first": points[0][1],
+        points: points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
+    });
+    return el("div", { class: "chart-box" }, el("h3", { text: label }), box);
+  }
+
   function renderSearch(d, root) {  // `tpplan search --json`: the ranked layouts, the drops
     root.append(el("h2", { text: `The ${d.ranked.length} fastest layouts that fit (estimated)` }));
     root.append(table("ranked", [{ text: "#", num: true }, { text: "tokens/s/GPU", num: true },
@@ -358,7 +409,8 @@
     const data = JSON.parse(document.getElementById("data").textContent);
     const main = document.getElementById("main");
     const kind = document.body.dataset.kind;
-    if (kind === "run") renderRun(data, main); else if (kind === "search") renderSearch(data, main);
+    if (kind === "run") renderRun(data, main); else if (kind === "runs") renderRuns(data, main);
+    else if (kind === "search") renderSearch(data, main);
     else renderPlan(data, main);
     document.body.dataset.rendered = "yes";
   } catch (e) {
