@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import ErrorList, nearest
 from .patterns import compile_pattern
+from .lora import parse_lora
 from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
@@ -27,7 +28,7 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", "freeze", "pipeline", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", "lora", "pipeline", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
@@ -238,6 +239,7 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
+        lora=parse_lora(doc, errs),
     )
     spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
     errs.raise_if_any()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
+from ..models.init import init_adapters
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
@@ -134,6 +135,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
         init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
     elif prep.pretrained is not None:
         init_method = load_pretrained(prep.pretrained, parts[0])
+        if sum(init_adapters(part, t.seed) for part in parts):  # not in the HF folder
+            init_method += ", LoRA adapters drawn"
     else:
         init_method = _init(parts, t.seed, device) + " init"
     made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
