@@ -102,3 +102,59 @@ def test_adapters_on_4_ranks_match_peft_on_one_device(lora_plans):
         worst = max((rel_err(par_grads[n], g), n) for n, g in grads.items())
         assert worst[0] < 1e-4, (name, worst)
         assert any(g.abs().max() > 1e-6 for n, g in grads.items() if "lora_A" in n), name
+
+
+def test_lora_mistakes_are_located_errors(write_plan, capsys):
+    """The section's syntax first (rank, init, unknown keys), then against the model: a target
+    matching nothing, one that is not an nn.Linear, a rank above a layer's, a packed base."""
+    base = ROOT / "plans" / "llama.yaml"
+    path = write_plan(f"""extends: {base}
+lora:
+  targets: ["layers.*.attention.wq", "!layers.0.*"]
+  rank: 0
+  init: gausian
+  dropuot: 0.1
+""")
+    rc, out = run_main(capsys, "validate", "--plan", path, "--world-size", "4")
+    assert rc != 0
+    assert "plan.yaml:4:9: error: 'lora.rank' must be at least 1, got 0" in out
+    assert "plan.yaml:5:9: error: 'lora.init' must be one of kaiming, gaussian" in out
+    assert "(did you mean 'gaussian'?)" in out
+    assert "plan.yaml:6:3: error: unknown key 'dropuot' in 'lora' (did you mean 'dropout'?)" in out
+    path = write_plan(f"""extends: {base}
+lora:
+  targets: ["layers.*.attention.wq", "layers.*.attention", "layers.*.mlp.w1", "output"]
+  rank: 200
+  modules_to_save: [head]
+""")
+    rc, out = run_main(capsys, "validate", "--plan", path, "--world-size", "4")
+    assert rc != 0
+    assert ("plan.yaml:3:38: error: lora target 'layers.*.attention' (Attention) is not an "
+            "nn.Linear") in out
+    assert ("plan.yaml:3:60: error: 'lora.targets' pattern 'layers.*.mlp.w1' matches no "
+            "module of the model (did you mean 'layers.*.feed_forward.w1'?)") in out
+    assert ("plan.yaml:4:9: error: 'lora.rank' 200 is larger than target "
+            "'layers.*.attention.wq' allows (in 128, out 128): at most 128") in out
+    assert "'output' allows (in 128, out 256)" in out
+    assert "plan.yaml:5:21: error: 'lora.modules_to_save' pattern 'head' matches no" in out
+    assert "Traceback" not in out
+
+
+def test_a_packed_base_is_refused_with_the_reason(write_plan, capsys, tmp_path):
+    config = tmp_path / "phi3.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("phi3", num_hidden_layers=2), default=str))
+    path = write_plan(f"""mesh: {{tp: 2, dp_shard: -1}}
+model: {{hf_config: {config}}}
+tensor_parallel:
+  "model.layers.*.self_attn.qkv_proj":
+    {{style: packed_colwise, parts: [num_attention_heads, num_key_value_heads, num_key_value_heads]}}
+  "model.layers.*.self_attn.o_proj": rowwise
+fsdp: {{units: ["model.layers.*"]}}
+lora: {{targets: ["model.layers.*.self_attn.{{qkv_proj,o_proj}}"], rank: 4}}
+""")
+    rc, out = run_main(capsys, "validate", "--plan", path, "--world-size", "4")
+    assert rc != 0
+    assert ("plan.yaml:8:18: error: lora target 'model.layers.*.self_attn.qkv_proj' is under "
+            "style 'packed_colwise' (rule 'model.layers.*.self_attn.qkv_proj', line 4)") in out
+    assert "leave it out with '!model.layers.*.self_attn.qkv_proj'" in out
+    assert out.count("error:") == 1  # o_proj (rowwise) is followed

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..plan import ErrorList
+from ..plan.errors import nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import LoraSpec, LoraTarget
 
@@ -115,20 +116,25 @@ def check_lora(spec: LoraSpec | None, modules: dict[str, nn.Module], rule_of: di
     if spec is None:
         return
     paths = list(modules)
+    linears = sorted({generalize(p) for p, m in modules.items() if p and isinstance(m, nn.Linear)})
     for rule in spec.targets + spec.modules_to_save:
         key = "targets" if rule in spec.targets else "modules_to_save"
         hits = [p for p in paths if p and compile_pattern(rule.pattern).fullmatch(p)]
         if not hits and rule.included and not stage:
-            shown = sorted({generalize(p) for p, m in modules.items()
-                            if p and isinstance(m, nn.Linear)})[:8]
-            errs.add(f"'lora.{key}' pattern '{rule.pattern}' matches no module of the model "
-                     f"(linear layers such as: {', '.join(shown)})", rule.loc)
+            shown = linears if key == "targets" else sorted({generalize(p) for p in paths if p})
+            errs.add(f"'lora.{key}' pattern '{rule.pattern}' matches no module of the model"
+                     f"{nearest(rule.pattern, shown, 0.5)} ({'linear layers' if key == 'targets' else 'modules'} "
+                     f"such as: {', '.join(shown[:8])})", rule.loc)
+    seen = set()  # one error per generalized target, not one per block
     for path in lora_targets(spec, paths):
-        module = modules[path]
+        module, general = modules[path], generalize(path)
+        if general in seen:
+            continue
+        seen.add(general)
         loc = next(r.loc for r in reversed(spec.targets)
                    if compile_pattern(r.pattern).fullmatch(path))
         if not isinstance(module, nn.Linear) or isinstance(module, (LoraA, LoraB)):
-            errs.add(f"lora target '{path}' is a {type(module).__name__}, not an nn.Linear: "
+            errs.add(f"lora target '{general}' ({type(module).__name__}) is not an nn.Linear: "
                      "LoRA adapts linear layers; name the projections inside it", loc)
             continue
         style, rule = _style_of(path, rule_of)
@@ -136,11 +142,11 @@ def check_lora(spec: LoraSpec | None, modules: dict[str, nn.Module], rule_of: di
             why = REFUSED.get(style, "the adapter follows colwise, rowwise, kv_colwise and "
                                      "replicate bases only")
             where = f" (rule '{rule.pattern}', line {rule.loc.line})" if rule else ""
-            errs.add(f"lora target '{path}' is under style '{style}'{where}, which a LoRA "
-                     f"adapter cannot follow: {why}; leave it out with '!{path}'", loc)
+            errs.add(f"lora target '{general}' is under style '{style}'{where}, which a LoRA "
+                     f"adapter cannot follow: {why}; leave it out with '!{general}'", loc)
         limit = min(module.in_features, module.out_features)
         if spec.rank > limit:
-            errs.add(f"'lora.rank' {spec.rank} is larger than target '{path}' allows "
+            errs.add(f"'lora.rank' {spec.rank} is larger than target '{general}' allows "
                      f"(in {module.in_features}, out {module.out_features}): at most {limit}",
                      spec.locs.get("rank", spec.loc))
 
