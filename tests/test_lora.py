@@ -5,6 +5,7 @@ processes against ``peft``'s own LoRA on one device (tests/lora_ranks.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -158,3 +159,76 @@ lora: {{targets: ["model.layers.*.self_attn.{{qkv_proj,o_proj}}"], rank: 4}}
             "style 'packed_colwise' (rule 'model.layers.*.self_attn.qkv_proj', line 4)") in out
     assert "leave it out with '!model.layers.*.self_attn.qkv_proj'" in out
     assert out.count("error:") == 1  # o_proj (rowwise) is followed
+
+
+LORA_STEPS = 6
+
+
+def lora_train(plan: str, folder, run_dir, *extra: str, nproc: int | None = None, sets=()):
+    from helpers import tpplan_cli
+
+    args = ["train", "--plan", plan]
+    for s in [f"model.pretrained={folder}", f"data.tokenizer={folder}",
+              f"data.path={folder / 'chat.jsonl'}", "eval=null", f"train.steps={LORA_STEPS}",
+              "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
+              "train.lr=0.01", "checkpoint.interval=3", "checkpoint.keep=0",
+              f"metrics.run_dir={run_dir}", *sets]:
+        args += ["--set", s]
+    return tpplan_cli(*args, *extra, *(["--nproc", str(nproc)] if nproc else []), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, tiny_llama):
+    """A LoRA fine-tune of scripts/make_tiny_hf.py's Llama on 2×2 (TP + SP + loss parallel +
+    FSDP2), checkpoints at steps 3 and 6: (plan, run folder)."""
+    from trainrun import ok
+
+    d = tmp_path_factory.mktemp("lora-run")
+    plan = d / "lora.yaml"
+    plan.write_text(f"""extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}
+lora: {{targets: {ATTN_MLP}], rank: 4, alpha: 8}}
+""")
+    ok(lora_train(str(plan), tiny_llama, d / "2x2", nproc=4))
+    return str(plan), d / "2x2"
+
+
+def test_lora_finetune_2x2_equals_one_process_and_resumes_at_another_tp(lora_run, tiny_llama,
+                                                                         tmp_path):
+    """Losses step by step equal a one-process run; checkpoints hold the adapters and their
+    AdamW state only, with the base identified; resuming step 3's checkpoint at tp=1 gives
+    steps 4-6 of the 2×2 run; another base is refused."""
+    from trainrun import assert_same_curve, fails, metrics, ok
+
+    from tpplan.checkpoint import read_model_state
+    from tpplan.checkpoint.integrity import read_trainer_state
+
+    plan, run = lora_run
+    got = metrics(run)
+    assert got[LORA_STEPS]["loss"] < got[1]["loss"]
+    ok(lora_train(plan, tiny_llama, tmp_path / "one", sets=["mesh.tp=1"]))
+    assert_same_curve(got, metrics(tmp_path / "one"), range(1, LORA_STEPS + 1))
+
+    step6 = run / "checkpoints" / "step-000006"
+    saved = read_model_state(step6)
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)[:4]
+    assert len(saved) == 2 * 7 * 2  # 7 projections in each of 2 blocks, A and B
+    base = read_trainer_state(step6)["lora_base"]
+    assert base["pretrained"] == str(tiny_llama.resolve()) and len(base["sha256"]) == 64
+    from tpplan.checkpoint.integrity import SafeReader
+
+    keys = SafeReader(str(step6)).read_metadata().state_dict_metadata
+    moments = [k for k in keys if k.startswith("optim.state.") and k.endswith("exp_avg")]
+    assert len(moments) == len(saved) and all("lora_" in k for k in keys if k.startswith("optim.state."))
+
+    resumed = tmp_path / "resumed"
+    ok(lora_train(plan, tiny_llama, resumed, "--resume", str(run / "checkpoints" / "step-000003"),
+                  sets=["mesh.tp=1"]))
+    assert_same_curve(metrics(resumed), got, range(4, LORA_STEPS + 1))
+
+    other = tmp_path / "other-base"  # another export: its index differs
+    shutil.copytree(tiny_llama, other)
+    index = json.loads((other / "model.safetensors.index.json").read_text())
+    index.setdefault("metadata", {})["note"] = "another base"
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    fails(lora_train(plan, other, tmp_path / "refused", "--resume", str(step6),
+                     sets=["mesh.tp=1"]), "holds LoRA adapters trained on", "sha256")

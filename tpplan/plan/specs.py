@@ -18,8 +18,9 @@ from .styles import StyleSpec
 
 __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
-    "FreezeRule", "FSDPSpec", "LoraSpec", "LoraTarget", "LORA_INITS", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
+    "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
     "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
+    "LoraSpec", "LoraTarget", "LORA_INITS",
 ]
 
 # Names a plan may use for a dtype -> the canonical name (also torch's attribute name).

@@ -131,7 +131,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     parts = stepper.parts  # the model, or this rank's pipeline stages
     for part in parts:
         materialize(part, device)
-    if claimed.resume_from is not None:  # the checkpoint's weights replace these below
+    lora = plan.lora is not None  # checkpoints hold what trains; the base is loaded as at start
+    if claimed.resume_from is not None and not (lora and prep.pretrained is not None):
         init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
     elif prep.pretrained is not None:
         init_method = load_pretrained(prep.pretrained, parts[0])
@@ -145,7 +146,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     schedules = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
     if claimed.resume_from is not None:
-        state = ckpt.load(claimed.resume_from, parts, optimizers)
+        state = ckpt.load(claimed.resume_from, parts, optimizers, trained_only=lora)
         for schedule in schedules:
             schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
@@ -178,8 +179,11 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
         state = {"step": step, "schedule": schedules[0].state_dict(), "data_step": step,
                  "rng": torch.get_rng_state(), "model_shapes": shapes,
                  "mesh": dims.as_dict(), "plan": plan.source, "reason": reason}
+        if lora:
+            state["lora_base"] = prep.lora_base
         try:
-            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep)
+            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep,
+                             trained_only=lora)
         except ckpt.SaveFailed as e:
             kept = f"the previous checkpoint {last_saved} is intact" if last_saved else \
                 "no earlier checkpoint exists"

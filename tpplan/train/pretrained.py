@@ -133,3 +133,22 @@ def plan_problems(plan_path: str, overrides) -> list:
     except PlanErrors as e:
         return list(e.errors)
     return []
+
+
+def base_identity(spec: ModelSpec, seed: int) -> dict:
+    """What a LoRA checkpoint's frozen base was: ``model.pretrained``'s folder and the
+    SHA-256 of its safetensors index (or its single ``model.safetensors``), or the seed of
+    a randomly initialized base. A resume on another base is refused."""
+    import hashlib
+
+    if not spec.pretrained:
+        return {"pretrained": None, "seed": seed}
+    folder = pretrained_dir(spec)
+    index = folder / "model.safetensors.index.json"
+    target = index if index.is_file() else folder / "model.safetensors"
+    digest = hashlib.sha256()
+    with open(target, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return {"pretrained": str(folder.resolve()), "file": target.name,
+            "sha256": digest.hexdigest()}

@@ -57,6 +57,7 @@ class Prepared:
     notes: list[str] = field(default_factory=list)  # shown under the header on rank 0
     pretrained: pretrained.Pretrained | None = None  # model.pretrained, checked
     eval_corpus: Corpus | None = None  # held-out data (the eval section), None: no eval
+    lora_base: dict | None = None  # with lora: the frozen base's identity, saved and checked
 
 
 def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
@@ -148,6 +149,8 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         raise TrainError(problem)
     prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, eval_corpus=ev,
                     notes=list(corpora.notes), pretrained=source)
+    if plan.lora is not None:
+        prep.lora_base = pretrained.base_identity(plan.model, t.seed)
     if plan.checkpoint.enabled:
         problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
         if problem:
