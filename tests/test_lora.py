@@ -232,3 +232,38 @@ def test_lora_finetune_2x2_equals_one_process_and_resumes_at_another_tp(lora_run
     (other / "model.safetensors.index.json").write_text(json.dumps(index))
     fails(lora_train(plan, other, tmp_path / "refused", "--resume", str(step6),
                      sets=["mesh.tp=1"]), "holds LoRA adapters trained on", "sha256")
+
+
+def test_peft_and_merged_exports_give_tpplans_logits(lora_run, tiny_llama, tmp_path, capsys):
+    """``--format peft`` loads in ``peft.PeftModel.from_pretrained`` and ``--merge`` in
+    transformers, both with the logits of tpplan's own model of the run (base + the
+    checkpoint's adapters, as ``tpplan generate`` runs it); the adapters changed them."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    from tpplan.byom.generate import load_generator
+
+    _, run = lora_run
+    rc, out = run_main(capsys, "export", "--checkpoint", str(run), "--format", "peft",
+                       "-o", str(tmp_path / "adapter"))
+    assert rc == 0, out
+    rc, out = run_main(capsys, "export", "--checkpoint", str(run), "--merge",
+                       "-o", str(tmp_path / "merged"))
+    assert rc == 0, out
+    tokens = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def hf(folder):
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    with torch.no_grad():
+        ours = load_generator(run).model(tokens)
+        peft_logits = PeftModel.from_pretrained(hf(tiny_llama), tmp_path / "adapter")(
+            input_ids=tokens).logits
+        merged = hf(tmp_path / "merged")(tokens).logits
+        base = hf(tiny_llama)(tokens).logits
+    assert rel_err(peft_logits, ours) < 1e-5 and rel_err(merged, ours) < 1e-5
+    assert rel_err(base, ours) > 1e-3
+    rc, out = run_main(capsys, "generate", "--checkpoint", str(run), "--prompt", "Hi",
+                       "--max-new-tokens", "4")
+    assert rc == 0, out
