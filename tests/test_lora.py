@@ -267,3 +267,51 @@ def test_peft_and_merged_exports_give_tpplans_logits(lora_run, tiny_llama, tmp_p
     rc, out = run_main(capsys, "generate", "--checkpoint", str(run), "--prompt", "Hi",
                        "--max-new-tokens", "4")
     assert rc == 0, out
+
+
+def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tiny_llama,
+                                                                    tmp_path):
+    """``model.adapter``: a folder ``peft`` itself saved (targets as PEFT users write them,
+    suffixes) starts the 2×2 run: step 1's loss is peft's own on the same batch; the run
+    trains on from there; a folder of another rank is a located error."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from trainrun import fails, metrics, ok
+
+    from tpplan.train.corpora import load_corpora
+    from tpplan.train.data import step_batch
+    from tpplan.train.evaluate import summed_loss
+
+    plan_path, _ = lora_run
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(base, config).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0.0, 0.05, generator=g)
+    model.save_pretrained(tmp_path / "adapter")
+
+    run = tmp_path / "from-adapter"
+    ok(lora_train(plan_path, tiny_llama, run, nproc=4,
+                  sets=[f"model.adapter={tmp_path / 'adapter'}", "train.steps=2"]))
+    plan = tpplan.load(plan_path, [f"data.tokenizer={tiny_llama}",
+                                   f"data.path={tiny_llama / 'chat.jsonl'}", "eval=null"])
+    data = load_corpora(plan.data, plan.eval, run, base.config.vocab_size, 32)
+    batch = step_batch(data.train, 0, 1, 4, 32, 0, 1)
+    with torch.no_grad():
+        logits = model(input_ids=batch.tokens[:, :-1]).logits
+    loss = summed_loss(logits, batch.tokens, batch.mask).item() / batch.count
+    got = metrics(run)
+    assert got[1]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert sorted(got) == [1, 2]
+
+    config.r = 2
+    other = get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama), config)
+    other.save_pretrained(tmp_path / "rank2")
+    fails(lora_train(plan_path, tiny_llama, tmp_path / "refused",
+                     sets=[f"model.adapter={tmp_path / 'rank2'}", "mesh.tp=1"]),
+          "model.adapter:", "has r 2 but the plan's lora section says 4")

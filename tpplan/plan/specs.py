@@ -94,6 +94,7 @@ class ModelSpec:
     hf_config: str | None = None
     hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
     pretrained: str | None = None  # an HF checkpoint folder the weights start from
+    adapter: str | None = None  # a PEFT LoRA adapter folder the `lora` adapters start from
     base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)

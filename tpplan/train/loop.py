@@ -28,6 +28,7 @@ from .data import step_batch
 from .evaluate import Evaluation
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
+from .pretrained import load_adapter
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, remove_written, trim_metrics, write_plan
@@ -140,6 +141,9 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
             init_method += ", LoRA adapters drawn"
     else:
         init_method = _init(parts, t.seed, device) + " init"
+    if prep.adapter is not None and claimed.resume_from is None:
+        load_adapter(prep.adapter, parts)
+        init_method += f", LoRA adapters from {plan.model.adapter}"
     made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
     optimizers = [o for o, _ in made]
     trained = [p for _, ps in made for p in ps]
