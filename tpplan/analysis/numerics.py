@@ -24,6 +24,7 @@ from ..models import build_model
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.packing import packed_params
 from ..parallel.freeze import apply_freeze
+from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.packed import to_model_order
 from ..parallel.runtime import as_spawned_rank, spawn
@@ -55,6 +56,9 @@ def reference_step(plan: Plan, tokens: torch.Tensor, seed: int) -> StepResult:
     """Forward and backward of the plan's model on one device, no parallelism."""
     torch.manual_seed(seed)
     model = build_model(plan.require_model(), device="cpu").eval()  # eval: dropout off on both sides
+    if plan.spec.lora is not None:  # the same adapters (drawn from the same seed), unsplit
+        apply_lora(plan.spec.lora, model, None, {}, plan.spec.train.seed)
+        freeze_base(plan.spec.lora, model)
     apply_freeze(plan.freeze, model)  # what the plan freezes has no gradient on either side
     logits = model(tokens[:, :-1])
     loss = _loss(logits, tokens[:, 1:])

@@ -158,9 +158,15 @@ def _from_run(checkpoint: Path, plan_path: Path | None) -> Generator:
     checkpoint = checked_checkpoint(checkpoint)
     plan_file = Path(plan_path or find_plan(checkpoint))
     plan = load(plan_file)
-    model = build_model(plan.require_model(), "meta", real_buffers=True)
+    if plan.lora is not None:  # the checkpoint holds the adapters: the base as the run had it
+        from .lora_model import lora_model
+
+        model = lora_model(plan, read_weights(checkpoint), checkpoint)
+    else:
+        model = build_model(plan.require_model(), "meta", real_buffers=True)
     try:
-        model.load_state_dict(read_weights(checkpoint), strict=False, assign=True)
+        if plan.lora is None:
+            model.load_state_dict(read_weights(checkpoint), strict=False, assign=True)
     except RuntimeError as e:  # a shape that does not fit
         raise CommandError(f"checkpoint {checkpoint} does not fit the plan's model: "
                            f"{str(e).strip().splitlines()[-1].strip()}") from None

@@ -1,6 +1,7 @@
 """``tpplan export``: a sharded checkpoint as one safetensors file (the default, for small
 models), or with ``--format hf`` as a HuggingFace model folder (sharded safetensors, config,
-tokenizer) streamed one tensor at a time; on one CPU process either way."""
+tokenizer) streamed one tensor at a time; a LoRA run's adapters as PEFT's folder
+(``--format peft``) or merged into its base (``--merge``); on one CPU process."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ def register(sub) -> None:
     p.add_argument("--plan", help="the plan the run used (default: the run folder's plan.yaml)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast floating-point tensors (default: as trained)")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    p.add_argument("--format", choices=("safetensors", "hf", "peft"), default="safetensors",
                    help="safetensors: one model.safetensors (the whole model in memory); hf: "
-                   "a HuggingFace model folder, written tensor by tensor")
+                   "a HuggingFace model folder, written tensor by tensor; peft: a LoRA run's "
+                   "adapters as PEFT's folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA run: a whole HuggingFace folder, the adapters merged into the "
+                   "base's weights (model.pretrained)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="--format hf: the largest safetensors shard (5GB, 500MB, 2GiB; "
                    "default 5GB)")
@@ -29,6 +34,8 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge or args.format == "peft":
+        return _run_lora(args)
     if args.format == "hf":
         return _run_hf(args)
     from ..byom.export import export_checkpoint
@@ -55,4 +62,27 @@ def _run_hf(args: argparse.Namespace) -> int:
     else:
         print("no tokenizer written: the plan names none (data.tokenizer or model.pretrained), "
               "so the run trained on bytes; pass --tokenizer to add one")
+    return 0
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from ..byom.export_peft import export_merged, export_peft
+    from ..plan.errors import CommandError
+
+    if args.tokenizer or args.max_shard_size != "5GB":
+        raise CommandError("--tokenizer and --max-shard-size go with --format hf; --merge "
+                           "copies the base's shards and tokenizer")
+    if args.merge:
+        if args.format == "peft" or args.dtype:
+            raise CommandError("--merge writes a HuggingFace folder in the base's dtype; "
+                               "leave out --format peft and --dtype")
+        s = export_merged(args.checkpoint, args.output, args.plan)
+        print(f"exported {s['checkpoint']}: {s['merged']} LoRA adapters merged into "
+              f"{s['base']}" + (f", {s['saved']} trained tensors" if s["saved"] else "")
+              + f" -> {s['out']}")
+        return 0
+    s = export_peft(args.checkpoint, args.output, args.plan, args.dtype)
+    print(f"exported {s['checkpoint']}: LoRA adapters of {s['targets']} modules, "
+          f"{s['parameters']:,} parameters in {s['tensors']} tensors -> {s['out']} "
+          "(adapter_config.json, adapter_model.safetensors)")
     return 0

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..plan.packing import Packing, packed_params
 
-__all__ = ["init_weights", "materialize", "param_seed"]
+__all__ = ["init_adapters", "init_weights", "materialize", "param_seed"]
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
@@ -77,7 +77,10 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
         model.init_buffers(device)
     packed = packed_params(model)
     if hasattr(model, "init_std"):
+        adapters = {n for n, _ in _adapters(model)}
         for name, p in model.named_parameters():
+            if name in adapters:
+                continue  # their own init below, as PEFT draws it (B zeros)
             std = model.init_std(name)
             full = torch.empty(p.shape, dtype=p.dtype)
             if std is None:
@@ -86,8 +89,28 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
                 full.normal_(0.0, std, generator=torch.Generator().manual_seed(
                     param_seed(seed, name)))
             _assign(p, full.to(p.device if not isinstance(p, DTensor) else "cpu"), packed.get(name))
+        init_adapters(model, seed)
         return "init_std"
-    for path, module in model.named_modules():
+    _reset_each(model, seed, model.named_modules(), packed)
+    return "reset_parameters"
+
+
+def _adapters(model: nn.Module):
+    """(parameter name, module path) of LoRA adapters (``tpplan.parallel.lora``)."""
+    return [(f"{path}.{n}", path) for path, m in model.named_modules()
+            if getattr(m, "is_lora_adapter", False) for n, _ in m.named_parameters(recurse=False)]
+
+
+def init_adapters(model: nn.Module, seed: int) -> int:
+    """(Re)draw the LoRA adapters alone, each seeded by its path (after pretrained weights
+    filled the base); returns how many adapter modules."""
+    paths = {path for _, path in _adapters(model)}
+    _reset_each(model, seed, [(p, model.get_submodule(p)) for p in sorted(paths)], {})
+    return len(paths)
+
+
+def _reset_each(model: nn.Module, seed: int, modules, packed: dict) -> None:
+    for path, module in modules:
         own = dict(module.named_parameters(recurse=False))
         if not own or not hasattr(module, "reset_parameters"):
             continue
@@ -98,7 +121,6 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
         for pname, p in own.items():
             _assign(p, getattr(copy, pname).detach(),
                     packed.get(f"{path}.{pname}" if path else pname))
-    return "reset_parameters"
 
 
 def _cpu_copy(module: nn.Module) -> nn.Module:

@@ -22,6 +22,7 @@ from ..plan.styles import EP_STYLES, PACKED_STYLES
 from .attention import register_cpu_attention
 from .freeze import apply_freeze
 from .kv_heads import kv_style, localize_kv_groups
+from .lora import apply_lora, freeze_base
 from .fsdp_units import fsdp_calls
 from .expert_parallel import ExpertParallel
 from .mesh import dp_mesh, expert_meshes
@@ -150,6 +151,10 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         apply_ep(model, ep_mesh, res)
         experts = efsdp_mesh
         log.info("applied expert parallel: %d modules on ep=%d", len(expert_paths(res)), dims.ep)
+    if plan.lora is not None:  # after TP (a style would take the adapters as its own), before FSDP
+        n = apply_lora(plan.lora, model, mesh["tp"] if dims.tp > 1 else None, res.rule_of,
+                       plan.train.seed)
+        log.info("added LoRA adapters of rank %d to %d linear layers", plan.lora.rank, n)
     ac = plan.activation_checkpointing
     if ac.enabled:
         apply_ac(model, res.ac_blocks, ac.every)
@@ -160,7 +165,11 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     if plan.fsdp is not None:
         apply_fsdp(model, dp_mesh(mesh), plan.fsdp, res, experts)
         log.info("applied FSDP2: %d units + root on dp=%d", len(res.units), dims.dp)
-    if plan.freeze:  # last: SequenceParallel turns requires_grad on for the norms it shards
+    # Last: SequenceParallel turns requires_grad on for the norms it shards. LoRA freezes the
+    # base first, so `freeze` can only freeze more.
+    if plan.lora is not None:
+        log.info("LoRA: %d parameters train, the base is frozen", freeze_base(plan.lora, model))
+    if plan.freeze:
         log.info("froze %d parameters", apply_freeze(plan.freeze, model))
     return ApplyReport(res, seconds=time.perf_counter() - start, model=model)
 

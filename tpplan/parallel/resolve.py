@@ -19,6 +19,7 @@ from .checks import check_composite, check_heads, check_latent, check_norms_besi
 from .freeze import check_freeze
 from .head_params import check_head_params
 from .kv_heads import check_kv_colwise
+from .lora import check_lora
 from .packed import check_packed
 from .tied import tied_groups
 from .mesh import ParallelDims
@@ -259,6 +260,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         if bare:
             errs.add(bare, blocks.loc)
         target += hits
+    check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
         check_tied(res, model, modules)
         check_freeze(plan.freeze, model, errs)

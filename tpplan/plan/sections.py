@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .errors import ErrorList, Loc, PlanError, PlanErrors, nearest
 from .patterns import compile_pattern
+from .lora import parse_lora
 from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
@@ -27,7 +28,7 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model", "require_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", "freeze", "pipeline", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", "lora", "pipeline", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
@@ -53,12 +54,13 @@ def parse_model(doc: LMap, errs: ErrorList) -> ModelSpec | None:
     if doc.get("model") is None:
         return None
     r = Reader(errs, "model", doc["model"], doc.value_loc("model"),
-               ("name", "config", "factory", "kwargs", "hf", "hf_config", "pretrained"))
+               ("name", "config", "factory", "kwargs", "hf", "hf_config", "pretrained", "adapter"))
     hf = r.get("hf", str, None)
     spec = ModelSpec(name=r.get("name", str, None), factory=r.get("factory", str, None),
                      hf=hf, hf_config=r.get("hf_config", str, None), loc=doc.key_loc("model"),
                      locs=r.locs(), base_dir=str(Path(doc.loc.file).parent),
-                     pretrained=r.get("pretrained", str, None, "an HF checkpoint folder"))
+                     pretrained=r.get("pretrained", str, None, "an HF checkpoint folder"),
+                     adapter=r.get("adapter", str, None, "a PEFT adapter folder"))
     if spec.pretrained and not (spec.name or spec.factory or spec.hf_config):
         spec.hf_config = spec.pretrained  # an HF model: its config.json is in the folder
         spec.locs.setdefault("hf_config", spec.locs["pretrained"])
@@ -240,8 +242,13 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
+        lora=parse_lora(doc, errs),
     )
     spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
+    if spec.model is not None and spec.model.adapter and spec.lora is None:
+        errs.add("model.adapter starts LoRA adapters from a PEFT folder: the plan needs a "
+                 "'lora' section (its targets, rank and alpha as the adapter's)",
+                 spec.model.locs["adapter"])
     errs.raise_if_any()
     return spec
 

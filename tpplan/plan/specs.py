@@ -21,6 +21,7 @@ __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
     "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
     "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
+    "LoraSpec", "LoraTarget", "LORA_INITS",
 ]
 
 # Names a plan may use for a dtype -> the canonical name (also torch's attribute name).
@@ -96,6 +97,7 @@ class ModelSpec:
     hf_config: str | None = None
     hf_kwargs: dict[str, Any] = field(default_factory=dict)  # the HF config's fields
     pretrained: str | None = None  # an HF checkpoint folder the weights start from
+    adapter: str | None = None  # a PEFT LoRA adapter folder the `lora` adapters start from
     base_dir: str | None = None  # the plan's folder: relative hf_config paths start there
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
@@ -140,6 +142,41 @@ class FreezeRule:
     pattern: str
     frozen: bool  # False for a '!pattern' exception
     loc: Loc
+
+
+LORA_INITS = ("kaiming", "gaussian")  # PEFT's init_lora_weights=True and "gaussian"
+
+
+@dataclass
+class LoraTarget:
+    """One ``lora.targets`` entry: the linear modules whose path the pattern matches get an
+    adapter; ``!pattern`` takes them out again. The last entry that matches decides."""
+
+    pattern: str
+    included: bool  # False for a '!pattern' exception
+    loc: Loc
+
+
+@dataclass
+class LoraSpec:
+    """``lora:`` — low-rank adapters beside frozen linear layers (PEFT's LoRA): the output
+    of each target becomes ``base(x) + B(A(dropout(x))) * alpha / rank`` (``alpha /
+    sqrt(rank)`` with ``rslora``). Every other parameter is frozen except the modules in
+    ``modules_to_save``, which train whole (a new head, say)."""
+
+    targets: list[LoraTarget] = field(default_factory=list)
+    rank: int = 8
+    alpha: float = 8.0
+    dropout: float = 0.0
+    init: str = "kaiming"  # A kaiming-uniform(a=sqrt 5), B zeros; "gaussian": A normal(1/rank)
+    rslora: bool = False
+    modules_to_save: list[LoraTarget] = field(default_factory=list)
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
 @dataclass
@@ -296,6 +333,7 @@ class PlanSpec:
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
     freeze: list[FreezeRule] = field(default_factory=list)
     pipeline: PipelineSpec | None = None  # set exactly when mesh.pp > 1
+    lora: LoraSpec | None = None
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
+from ..models.init import init_adapters
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
@@ -31,6 +32,7 @@ from .evaluate import Evaluation
 from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
+from .pretrained import load_adapter
 from .profiling import StepProfiler
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
@@ -171,19 +173,25 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     parts = stepper.parts  # the model, or this rank's pipeline stages
     for part in parts:
         materialize(part, device)
-    if claimed.resume_from is not None:  # the checkpoint's weights replace these below
+    lora = plan.lora is not None  # checkpoints hold what trains; the base is loaded as at start
+    if claimed.resume_from is not None and not (lora and prep.pretrained is not None):
         init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
     elif prep.pretrained is not None:
         init_method = load_pretrained(prep.pretrained, parts[0])
+        if sum(init_adapters(part, t.seed) for part in parts):  # not in the HF folder
+            init_method += ", LoRA adapters drawn"
     else:
         init_method = _init(parts, t.seed, device) + " init"
+    if prep.adapter is not None and claimed.resume_from is None:
+        load_adapter(prep.adapter, parts)
+        init_method += f", LoRA adapters from {plan.model.adapter}"
     made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
     optimizers = [o for o, _ in made]
     trained = [p for _, ps in made for p in ps]
     schedules = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
     if claimed.resume_from is not None:
-        state = ckpt.load(claimed.resume_from, parts, optimizers)
+        state = ckpt.load(claimed.resume_from, parts, optimizers, trained_only=lora)
         for schedule in schedules:
             schedule.load_state_dict(state["schedule"])
         torch.set_rng_state(state["rng"])
@@ -219,8 +227,11 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
         state = {"step": step, "schedule": schedules[0].state_dict(), "data_step": step,
                  "rng": torch.get_rng_state(), "model_shapes": shapes,
                  "mesh": dims.as_dict(), "plan": plan.source, "reason": reason}
+        if lora:
+            state["lora_base"] = prep.lora_base
         try:
-            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep)
+            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep,
+                             trained_only=lora)
         except ckpt.SaveFailed as e:
             kept = f"the previous checkpoint {last_saved} is intact" if last_saved else \
                 "no earlier checkpoint exists"

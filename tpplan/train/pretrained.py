@@ -133,3 +133,103 @@ def plan_problems(plan_path: str, overrides) -> list:
     except PlanErrors as e:
         return list(e.errors)
     return []
+
+
+def base_identity(spec: ModelSpec, seed: int) -> dict:
+    """What a LoRA checkpoint's frozen base was: ``model.pretrained``'s folder and the
+    SHA-256 of its safetensors index (or its single ``model.safetensors``), or the seed of
+    a randomly initialized base. A resume on another base is refused."""
+    import hashlib
+
+    if not spec.pretrained:
+        return {"pretrained": None, "seed": seed}
+    folder = pretrained_dir(spec)
+    index = folder / "model.safetensors.index.json"
+    target = index if index.is_file() else folder / "model.safetensors"
+    digest = hashlib.sha256()
+    with open(target, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return {"pretrained": str(folder.resolve()), "file": target.name,
+            "sha256": digest.hexdigest()}
+
+
+def _peft_matches(targets, path: str) -> bool:
+    """PEFT's own rule: a regex string matches the whole path, a list entry the path or a
+    dotted suffix of it."""
+    import re
+
+    if isinstance(targets, str):
+        return re.fullmatch(targets, path) is not None
+    return any(path == t or path.endswith("." + t) for t in targets or [])
+
+
+def check_adapter(plan, model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.adapter``'s PEFT folder against the plan's ``lora`` and ``model`` (on meta,
+    before adapters are added): its rank, alpha and targets, every tensor's name and shape.
+    Returns its tensors under tpplan's names; located errors at ``model.adapter``."""
+    from ..checkpoint.peft_format import read_adapter
+    from ..parallel.lora import lora_targets, saved_modules
+    from ..plan.errors import PlanError, PlanErrors
+
+    spec, lora = plan.model, plan.lora
+    loc = spec.locs.get("adapter", spec.loc)
+    folder = spec.path(spec.adapter)
+    try:
+        config, tensors = read_adapter(folder)
+    except ValueError as e:
+        raise PlanErrors([PlanError(f"model.adapter: {e}", loc)]) from None
+    errs = ErrorList()
+    for key, ours in (("r", lora.rank), ("lora_alpha", lora.alpha), ("use_rslora", lora.rslora)):
+        if config.get(key, False if key == "use_rslora" else None) != ours:
+            errs.add(f"model.adapter: {folder}'s adapter_config.json has {key} "
+                     f"{config.get(key)!r} but the plan's lora section says {ours!r}", loc)
+    modules = dict(model.named_modules())
+    ours = set(lora_targets(lora, list(modules)))
+    theirs = {p for p, m in modules.items() if p and isinstance(m, nn.Linear)
+              and _peft_matches(config.get("target_modules"), p)}
+    if ours != theirs:
+        diff = sorted(ours ^ theirs)
+        errs.add(f"model.adapter: {folder} adapts other modules than the plan's lora.targets "
+                 f"({len(diff)} differ, e.g. {', '.join(diff[:3])})", loc)
+    expected = {}
+    for p in ours:
+        m = modules[p]
+        expected[f"{p}.lora_A.weight"] = (lora.rank, m.in_features)
+        expected[f"{p}.lora_B.weight"] = (m.out_features, lora.rank)
+    for p in saved_modules(lora, list(modules)):
+        expected.update({f"{p}.{n}": tuple(t.shape) for n, t in
+                         modules[p].named_parameters()})
+    wrong = [f"{n} {list(t.shape)} (the plan's: {list(expected[n])})"
+             for n, t in tensors.items() if n in expected and tuple(t.shape) != expected[n]]
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    for what, names in (("tensors of other shapes", wrong), ("tensors the plan has no place "
+                        "for", unknown), ("no tensor for", missing)):
+        if names and not errs:
+            errs.add(f"model.adapter: {folder} has {what}: {', '.join(names[:3])}"
+                     f"{' ...' if len(names) > 3 else ''}", loc)
+    errs.raise_if_any()
+    return tensors
+
+
+@torch.no_grad()
+def load_adapter(tensors: dict[str, torch.Tensor], parts: list[nn.Module]) -> int:
+    """Copy a PEFT adapter's tensors (full, tpplan's names) into the parallelized model:
+    each rank keeps its own slice. Returns how many were copied."""
+    from torch.distributed.tensor import distribute_tensor
+
+    n = 0
+    for part in parts:
+        for name, p in part.named_parameters():
+            full = tensors.get(name)
+            if full is None:
+                continue
+            full = full.to(dtype=p.dtype)
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(full.to(p.device))
+            n += 1
+    return n

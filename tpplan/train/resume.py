@@ -51,6 +51,18 @@ def _different_model(path: Path, saved: dict, model: nn.Module) -> str | None:
             f"{shown}{' ...' if len(diff) > 4 else ''})")
 
 
+def _other_base(path: Path, state: dict, base: dict | None) -> str | None:
+    """A LoRA checkpoint holds adapters only: they continue on the base they were trained on."""
+    saved = state.get("lora_base")
+    if base is None or saved is None or saved == base:
+        return None
+    def show(b: dict) -> str:
+        return (f"{b['pretrained']} ({b.get('file')} sha256 {b.get('sha256', '')[:12]})"
+                if b.get("pretrained") else f"a random base of seed {b.get('seed')}")
+    return (f"checkpoint {path} holds LoRA adapters trained on {show(saved)}, but this plan's "
+            f"base is {show(base)}: resume on the same base, or start a new run")
+
+
 def _structure(path: Path, model: nn.Module) -> tuple[str | None, str | None, dict | None]:
     """Rank 0: (damage, user error, trainer state) of one candidate."""
     try:
@@ -79,6 +91,8 @@ def claim(prep: Prepared, model: nn.Module) -> Claim:
             problems = ckpt.check_contents(path)
             damage = problems[0] if problems else None
         if damage is None:
+            if problem := _other_base(path, state, prep.lora_base):
+                raise TrainError(problem)
             c.resume_from, c.state = path, state
             break
         damaged.append(damage)

@@ -58,6 +58,8 @@ class Prepared:
     notes: list[str] = field(default_factory=list)  # shown under the header on rank 0
     pretrained: pretrained.Pretrained | None = None  # model.pretrained, checked
     eval_corpus: Corpus | None = None  # held-out data (the eval section), None: no eval
+    lora_base: dict | None = None  # with lora: the frozen base's identity, saved and checked
+    adapter: dict | None = None  # model.adapter's tensors (tpplan's names), checked
 
 
 def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
@@ -124,6 +126,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     model = build_model(plan.require_model(), device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
     source = pretrained.check(plan.model, model) if plan.model.pretrained else None
+    adapter = pretrained.check_adapter(plan, model) if plan.model.adapter else None
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
     if max_len is not None and t.seq_len > max_len:
         errs.add(f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={max_len}",
@@ -155,6 +158,9 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         raise TrainError(problem)
     prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, eval_corpus=ev,
                     notes=list(corpora.notes), pretrained=source)
+    if plan.lora is not None:
+        prep.lora_base = pretrained.base_identity(plan.model, t.seed)
+        prep.adapter = adapter
     if plan.checkpoint.enabled:
         problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
         if problem:
