@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..api import Plan, load
 from ..models import build_model
 from ..plan.packing import packed_params
+from ..parallel.context import shard_batch
 from ..parallel.freeze import apply_freeze
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.packed import to_model_order
@@ -88,16 +89,28 @@ def _grads(models: list, named) -> dict[str, torch.Tensor]:
             for n, p in named if p.grad is not None}
 
 
-def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,
+                positions: torch.Tensor | None = None) -> None:
     dp_rank = data_parallel_rank(mesh)
     model = plan.apply(model, mesh)
     local = tokens.chunk(dp)[dp_rank]
+    if positions is not None:
+        positions = positions.chunk(dp)[dp_rank][:, :-1]
+    # under context parallelism this rank's part of each sequence, with its positions
+    inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
-        logits = model(local[:, :-1])
-        loss = _loss(logits, local[:, 1:])
+        logits = model(inputs, **kwargs)
+        loss = _loss(logits, targets)
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
     grads = _grads([model], model.named_parameters())
+    cp = getattr(model, "context_parallel", None)
+    if cp is not None:  # the whole sequence's logits; the mean of equal-sized parts' means
+        logits = cp.unshard(logits)
+        dist.all_reduce(loss, group=cp.group)
+        loss = loss / cp.cp
+        if cp.rank != 0:
+            return
     if mesh["tp"].get_local_rank() == 0:
         torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
                    out_dir / f"rank{dist.get_rank()}.pt")

@@ -20,10 +20,11 @@ from torch.utils.checkpoint import checkpoint
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import PACKED_STYLES
 from .attention import register_cpu_attention
+from .context import apply_context_parallel
 from .freeze import apply_freeze
 from .kv_heads import kv_style, localize_kv_groups
 from .fsdp_units import fsdp_calls
-from .mesh import dp_mesh
+from .mesh import cp_mesh, dp_mesh
 from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
@@ -117,6 +118,9 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], res)
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
+    if cp_mesh(mesh) is not None:  # attention wrapped inside the TP'd block, before AC
+        apply_context_parallel(model, cp_mesh(mesh), plan.context_parallel)
+        log.info("applied context parallel: %s on cp=%d", plan.context_parallel.method, dims.cp)
     ac = plan.activation_checkpointing
     if ac.enabled:
         apply_ac(model, res.ac_blocks, ac.every)

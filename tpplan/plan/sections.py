@@ -15,7 +15,7 @@ from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
-    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
+    CP_METHODS, DEFAULT_BLOCKS, DTYPES, ACSpec, ContextParallelSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
 from .trainer import (
@@ -27,18 +27,21 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", "freeze", "pipeline", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", "pipeline", "context_parallel",
+    *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
-    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "tp"))
+    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     d = MeshSpec()
     spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
                     r.get("dp_replicate", int, d.dp_replicate), r.get("pp", int, d.pp),
+                    cp=r.get("cp", int, d.cp),
                     loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc, locs=r.locs())
     r.at_least("tp", spec.tp, 1)
+    r.at_least("cp", spec.cp, 1)
     r.at_least("pp", spec.pp, 1)
     r.at_least("dp_replicate", spec.dp_replicate, 1)
     if spec.dp_shard == 0 or spec.dp_shard < -1:
@@ -238,6 +241,7 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         checkpoint=parse_checkpoint(doc, errs),
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
+        context_parallel=parse_context_parallel(doc, errs),
     )
     spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
     errs.raise_if_any()
@@ -257,3 +261,21 @@ def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
         if _pattern_ok(pattern, f"'freeze' pattern '{item}'", loc, errs):
             out.append(FreezeRule(pattern, frozen, loc))
     return out
+
+
+def parse_context_parallel(doc: LMap, errs: ErrorList) -> ContextParallelSpec:
+    """``context_parallel: ring|ulysses|{method: ring, load_balance: true}``; the section
+    without ``mesh.cp > 1`` is an error (it would do nothing)."""
+    key = "context_parallel"
+    words = {m: {"method": m} for m in CP_METHODS}
+    if isinstance(doc.get(key), str) and doc[key] not in words:
+        words[doc[key]] = {"method": doc[key]}  # reported below with the valid names
+    r = _section(doc, key, errs, ("method", "load_balance"), words)
+    spec = ContextParallelSpec(method=r.get("method", str, "ring"),
+                               load_balance=r.get("load_balance", bool, True),
+                               loc=doc.key_loc(key) if key in doc else None, locs=r.locs())
+    if spec.method not in CP_METHODS:
+        errs.add(f"'context_parallel.method' must be one of {', '.join(CP_METHODS)}, got "
+                 f"'{spec.method}'{nearest(spec.method, CP_METHODS)}", r.loc("method"))
+        spec.method = "ring"
+    return spec

@@ -56,8 +56,31 @@ class MeshSpec:
     dp_shard: int = -1
     dp_replicate: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: between dp_shard and tp (docs/long-context.md)
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
+
+
+CP_METHODS = ("ring", "ulysses")
+
+
+@dataclass
+class ContextParallelSpec:
+    """``context_parallel:`` — how attention runs on a sequence split over ``mesh.cp`` ranks.
+
+    ``ring``: each rank's queries against the K/V of the whole sequence, all-gathered over
+    cp (the Llama 3 paper's form); ``ulysses``: an all-to-all from sequence shards to head
+    shards around attention. ``load_balance``: each rank holds a head and a tail chunk of
+    the sequence, so causal attention costs every rank the same."""
+
+    method: str = "ring"
+    load_balance: bool = True
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)
+
+    def chunks(self, cp: int) -> int:
+        """How many equal pieces the sequence is cut into: 2·cp with load balancing."""
+        return 2 * cp if self.load_balance else cp
 
 
 @dataclass
@@ -290,6 +313,7 @@ class PlanSpec:
     metrics: MetricsSpec = field(default_factory=MetricsSpec)
     freeze: list[FreezeRule] = field(default_factory=list)
     pipeline: PipelineSpec | None = None  # set exactly when mesh.pp > 1
+    context_parallel: ContextParallelSpec = field(default_factory=ContextParallelSpec)
 
     @property
     def uses_sequence_parallel(self) -> bool:
