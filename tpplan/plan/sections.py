@@ -15,7 +15,8 @@ from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
-    CP_METHODS, DEFAULT_BLOCKS, DTYPES, ACSpec, ContextParallelSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
+    CP_METHODS, DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, ContextParallelSpec,
+    FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
 from .trainer import (
