@@ -27,7 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..plan.errors import ErrorList
-from ..plan.specs import ContextParallelSpec, PlanSpec
+from ..plan.context import ContextParallelSpec
+from ..plan.specs import PlanSpec
 from .context_attention import ring_attention, sequence_mask, ulysses_attention
 
 __all__ = ["ContextParallel", "sequence_index", "apply_context_parallel", "shard_batch",

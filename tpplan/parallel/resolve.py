@@ -236,8 +236,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         dims = None
     res = Resolution(dims=dims, errors=errs, stage=stage)
     modules = dict(model.named_modules())
-    paths = list(modules)
-    params = {n for n, _ in model.named_parameters()}
+    paths, params = list(modules), {n for n, _ in model.named_parameters()}
     tp = dims.tp if dims else plan.mesh.tp
     _resolve_rules(plan, res, paths, modules, params, tp)
     _resolve_attrs(plan, res, paths, modules, params, tp)

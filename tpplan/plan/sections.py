@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .context import parse_context_parallel
 from .errors import ErrorList, nearest
 from .patterns import compile_pattern
 from .pipeline import parse_pipeline
 from .reader import Reader
 from .rules import parse_rules
 from .specs import (
-    CP_METHODS, DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, ContextParallelSpec,
-    FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
+    DEFAULT_BLOCKS, DTYPES, ACSpec, AttrRule, CompileSpec, FreezeRule, FSDPSpec, MeshSpec, ModelSpec,
     PlanSpec, Unit,
 )
 from .trainer import (
@@ -262,21 +262,3 @@ def parse_freeze(doc: LMap, errs: ErrorList) -> list[FreezeRule]:
         if _pattern_ok(pattern, f"'freeze' pattern '{item}'", loc, errs):
             out.append(FreezeRule(pattern, frozen, loc))
     return out
-
-
-def parse_context_parallel(doc: LMap, errs: ErrorList) -> ContextParallelSpec:
-    """``context_parallel: ring|ulysses|{method: ring, load_balance: true}``; the section
-    without ``mesh.cp > 1`` is an error (it would do nothing)."""
-    key = "context_parallel"
-    words = {m: {"method": m} for m in CP_METHODS}
-    if isinstance(doc.get(key), str) and doc[key] not in words:
-        words[doc[key]] = {"method": doc[key]}  # reported below with the valid names
-    r = _section(doc, key, errs, ("method", "load_balance"), words)
-    spec = ContextParallelSpec(method=r.get("method", str, "ring"),
-                               load_balance=r.get("load_balance", bool, True),
-                               loc=doc.key_loc(key) if key in doc else None, locs=r.locs())
-    if spec.method not in CP_METHODS:
-        errs.add(f"'context_parallel.method' must be one of {', '.join(CP_METHODS)}, got "
-                 f"'{spec.method}'{nearest(spec.method, CP_METHODS)}", r.loc("method"))
-        spec.method = "ring"
-    return spec

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .context import ContextParallelSpec
 from .errors import Loc
 from .styles import StyleSpec
 
@@ -59,28 +60,6 @@ class MeshSpec:
     cp: int = 1  # context parallel: between dp_shard and tp (docs/long-context.md)
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
-
-
-CP_METHODS = ("ring", "ulysses")
-
-
-@dataclass
-class ContextParallelSpec:
-    """``context_parallel:`` — how attention runs on a sequence split over ``mesh.cp`` ranks.
-
-    ``ring``: each rank's queries against the K/V of the whole sequence, all-gathered over
-    cp (the Llama 3 paper's form); ``ulysses``: an all-to-all from sequence shards to head
-    shards around attention. ``load_balance``: each rank holds a head and a tail chunk of
-    the sequence, so causal attention costs every rank the same."""
-
-    method: str = "ring"
-    load_balance: bool = True
-    loc: Loc | None = None
-    locs: dict[str, Loc] = field(default_factory=dict)
-
-    def chunks(self, cp: int) -> int:
-        """How many equal pieces the sequence is cut into: 2·cp with load balancing."""
-        return 2 * cp if self.load_balance else cp
 
 
 @dataclass
