@@ -124,3 +124,21 @@ def test_validate_reads_a_cp_plan(root, monkeypatch, capsys):
     rc, out = run_main(capsys, "validate", "--plan", FSDP, "--set", "mesh.cp=2",
                        "--world-size", "4")
     assert rc == 0, out
+
+
+def test_train_on_cp4_matches_one_process_and_resumes_on_cp1(reference_run, tmp_path):
+    """``tpplan train`` with the sequence over 4 ranks follows the single-process curve;
+    killed in its last save, it resumes from its step-10 checkpoint on one process (cp 1:
+    the checkpoint does not depend on cp) and continues the same curve."""
+    from trainrun import STEPS, assert_same_curve, metrics, ok, tpplan_train
+
+    d = tmp_path / "cp4"
+    stopped = tpplan_train(d, nproc=4, sets=["mesh.tp=1", "mesh.cp=4"],
+                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+    assert stopped.returncode != 0
+    assert "dp_shard=1 × cp=4 × tp=1 on 4 cpu ranks" in stopped.stdout
+    assert_same_curve(metrics(d), metrics(reference_run), range(1, 11))
+    resumed = tpplan_train(d, "--resume", sets=["mesh.tp=1"])
+    ok(resumed)
+    assert "resumed from" in resumed.stdout and "step-000010" in resumed.stdout
+    assert_same_curve(metrics(d), metrics(reference_run), range(1, STEPS + 1))

@@ -124,10 +124,14 @@ def dp_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
     """The mesh FSDP2 shards over: 2-D ``(dp_replicate, dp_shard)`` is HSDP; under context
     parallelism ``dp_shard × cp`` flattened takes dp_shard's place (cp ranks hold the same
     parameters and see parts of one sequence, so their gradients are reduced too)."""
+    import warnings
+
     shard = DP_SHARD_CP if CP_DIM in (mesh.mesh_dim_names or ()) else "dp_shard"
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", shard]
-    return mesh[shard]
+    with warnings.catch_warnings():  # torch 2.13 warns on slicing a flattened dimension from
+        warnings.simplefilter("ignore", UserWarning)  # the root: still the documented way
+        if mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", shard]
+        return mesh[shard]
 
 
 def dp_rank(mesh: "DeviceMesh") -> int:

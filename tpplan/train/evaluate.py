@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..parallel.context import shard_batch
 from .data import Batch, Corpus, eval_batch
 
-__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss"]
+__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss",
+           "target_loss"]
 
 IGNORE_INDEX = -100
 
@@ -34,6 +36,11 @@ def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
     targets = tokens[:, 1:]
     if mask is not None:
         targets = targets.masked_fill(~mask, IGNORE_INDEX)
+    return target_loss(logits, targets)
+
+
+def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over ``targets`` that are not ``IGNORE_INDEX``."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -63,11 +70,15 @@ def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: 
         b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
         tokens, mask = b.to(device)
         for m in range(0, len(tokens), micro):
-            part = None if mask is None else mask[m:m + micro]
+            targets = tokens[m:m + micro, 1:]
+            if mask is not None:
+                targets = targets.masked_fill(~mask[m:m + micro], IGNORE_INDEX)
+            # under context parallelism each cp rank adds its part of the sequence
+            inputs, targets, kwargs = shard_batch(model, tokens[m:m + micro, :-1], targets)
             with loss_context():
-                s = summed_loss(model(tokens[m:m + micro, :-1]), tokens[m:m + micro], part)
+                s = target_loss(model(inputs, **kwargs), targets)
             total[0] += plain_loss(s).double()
-            total[1] += tokens[m:m + micro, 1:].numel() if part is None else part.sum()
+            total[1] += (targets != IGNORE_INDEX).sum()
     # TP peers add the same sums as their dp rank: both totals grow alike, the ratio holds.
     dist.all_reduce(total)
     model.train(was_training)

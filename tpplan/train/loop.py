@@ -125,7 +125,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
     shapes = ckpt.model_shapes(prep.model)  # the whole model's, on every pipeline degree
     n_params = sum(p.numel() for p in prep.model.parameters())
     # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
-    dp_scale = dims.dp if plan.fsdp is not None else 1
+    # FSDP2 averages over dp_shard × cp: each rank's loss is its tokens' part of the sum
+    dp_scale = dims.dp * dims.cp if plan.fsdp is not None else 1
     stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale)
     parts = stepper.parts  # the model, or this rank's pipeline stages
     for part in parts:

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .evaluate import IGNORE_INDEX, plain_loss, summed_loss
+from ..parallel.context import shard_batch
+from .evaluate import IGNORE_INDEX, plain_loss, target_loss
 
 __all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
 
@@ -32,9 +33,13 @@ class PlainStepper:
             part = slice(m * self.micro, (m + 1) * self.micro)
             if self.can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
                 self.model.set_requires_gradient_sync(m == self.accum - 1)
+            inputs, targets = tokens[part, :-1], tokens[part, 1:]
+            if mask is not None:
+                targets = targets.masked_fill(~mask[part], IGNORE_INDEX)
+            # under context parallelism this rank's part of the sequence (and its positions)
+            inputs, targets, kwargs = shard_batch(self.model, inputs, targets)
             with self.plan.loss_context():
-                loss = summed_loss(self.model(tokens[part, :-1]), tokens[part],
-                                   None if mask is None else mask[part]) / count
+                loss = target_loss(self.model(inputs, **kwargs), targets) / count
                 (loss * self.dp_scale).backward()
             loss_sum += plain_loss(loss.detach())
         return loss_sum
