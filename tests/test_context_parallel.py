@@ -142,3 +142,12 @@ def test_train_on_cp4_matches_one_process_and_resumes_on_cp1(reference_run, tmp_
     ok(resumed)
     assert "resumed from" in resumed.stdout and "step-000010" in resumed.stdout
     assert_same_curve(metrics(d), metrics(reference_run), range(1, STEPS + 1))
+
+
+def test_document_positions_restart_after_each_separator():
+    from tpplan.train.data import document_positions
+
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 0, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    assert document_positions(tokens, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
+                                                      [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+    assert document_positions(tokens, None) is None  # bytes: no boundaries

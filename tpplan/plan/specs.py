@@ -223,6 +223,7 @@ class DataSpec:
     format: str = "auto"  # one of DATA_FORMATS
     text_field: str = "text"  # the field of a .jsonl / .parquet record that holds the text
     separator: str | None = None  # token between packed documents; null: the tokenizer's eos
+    document_mask: bool = True  # packed documents attend within themselves only (positions restart)
     base_dir: str | None = None  # the plan's folder: relative paths are looked for there first
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)

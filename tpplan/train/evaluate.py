@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.context import shard_batch
-from .data import Batch, Corpus, eval_batch
+from ..parallel.context import position_kwarg, shard_batch
+from .data import Batch, Corpus, document_positions, eval_batch
 
 __all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss",
            "target_loss"]
@@ -60,21 +60,25 @@ def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -
 @torch.no_grad()
 def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: int,
              batch: int, seq_len: int, micro: int, dp_rank: int, dp: int,
-             device: torch.device) -> tuple[float, float]:
+             device: torch.device, documents: bool = False) -> tuple[float, float]:
     """(loss, perplexity) over ``batches`` global batches of held-out windows: the mean over
-    every counted target of all of them, the same on any mesh. Collective."""
+    every counted target of all of them, the same on any mesh. Collective. ``documents``:
+    packed documents masked from each other, as in training."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, targets)
     for i in range(batches):
         b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
         tokens, mask = b.to(device)
+        positions = document_positions(tokens, corpus.separator) \
+            if documents and position_kwarg(model) is not None else None
         for m in range(0, len(tokens), micro):
             targets = tokens[m:m + micro, 1:]
             if mask is not None:
                 targets = targets.masked_fill(~mask[m:m + micro], IGNORE_INDEX)
             # under context parallelism each cp rank adds its part of the sequence
-            inputs, targets, kwargs = shard_batch(model, tokens[m:m + micro, :-1], targets)
+            pos = None if positions is None else positions[m:m + micro, :-1]
+            inputs, targets, kwargs = shard_batch(model, tokens[m:m + micro, :-1], targets, pos)
             with loss_context():
                 s = target_loss(model(inputs, **kwargs), targets)
             total[0] += plain_loss(s).double()
@@ -106,7 +110,7 @@ class Evaluation:
             return {}
         loss, ppl = evaluate(self.model, plan.loss_context, self.prep.eval_corpus, self.batches,
                              self.prep.step.global_batch, t.seq_len, self.micro, self.dp_rank,
-                             self.prep.dims.dp, self.device)
+                             self.prep.dims.dp, self.device, plan.data.document_mask)
         self.last = {"eval loss": loss, "eval perplexity": ppl}
         return {"eval_loss": loss, "eval_ppl": ppl}
 

@@ -23,7 +23,7 @@ from ..models import init_weights, materialize
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
-from .data import step_batch
+from .data import document_positions, step_batch
 from .evaluate import Evaluation
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
@@ -190,8 +190,10 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str) -> dict:
                                dp_rank, dims.dp)
             record(step, batch.tokens)
             tokens, mask = batch.to(device)
+            positions = document_positions(tokens, prep.corpus.separator) \
+                if plan.data.document_mask else None
             count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
-            loss_sum = stepper(tokens, mask, count)
+            loss_sum = stepper(tokens, mask, count, positions)
             # TP peers hold the same partial sums (under a pipeline, the last stage's ranks;
             # the others hold 0): the world's total over tp is the global mean.
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
