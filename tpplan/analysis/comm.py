@@ -56,14 +56,16 @@ def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepSh
     for unit in units:
         name, elems = unit.unit, unit.elements
         n = gathers(name) if gathers else k * (1 + (fsdp.reshard_after_forward and name != ROOT))
-        if dims.dp_shard > 1:
-            out.append(dict(kind="all_gather", mesh_dim="dp_shard", count=n,
+        shard = dims.dp_shard * dims.cp  # under cp FSDP2 shards over dp_shard × cp
+        dim = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+        if shard > 1:
+            out.append(dict(kind="all_gather", mesh_dim=dim, count=n,
                             bytes=n * elems * param_bytes, unit=name))
-            out.append(dict(kind="reduce_scatter", mesh_dim="dp_shard", count=1,
+            out.append(dict(kind="reduce_scatter", mesh_dim=dim, count=1,
                             bytes=elems * reduce_bytes, unit=name))
         if dims.dp_replicate > 1:
             out.append(dict(kind="all_reduce", mesh_dim="dp_replicate", count=1,
-                            bytes=elems * reduce_bytes // dims.dp_shard, unit=name))
+                            bytes=elems * reduce_bytes // shard, unit=name))
     return out
 
 
@@ -248,9 +250,10 @@ class Accumulation:
 def rows(trace: TPTrace, fsdp: list[dict], step: Accumulation, dims: ParallelDims) -> list[dict[str, Any]]:
     """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
-    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate}
+    sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate,
+             "cp": dims.cp, "dp_shard_cp": dims.dp_shard * dims.cp}
     for (kind, dim, _bw, nbytes, module), n in trace.counts.items():
-        a = acc[("tp", kind, dim)]
+        a = acc[("cp" if dim == "cp" else "tp", kind, dim)]
         n *= step.count(module)
         nbytes = step.nbytes(module, nbytes)
         a[0] += n

@@ -84,7 +84,7 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[Un
     for name, p in model.named_parameters():
         module = modules[name.rpartition(".")[0]]
         local = tp_local_shape(name, tuple(p.shape), module, res, dims.tp)
-        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard)
+        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard * dims.cp)
     labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
               for paths in calls] + [ROOT]
     return [UnitSize(label, n) for label, n in zip(labels, elements) if n]
