@@ -30,7 +30,7 @@ from .flops import ModelFlops, model_flops
 __all__ = ["CostConstants", "DEFAULT_CONSTANTS", "StepEstimate", "estimate_step", "calibrate",
            "links", "MESH_ORDER", "step_time_bound", "flops_of"]
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first; tp innermost
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; tp innermost
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def _bandwidth(device: Device, link: str, c: CostConstants) -> float:
 
 
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",
-           ("pp", None): "pp_p2p"}
+           ("pp", None): "pp_p2p", ("cp", None): "cp", ("fsdp", "dp_shard_cp"): "fsdp"}
 
 
 def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple[dict, dict]:
@@ -133,8 +133,11 @@ def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple
     from the dry run's ``comm_per_step``; and the link of each dimension. Under a pipeline
     those rows are already the busiest pp rank's, for its own stages."""
     dims = result.resolution.dims
-    sizes = dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
+    sizes = dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
+                 cp=dims.cp)
     link = links(sizes, gpus_per_node)
+    # FSDP2 over dp_shard × cp spans both: its outer dimension's link is the slower one
+    link["dp_shard_cp"] = link.get("dp_shard", link.get("cp", "intra"))
     seconds: dict[str, float] = {}
     first: dict[str, float] = {}
     comm = result.extra["comm_per_step"]
@@ -220,6 +223,8 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         share = rest / hideable if hideable else 0.0
         terms[k] = raw.get(k, 0.0) - hidden * share
     terms["pp_p2p"] = raw.get("pp_p2p", 0.0)
+    if "cp" in raw:  # context parallelism's K/V traffic, counted as exposed (not overlapped)
+        terms["cp"] = raw["cp"]
     pipe = result.extra.get("pipeline") or {}
     terms["bubble"] = pipe.get("bubble_fraction", 0.0) * (busy + terms["tp"])
     step_time = sum(terms.values())
