@@ -16,7 +16,7 @@ from trainrun import fails, metrics, ok
 import tpplan
 from tpplan.models import build_model, init_weights, materialize
 from tpplan.train.corpora import load_corpora
-from tpplan.train.data import eval_batch, step_batch
+from tpplan.train.data import document_positions, eval_batch, step_batch
 from tpplan.train.evaluate import summed_loss
 
 PLAN = str(TEST_PLANS / "hf" / "llama-chat.yaml")
@@ -58,6 +58,12 @@ def _reference(sets: list[str], run_dir: Path):
     return plan, model, load_corpora(plan.data, plan.eval, run_dir, vocab, plan.train.seq_len)
 
 
+def _documents(tokens: torch.Tensor, corpus) -> dict:
+    """The packed chats' positions, restarting after each separator: the trainer masks
+    documents from each other by default (data.document_mask)."""
+    return {"position_ids": document_positions(tokens, corpus.separator)[:, :-1]}
+
+
 def test_chat_finetune_2x2_loss_falls_and_eval_is_reported(chat_run):
     run_dir, _, out = chat_run
     m = metrics(run_dir)
@@ -80,7 +86,7 @@ def test_prompt_tokens_carry_no_loss_2x2_equals_one_device(chat_run):
     _, model, data = _reference(sets, run_dir)
     batch = step_batch(data.train, SEED, 1, 4, 32, 0, 1)
     assert batch.mask is not None and 0 < batch.count < batch.mask.numel()
-    logits = model(batch.tokens[:, :-1])
+    logits = model(batch.tokens[:, :-1], **_documents(batch.tokens, data.train))
     loss = summed_loss(logits, batch.tokens, batch.mask) / batch.count
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
@@ -106,7 +112,8 @@ def test_eval_loss_2x2_equals_one_device_over_the_same_weights(chat_run):
     with torch.no_grad():
         for i in range(4):
             b = eval_batch(data.eval, i, 4, 32, 0, 1)
-            total += summed_loss(model(b.tokens[:, :-1]), b.tokens, b.mask).item()
+            logits = model(b.tokens[:, :-1], **_documents(b.tokens, data.eval))
+            total += summed_loss(logits, b.tokens, b.mask).item()
             count += b.count
     assert metrics(run_dir)[STEPS]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
 

@@ -11,6 +11,8 @@ Imports the plan, models and parallel layers and the façade; not the trainer or
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -81,7 +83,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
 
         comm, trace, parts = pipeline_comm(result, param, reduce, step, stage_cache)
     else:
-        if dims.tp > 1 or dims.ep > 1:  # ep: the experts' all-to-all, traced with TP's
+        if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # ep's all-to-all, cp's exchanges: traced with TP's
             trace = tp_trace(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
                              shape.seq_len, shape.micro_batch, param)
         else:
@@ -132,6 +134,8 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
     says whether the plan moves more, as much or less than the minimum over the wire.
     ``stages``: a pipeline rank's stages (``StageComm``), whose minimum is summed."""
     spec, res, shape = result.plan.spec, result.resolved, result.step
+    if res.dims.cp > 1:  # TP runs on each cp rank's part of the sequence
+        shape = dataclasses.replace(shape, seq_len=shape.seq_len // res.dims.cp)
     if stages is None:
         counts, nbytes = megatron_minimum(result.model, res, spec, shape, e, step.grad_bytes)
         parts = [(result.model, res)]
@@ -143,7 +147,7 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
     measured_n: Counter = Counter()
     measured_b: Counter = Counter()
     for (kind, dim, bw, b, module), n in trace.counts.items():
-        if dim == "ep":  # the experts' all-to-all: not tensor parallelism's traffic
+        if dim in ("ep", "cp"):  # the experts' all-to-all, cp's own traffic: not TP's, not Megatron's
             continue
         n *= step.count(module)
         measured_n[(kind, bw)] += n

@@ -56,8 +56,11 @@ def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepSh
     for unit in units:
         name, elems = unit.unit, unit.elements
         n = gathers(name) if gathers else k * (1 + (fsdp.reshard_after_forward and name != ROOT))
-        dim = unit.mesh_dim  # dp_shard, or efsdp for an experts module's own unit
-        shards = dims.efsdp if dim == "efsdp" else dims.dp_shard
+        # dp_shard (dp_shard × cp under context parallelism), or efsdp for an experts
+        # module's own unit
+        dim = unit.mesh_dim if unit.mesh_dim == "efsdp" else \
+            ("dp_shard_cp" if dims.cp > 1 else "dp_shard")
+        shards = dims.efsdp if dim == "efsdp" else dims.dp_shard * dims.cp
         if shards > 1:
             out.append(dict(kind="all_gather", mesh_dim=dim, count=n,
                             bytes=n * elems * param_bytes, unit=name))
@@ -251,9 +254,9 @@ def rows(trace: TPTrace, fsdp: list[dict], step: Accumulation, dims: ParallelDim
     """Per (source, kind, mesh dimension): count, bytes and wire bytes per optimizer step."""
     acc: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0])
     sizes = {"tp": dims.tp, "dp_shard": dims.dp_shard, "dp_replicate": dims.dp_replicate,
-             "ep": dims.ep, "efsdp": dims.efsdp}
+             "ep": dims.ep, "efsdp": dims.efsdp, "cp": dims.cp, "dp_shard_cp": dims.dp_shard * dims.cp}
     for (kind, dim, _bw, nbytes, module), n in trace.counts.items():
-        a = acc[("ep" if dim == "ep" else "tp", kind, dim)]
+        a = acc[(dim if dim in ("ep", "cp") else "tp", kind, dim)]
         n *= step.count(module)
         nbytes = step.nbytes(module, nbytes)
         a[0] += n

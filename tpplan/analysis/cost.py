@@ -123,8 +123,16 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
         if dim == "dp_shard":
             add("dp", n * sizes.get("dp_replicate", 1))
         stride *= n
-    stride = 1
-    add("ep", sizes.get("ep", 1))
+    # Expert parallelism borrows dp_shard's (× cp's) innermost ranks, tp inside them
+    # (parallel/mesh.py), and its experts' FSDP2 runs over the rest; FSDP2 under context
+    # parallelism over dp_shard × cp flattened.
+    ep, inner = sizes.get("ep", 1), sizes.get("tp", 1) * sizes.get("cp", 1)
+    stride = inner
+    add("ep", ep)
+    stride = inner * ep
+    add("efsdp", sizes.get("dp_shard", 1) * sizes.get("cp", 1) // ep)
+    stride = sizes.get("tp", 1)
+    add("dp_shard_cp", sizes.get("dp_shard", 1) * sizes.get("cp", 1))
     return out
 
 
@@ -135,12 +143,13 @@ def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
 
 def _sizes(dims) -> dict[str, int]:
     """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
-    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                cp=getattr(dims, "cp", 1), ep=getattr(dims, "ep", 1), tp=dims.tp)
+    cp, ep = getattr(dims, "cp", 1), getattr(dims, "ep", 1)
+    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep,
+                tp=dims.tp, efsdp=dims.dp_shard * cp // ep, dp_shard_cp=dims.dp_shard * cp)
 
 
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",
-           ("pp", None): "pp_p2p"}
+           ("pp", None): "pp_p2p", ("cp", None): "cp", ("fsdp", "dp_shard_cp"): "fsdp"}
 
 
 def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple[dict, dict]:

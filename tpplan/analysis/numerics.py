@@ -23,6 +23,7 @@ from ..api import Plan, load
 from ..models import build_model
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.packing import packed_params
+from ..parallel.context import shard_batch
 from ..parallel.freeze import apply_freeze
 from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.mesh import dp_rank as data_parallel_rank
@@ -52,15 +53,18 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def reference_step(plan: Plan, tokens: torch.Tensor, seed: int) -> StepResult:
-    """Forward and backward of the plan's model on one device, no parallelism."""
+def reference_step(plan: Plan, tokens: torch.Tensor, seed: int,
+                   positions: torch.Tensor | None = None) -> StepResult:
+    """Forward and backward of the plan's model on one device, no parallelism.
+    ``positions`` (like ``tokens``): packed documents' positions, restarting at 0 at each."""
     torch.manual_seed(seed)
     model = build_model(plan.require_model(), device="cpu").eval()  # eval: dropout off on both sides
     if plan.spec.lora is not None:  # the same adapters (drawn from the same seed), unsplit
         apply_lora(plan.spec.lora, model, None, {}, plan.spec.train.seed)
         freeze_base(plan.spec.lora, model)
     apply_freeze(plan.freeze, model)  # what the plan freezes has no gradient on either side
-    logits = model(tokens[:, :-1])
+    _, _, kwargs = shard_batch(model, tokens, tokens, None if positions is None else positions[:, :-1])
+    logits = model(tokens[:, :-1], **kwargs)
     loss = _loss(logits, tokens[:, 1:])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -74,7 +78,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
-          tokens: torch.Tensor, seed: int, out_dir: Path) -> None:
+          tokens: torch.Tensor, seed: int, out_dir: Path,
+          positions: torch.Tensor | None = None) -> None:
     """One rank's forward and backward through the plan (through its pipeline schedule if it
     has one); the first tp and dp rank of each stage saves its full gradients, each tp
     group's first rank (on the last stage) its data-parallel slice of the logits."""
@@ -82,8 +87,10 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
     torch.manual_seed(seed)
     model = build_model(plan.require_model(), device="cpu").eval()
     mesh = plan.build_mesh("cpu")
-    step = _pipeline_step if plan.pipeline is not None else _plain_step
-    step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir)
+    if plan.pipeline is not None:
+        _pipeline_step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir)
+    else:
+        _plain_step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir, positions)
 
 
 def _grads(models: list, named) -> dict[str, torch.Tensor]:
@@ -93,16 +100,28 @@ def _grads(models: list, named) -> dict[str, torch.Tensor]:
             for n, p in named if p.grad is not None}
 
 
-def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,
+                positions: torch.Tensor | None = None) -> None:
     dp_rank = data_parallel_rank(mesh)
     model = plan.apply(model, mesh)
     local = tokens.chunk(dp)[dp_rank]
+    if positions is not None:
+        positions = positions.chunk(dp)[dp_rank][:, :-1]
+    # under context parallelism this rank's part of each sequence, with its positions
+    inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
-        logits = model(local[:, :-1])
-        loss = _loss(logits, local[:, 1:])
+        logits = model(inputs, **kwargs)
+        loss = _loss(logits, targets)
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
     grads = _grads([model], model.named_parameters())
+    cp = getattr(model, "context_parallel", None)
+    if cp is not None:  # the whole sequence's logits; the mean of equal-sized parts' means
+        logits = cp.unshard(logits)
+        dist.all_reduce(loss, group=cp.group)
+        loss = loss / cp.cp
+        if cp.rank != 0:
+            return
     if mesh["tp"].get_local_rank() == 0:
         torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
                    out_dir / f"rank{dist.get_rank()}.pt")
@@ -169,10 +188,10 @@ def _jobs_worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> 
 
     ensure_process_group("cpu")
     try:
-        for i, (plan_path, overrides, tokens, seed) in enumerate(jobs):
+        for i, (plan_path, overrides, tokens, seed, *positions) in enumerate(jobs):
             job_dir = Path(out_dir) / f"job{i}"
             try:
-                _step(rank, world, plan_path, overrides, tokens, seed, job_dir)
+                _step(rank, world, plan_path, overrides, tokens, seed, job_dir, *positions)
             except Exception as e:  # noqa: BLE001 - the job's result is its error line
                 (job_dir / f"error{rank}.txt").write_text(_one_line(e))
             dist.monitored_barrier(timeout=timedelta(seconds=120))
@@ -223,13 +242,14 @@ def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,
 
 def parallel_steps(jobs: Sequence[tuple[str, Sequence[str], torch.Tensor, int]],
                    world_size: int) -> list[StepResult | str]:
-    """Several plans' steps (``(plan_path, overrides, tokens, seed)`` each) in one spawn of
+    """Several plans' steps (``(plan_path, overrides, tokens, seed)`` each, ``positions``
+    after them for packed documents) in one spawn of
     ``world_size`` processes, so start-up is paid once: each job's result, or the error
     line it failed with."""
     with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
         for i in range(len(jobs)):
             (Path(out) / f"job{i}").mkdir()
-        spawn(_jobs_worker, world_size, [(p, list(o), t, s) for p, o, t, s in jobs], out)
+        spawn(_jobs_worker, world_size, [(p, list(o), *rest) for p, o, *rest in jobs], out)
         results: list[StepResult | str] = []
         for i in range(len(jobs)):
             job = Path(out) / f"job{i}"

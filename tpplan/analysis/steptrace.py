@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_plan, loss_context
+from ..parallel.context import shard_batch
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
@@ -250,14 +251,15 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         optimizer.zero_grad(set_to_none=True)
 
     def forward(x: torch.Tensor) -> None:
-        if io.first:
-            inputs = x[:, :-1]
+        targets, kwargs = x[:, 1:], {}
+        if io.first:  # the trainer's: under cp, this rank's part of the sequence
+            inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
         else:  # what the previous stage sent (PipelineStage's receive buffer)
             inputs = torch.zeros(io.received[0], dtype=io.received[1], requires_grad=True)
-        held["logits"] = model(inputs)
+        held["logits"] = model(inputs, **kwargs)
         if io.last:
             held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                           x[:, 1:].flatten()) / accum
+                                           targets.flatten()) / accum
         else:
             io.sent = (tuple(held["logits"].shape), held["logits"].dtype)
 

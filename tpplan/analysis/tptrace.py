@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_ac, apply_ep, apply_tp, loss_context
 from ..parallel.attention import fused_attention_on_meta
-from ..parallel.mesh import MESH_DIMS, expert_meshes
+from ..parallel.context import apply_context_parallel, shard_batch
+from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
@@ -85,14 +86,15 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
     io = io or StageIO(True, True)
     with CollectiveRecorder() as rec, fused_attention_on_meta():
         with loss_context(plan):
-            if io.first:
-                inputs = tokens
+            targets, kwargs = tokens, {}
+            if io.first:  # under cp, this rank's part of the sequence and its positions
+                inputs, targets, kwargs = shard_batch(model, tokens, tokens)
             else:  # what the previous stage sent (PipelineStage's receive buffer)
                 inputs = torch.zeros(io.received[0], dtype=io.received[1], device="meta",
                                      requires_grad=True)
-            logits = model(inputs)
+            logits = model(inputs, **kwargs)
             if io.last:
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
                 loss.backward()  # loss parallelism's backward also needs the context
             else:  # the gradient the next stage sends back
                 io.sent = (tuple(logits.shape), logits.dtype)
@@ -147,6 +149,9 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
         ep_mesh, _ = expert_meshes(mesh, res.dims.ep)
         groups[ep_mesh.get_group().group_name] = "ep"
+    cp = cp_mesh(mesh)
+    if cp is not None:  # context parallelism's collectives are traced beside TP's
+        groups[cp.get_group().group_name] = "cp"
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
     def prepared(model: nn.Module) -> nn.Module:
@@ -161,6 +166,8 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
             apply_ep(model, ep_mesh, dataclasses.replace(
                 res, rule_of={p: r for p, r in res.rule_of.items() if p in paths}))
         ac = plan.activation_checkpointing
+        if cp is not None:
+            apply_context_parallel(model, cp, plan.context_parallel)
         if ac.enabled:
             # Recomputed blocks re-issue their forward collectives in backward: count them.
             apply_ac(model, [p for p in res.ac_blocks if p in paths], ac.every)

@@ -129,9 +129,10 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None,
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
-    """Rotate pairs of ``x`` (bs, s, h, hd) by the angles in ``rope`` (s, hd/2, 2): pairs of
-    consecutive dimensions (``interleaved``) or dimension i with i + hd/2 (``half``)."""
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    """Rotate pairs of ``x`` (bs, s, h, hd) by the angles in ``rope`` (s, hd/2, 2), or
+    (bs, s, hd/2, 2) for positions of their own: pairs of consecutive dimensions
+    (``interleaved``) or dimension i with i + hd/2 (``half``)."""
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]
     if layout == "half":
         a, b = x.float().chunk(2, dim=-1)
         return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).type_as(x)
@@ -151,18 +152,42 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         bs, s, _ = x.shape
-        rope = rope[:s]  # the whole table comes in: a pipeline stage never sees the tokens
+        if rope.dim() == 3:  # the whole table: a pipeline stage never sees the tokens
+            rope = rope[:s]
         # -1, not n_heads: under TP each rank holds n_heads / tp of them.
         q = self.wq(x).view(bs, s, -1, self.head_dim)
         k = self.wk(x).view(bs, s, -1, self.head_dim)
         v = self.wv(x).view(bs, s, -1, self.head_dim)
         q, k = apply_rope(q, rope, self.rope_layout), apply_rope(k, rope, self.rope_layout)
-        # (bs, h, s, hd); kv heads are shared by h / kv query heads (the ratio survives TP)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), positions)
         return self.wo(out.transpose(1, 2).reshape(bs, s, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of (bs, h, s, hd) queries on (bs, kv, s, hd) keys and values;
+        kv heads are shared by h / kv query heads (the ratio survives TP). ``positions``
+        (bs, s) restarting at 0 mark packed documents, which never attend to each other.
+        The seam context parallelism replaces (tpplan.parallel.context)."""
+        mask = None if positions is None else document_mask(positions)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor | None:
+    """(bs, 1, s, s) block-causal mask of packed documents (a new one wherever a position
+    does not continue its predecessor's, as transformers reads position ids); None when
+    every row is one document, so the causal kernel runs unmasked."""
+    starts = positions[:, 1:] != positions[:, :-1] + 1
+    if not bool(starts.any()):
+        return None
+    docs = torch.cat([torch.zeros_like(positions[:, :1]), starts.long()], dim=1).cumsum(1)
+    s = positions.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (docs[:, :, None] == docs[:, None, :]))[:, None]
 
 
 class FeedForward(nn.Module):
@@ -184,8 +209,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions by keyword: a plan's prepare_input on attention lists (x, rope) only
+        extra = {} if positions is None else {"positions": positions}
+        h = x + self.attention(self.attention_norm(x), rope, **extra)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -222,13 +250,18 @@ class Transformer(nn.Module):
             return 0.02 / math.sqrt(2 * self.config.n_layers)
         return 0.02
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` (bs, s): each token's rotary position, restarting at 0 where a
+        packed document starts (documents are then masked from each other), or its place
+        in the whole sequence under context parallelism; None: 0..s-1."""
         # As a pipeline stage (docs/pipeline.md) the parts this stage does not own are None:
         # a later stage takes the previous stage's activations instead of tokens, and
         # every stage but the last returns them.
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        rope = self.rope if positions is None else self.rope[positions]  # (bs, s, hd/2, 2)
+        extra = {} if positions is None else {"positions": positions}
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, rope, **extra)
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)

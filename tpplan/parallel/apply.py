@@ -20,12 +20,13 @@ from torch.utils.checkpoint import checkpoint
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import EP_STYLES, PACKED_STYLES
 from .attention import register_cpu_attention
+from .context import apply_context_parallel
 from .freeze import apply_freeze
 from .kv_heads import kv_style, localize_kv_groups
 from .lora import apply_lora, freeze_base
 from .fsdp_units import fsdp_calls
 from .expert_parallel import ExpertParallel
-from .mesh import dp_mesh, expert_meshes
+from .mesh import cp_mesh, dp_mesh, expert_meshes
 from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
@@ -155,6 +156,9 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         n = apply_lora(plan.lora, model, mesh["tp"] if dims.tp > 1 else None, res.rule_of,
                        plan.train.seed)
         log.info("added LoRA adapters of rank %d to %d linear layers", plan.lora.rank, n)
+    if cp_mesh(mesh) is not None:  # attention wrapped inside the TP'd block, before AC
+        apply_context_parallel(model, cp_mesh(mesh), plan.context_parallel)
+        log.info("applied context parallel: %s on cp=%d", plan.context_parallel.method, dims.cp)
     ac = plan.activation_checkpointing
     if ac.enabled:
         apply_ac(model, res.ac_blocks, ac.every)

@@ -97,7 +97,7 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[Un
             continue
         module = modules[name.rpartition(".")[0]]
         local = tp_local_shape(name, tuple(p.shape), module, res, dims.tp)
-        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard)
+        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard * dims.cp)
     labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
               for paths in calls] + [ROOT]
     return [UnitSize(path, n, "efsdp") for path, n in zip(experts, ep_elements)] + \

@@ -14,13 +14,16 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ParallelDims", "MESH_DIMS", "PP_MESH_DIMS", "EP_BORROWS", "dp_mesh", "dp_rank",
-           "expert_meshes"]
+           "cp_mesh", "expert_meshes"]
 
 # Outermost first: replicas talk least, tp most (it belongs inside a node's fast links).
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 # With pipeline stages: pp outermost (one activation per micro-batch crosses it, the least
 # traffic of all), as in Megatron-LM's PTD-P and torchtitan.
 PP_MESH_DIMS = ("pp", *MESH_DIMS)
+# Context parallelism (only when cp > 1): between dp_shard and tp, as in torchtitan; its
+# ranks take the same batch, and FSDP shards parameters over dp_shard × cp flattened.
+CP_DIM, DP_SHARD_CP = "cp", "dp_shard_cp"
 # The dimensions expert parallelism borrows its ranks from, in mesh order (torchtitan's rule:
 # every rank of these holds different tokens, so an all-to-all among them moves each token to
 # its experts; context parallelism's ``cp`` joins them when the mesh has it). tp is not
@@ -30,7 +33,7 @@ EP_BORROWS = ("dp_shard", "cp")
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of a ``(pp, dp_replicate, dp_shard, tp)`` mesh whose product is the world size.
+    """Degrees of a ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh whose product is the world size.
 
     ``ep`` adds no dimension of its own: it divides ``dp_shard`` (:data:`EP_BORROWS`), and
     the experts' weights are FSDP-sharded over the ``efsdp = dp_shard / ep`` ranks left."""
@@ -39,30 +42,33 @@ class ParallelDims:
     dp_shard: int
     tp: int
     pp: int = 1
+    cp: int = 1
     ep: int = 1
 
     @classmethod
     def solve(cls, tp: int, dp_shard: int, dp_replicate: int, world_size: int,
-              pp: int = 1) -> "ParallelDims":
+              pp: int = 1, cp: int = 1) -> "ParallelDims":
         """Fill in ``dp_shard: -1`` and check the product; ValueError names every factor."""
-        shown = f"dp_replicate={dp_replicate} × dp_shard={dp_shard} × tp={tp}"
+        shown = f"dp_replicate={dp_replicate} × dp_shard={dp_shard} × " \
+            f"{f'cp={cp} × ' if cp != 1 else ''}tp={tp}"
         if pp != 1:
             shown = f"pp={pp} × {shown}"
-        for name, v in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp)):
+        for name, v in (("tp", tp), ("dp_replicate", dp_replicate), ("pp", pp), ("cp", cp)):
             if v < 1:
                 raise ValueError(f"mesh {name} must be at least 1, got {v}")
         if dp_shard == -1:
-            fixed = tp * dp_replicate * pp
+            fixed = tp * dp_replicate * pp * cp
             if world_size % fixed:
                 raise ValueError(
                     f"mesh {shown} does not fit world size {world_size}: "
-                    f"{'pp × ' if pp != 1 else ''}dp_replicate × tp = {fixed} does not divide "
+                    f"{'pp × ' if pp != 1 else ''}dp_replicate × {'cp × ' if cp != 1 else ''}"
+                    f"tp = {fixed} does not divide "
                     f"{world_size}"
                 )
             dp_shard = world_size // fixed
         elif dp_shard < 1:
             raise ValueError(f"mesh dp_shard must be at least 1 or -1 (the rest), got {dp_shard}")
-        dims = cls(dp_replicate, dp_shard, tp, pp)
+        dims = cls(dp_replicate, dp_shard, tp, pp, cp)
         if dims.world_size != world_size:
             raise ValueError(
                 f"mesh {shown} = {dims.world_size} ranks does not fit world size {world_size}"
@@ -74,7 +80,8 @@ class ParallelDims:
         """:meth:`solve` for a plan's ``mesh`` section; :class:`PlanErrors` at its line (at
         ``ep``'s for an ``ep`` that does not divide the ranks it borrows)."""
         try:
-            dims = cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size, mesh.pp)
+            dims = cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size, mesh.pp,
+                             getattr(mesh, "cp", 1))
         except ValueError as e:
             raise PlanErrors([PlanError(str(e), mesh.loc)]) from None
         if mesh.ep == 1:
@@ -89,6 +96,11 @@ class ParallelDims:
         ValueError if it does not divide them."""
         if ep < 1:
             raise ValueError(f"mesh ep must be at least 1, got {ep}")
+        if ep > 1 and self.cp > 1:
+            # Not built yet: the experts' all-to-all over dp_shard × cp and their FSDP2 over
+            # what is left of it are untested together (docs/moe.md, "What composes").
+            raise ValueError(f"mesh ep={ep} with cp={self.cp}: expert parallelism does not yet "
+                             f"compose with context parallelism; use one of them")
         if self.dp_shard % ep:
             hint = (f"; tp={self.tp} ranks hold the same tokens, so ep does not borrow them"
                     if self.tp > 1 and (self.dp_shard * self.tp) % ep == 0 else "")
@@ -103,7 +115,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -112,13 +124,22 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """``(dp_replicate, dp_shard, tp)``, with ``pp`` in front when there is a pipeline."""
-        inner = (self.dp_replicate, self.dp_shard, self.tp)
+        """``(dp_replicate, dp_shard, tp)``, with ``pp`` in front when there is a pipeline
+        and ``cp`` before ``tp`` under context parallelism."""
+        inner = (self.dp_replicate, self.dp_shard, *((self.cp,) if self.cp > 1 else ()), self.tp)
         return (self.pp, *inner) if self.pp > 1 else inner
 
     @property
     def names(self) -> tuple[str, ...]:
-        return PP_MESH_DIMS if self.pp > 1 else MESH_DIMS
+        names = PP_MESH_DIMS if self.pp > 1 else MESH_DIMS
+        if self.cp > 1:
+            names = (*names[:-1], CP_DIM, names[-1])
+        return names
+
+    @property
+    def fsdp_shard(self) -> int:
+        """The ranks one parameter is sharded over: dp_shard × cp."""
+        return self.dp_shard * self.cp
 
     def as_dict(self) -> dict[str, int]:
         shown = dict(zip(self.names, self.shape))
@@ -130,17 +151,27 @@ class ParallelDims:
         or ``mesh["dp_shard"]`` (within this rank's stage under a pipeline)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+        if self.cp > 1:  # FSDP's shard dimension: mesh["dp_shard_cp"] from here on
+            mesh["dp_shard", CP_DIM]._flatten(DP_SHARD_CP)
+        return mesh
 
     def __str__(self) -> str:
         return " × ".join(f"{n}={v}" for n, v in self.as_dict().items())
 
 
 def dp_mesh(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The mesh FSDP2 shards over: 2-D ``(dp_replicate, dp_shard)`` is HSDP."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+    """The mesh FSDP2 shards over: 2-D ``(dp_replicate, dp_shard)`` is HSDP; under context
+    parallelism ``dp_shard × cp`` flattened takes dp_shard's place (cp ranks hold the same
+    parameters and see parts of one sequence, so their gradients are reduced too)."""
+    import warnings
+
+    shard = DP_SHARD_CP if CP_DIM in (mesh.mesh_dim_names or ()) else "dp_shard"
+    with warnings.catch_warnings():  # torch 2.13 warns on slicing a flattened dimension from
+        warnings.simplefilter("ignore", UserWarning)  # the root: still the documented way
+        if mesh["dp_replicate"].size() > 1:
+            return mesh["dp_replicate", shard]
+        return mesh[shard]
 
 
 def dp_rank(mesh: "DeviceMesh") -> int:
@@ -148,6 +179,11 @@ def dp_rank(mesh: "DeviceMesh") -> int:
     share it, so they see the same batch."""
     return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + \
         mesh["dp_shard"].get_local_rank()
+
+
+def cp_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
+    """The context-parallel sub-mesh, None when the plan has no ``cp`` dimension."""
+    return mesh[CP_DIM] if CP_DIM in (mesh.mesh_dim_names or ()) else None
 
 
 def expert_meshes(mesh: "DeviceMesh", ep: int) -> tuple["DeviceMesh", "DeviceMesh"]:

@@ -14,6 +14,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from .context import check_context_parallel
 from .expert_parallel import check_experts
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
@@ -237,8 +238,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         dims = None
     res = Resolution(dims=dims, errors=errs, stage=stage)
     modules = dict(model.named_modules())
-    paths = list(modules)
-    params = {n for n, _ in model.named_parameters()}
+    paths, params = list(modules), {n for n, _ in model.named_parameters()}
     tp = dims.tp if dims else plan.mesh.tp
     _resolve_rules(plan, res, paths, modules, params, tp)
     _resolve_attrs(plan, res, paths, modules, params, tp)
@@ -262,6 +262,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         target += hits
     check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
+        check_context_parallel(plan, model, tp, errs)
         check_tied(res, model, modules)
         check_freeze(plan.freeze, model, errs)
     if plan.pipeline is not None and not stage:

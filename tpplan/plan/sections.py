@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .context import parse_context_parallel
 from .errors import ErrorList, Loc, PlanError, PlanErrors, nearest
 from .patterns import compile_pattern
 from .lora import parse_lora
@@ -28,19 +29,21 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model", "require_model"]
 
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
-    "activation_checkpointing", "compile", "freeze", "lora", "pipeline", *TRAINER_SECTIONS,
+    "activation_checkpointing", "compile", "freeze", "lora", "pipeline", "context_parallel",
+    *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
-    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "tp", "ep"))
+    r = Reader.section(errs, doc, "mesh", ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep"))
     d = MeshSpec()
     spec = MeshSpec(r.get("tp", int, d.tp), r.get("dp_shard", int, d.dp_shard),
                     r.get("dp_replicate", int, d.dp_replicate), r.get("pp", int, d.pp),
-                    ep=r.get("ep", int, d.ep),
+                    cp=r.get("cp", int, d.cp), ep=r.get("ep", int, d.ep),
                     loc=doc.key_loc("mesh") if "mesh" in doc else doc.loc, locs=r.locs())
     r.at_least("tp", spec.tp, 1)
+    r.at_least("cp", spec.cp, 1)
     r.at_least("pp", spec.pp, 1)
     r.at_least("ep", spec.ep, 1)
     r.at_least("dp_replicate", spec.dp_replicate, 1)
@@ -243,6 +246,7 @@ def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
         metrics=parse_metrics(doc, errs),
         freeze=parse_freeze(doc, errs),
         lora=parse_lora(doc, errs),
+        context_parallel=parse_context_parallel(doc, errs),
     )
     spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
     if spec.model is not None and spec.model.adapter and spec.lora is None:

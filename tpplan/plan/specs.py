@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .context import ContextParallelSpec
 from .errors import Loc
 from .sinks import TensorBoardSpec, WandbSpec
 from .styles import StyleSpec
@@ -60,6 +61,7 @@ class MeshSpec:
     dp_replicate: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallel: between dp_shard and tp (docs/long-context.md)
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 
@@ -261,6 +263,7 @@ class DataSpec:
     format: str = "auto"  # one of DATA_FORMATS
     text_field: str = "text"  # the field of a .jsonl / .parquet record that holds the text
     separator: str | None = None  # token between packed documents; null: the tokenizer's eos
+    document_mask: bool = True  # packed documents attend within themselves only (positions restart)
     base_dir: str | None = None  # the plan's folder: relative paths are looked for there first
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
@@ -334,6 +337,7 @@ class PlanSpec:
     freeze: list[FreezeRule] = field(default_factory=list)
     pipeline: PipelineSpec | None = None  # set exactly when mesh.pp > 1
     lora: LoraSpec | None = None
+    context_parallel: ContextParallelSpec = field(default_factory=ContextParallelSpec)
 
     @property
     def uses_sequence_parallel(self) -> bool:

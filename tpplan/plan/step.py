@@ -114,10 +114,19 @@ def step_shape(spec: PlanSpec, dp: int, tp: int, errs: ErrorList) -> StepShape:
                      _where(spec, "micro_batch_size"))
         else:
             accum = per_rank // micro
-    if spec.uses_sequence_parallel and t.seq_len % tp:
-        errs.add(f"train.seq_len={t.seq_len}{_given(spec, 'seq_len')} is not divisible by tp={tp}, "
-                 "which sequence parallelism needs (it splits the sequence over the tp ranks)",
+    cp = spec.mesh.cp
+    chunks = spec.context_parallel.chunks(cp) if cp > 1 else 1
+    if t.seq_len % chunks:
+        how = (f"2·cp = {chunks} chunks (load balancing gives each rank a head and a tail "
+               "chunk)" if spec.context_parallel.load_balance else f"cp={cp} ranks")
+        errs.add(f"train.seq_len={t.seq_len}{_given(spec, 'seq_len')} is not divisible by "
+                 f"cp={cp}: context parallelism cuts the sequence into {how}",
                  _where(spec, "seq_len"))
+    elif spec.uses_sequence_parallel and (t.seq_len // cp) % tp:
+        local = f" over cp={cp} ({t.seq_len // cp} tokens per rank)" if cp > 1 else ""
+        errs.add(f"train.seq_len={t.seq_len}{_given(spec, 'seq_len')}{local} is not divisible "
+                 f"by tp={tp}, which sequence parallelism needs (it splits the sequence over "
+                 "the tp ranks)", _where(spec, "seq_len"))
     fsdp = spec.fsdp
     param = (fsdp.param_dtype if fsdp else None) or "float32"
     reduce = (fsdp.reduce_dtype if fsdp else None) or param

@@ -96,6 +96,7 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
                     tokenizer=r.get("tokenizer", str, None), format=r.get("format", str, d.format),
                     text_field=r.get("text_field", str, d.text_field),
                     separator=r.get("separator", str, None),
+                    document_mask=r.get("document_mask", bool, True),
                     base_dir=str(Path(doc.loc.file).parent), loc=r.m.loc, locs=r.locs())
     r.at_least("max_bytes", spec.max_bytes, 1)
     if spec.format not in DATA_FORMATS:

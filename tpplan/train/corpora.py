@@ -91,7 +91,8 @@ def _tokenized(role: str, path: Path, data: DataSpec, tok: TextTokenizer,
                if manifest["masked"] else "")
     note = (f"{role} tokens: {manifest['tokens']:,}{counted}; "
             f"{'reused' if reused else 'made'} {cache_dir / role}.tokens")
-    return Corpus(tokens, manifest["max_token"] + 1, source, mask, packed=True), note
+    return Corpus(tokens, manifest["max_token"] + 1, source, mask, packed=True,
+                  separator=sep), note
 
 
 def _read(role: str, path: str, data: DataSpec, tok: TextTokenizer | None,

@@ -53,6 +53,7 @@ class Corpus:
     # 1-D bool: token i counts in the loss as a target (chat: the assistant's); None: all do
     mask: torch.Tensor | None = None
     packed: bool = False  # consecutive windows (tokenized data), not random offsets
+    separator: int | None = None  # the token that ends each packed document
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -69,10 +70,25 @@ class Corpus:
         cut = (n - held) * seq_len
         part = (lambda lo, hi: None) if self.mask is None else (lambda lo, hi: self.mask[lo:hi])
         train = Corpus(self.tokens[:cut + 1], self.vocab_size, self.source, part(0, cut + 1),
-                       self.packed)
+                       self.packed, self.separator)
         held_out = Corpus(self.tokens[cut:], self.vocab_size,
-                          f"last {fraction:g} of {self.source}", part(cut, None), True)
+                          f"last {fraction:g} of {self.source}", part(cut, None), True,
+                          self.separator)
         return train, held_out
+
+
+def document_positions(tokens: torch.Tensor, separator: int | None) -> torch.Tensor | None:
+    """(b, s) positions restarting at 0 after each ``separator`` (the token that ends a
+    packed document), so the model masks documents from each other (``data.document_mask``);
+    None without a separator (bytes and ``.bin`` data have no document boundaries)."""
+    if separator is None:
+        return None
+    ends = tokens == separator
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start
 
 
 @dataclass

@@ -20,9 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .data import Batch, Corpus, eval_batch
+from ..parallel.context import position_kwarg, shard_batch
+from .data import Batch, Corpus, document_positions, eval_batch
 
-__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss"]
+__all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss",
+           "target_loss"]
 
 IGNORE_INDEX = -100
 
@@ -34,6 +36,11 @@ def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
     targets = tokens[:, 1:]
     if mask is not None:
         targets = targets.masked_fill(~mask, IGNORE_INDEX)
+    return target_loss(logits, targets)
+
+
+def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over ``targets`` that are not ``IGNORE_INDEX``."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -53,21 +60,29 @@ def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -
 @torch.no_grad()
 def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: int,
              batch: int, seq_len: int, micro: int, dp_rank: int, dp: int,
-             device: torch.device) -> tuple[float, float]:
+             device: torch.device, documents: bool = False) -> tuple[float, float]:
     """(loss, perplexity) over ``batches`` global batches of held-out windows: the mean over
-    every counted target of all of them, the same on any mesh. Collective."""
+    every counted target of all of them, the same on any mesh. Collective. ``documents``:
+    packed documents masked from each other, as in training."""
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, targets)
     for i in range(batches):
         b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
         tokens, mask = b.to(device)
+        positions = document_positions(tokens, corpus.separator) \
+            if documents and position_kwarg(model) is not None else None
         for m in range(0, len(tokens), micro):
-            part = None if mask is None else mask[m:m + micro]
+            targets = tokens[m:m + micro, 1:]
+            if mask is not None:
+                targets = targets.masked_fill(~mask[m:m + micro], IGNORE_INDEX)
+            # under context parallelism each cp rank adds its part of the sequence
+            pos = None if positions is None else positions[m:m + micro, :-1]
+            inputs, targets, kwargs = shard_batch(model, tokens[m:m + micro, :-1], targets, pos)
             with loss_context():
-                s = summed_loss(model(tokens[m:m + micro, :-1]), tokens[m:m + micro], part)
+                s = target_loss(model(inputs, **kwargs), targets)
             total[0] += plain_loss(s).double()
-            total[1] += tokens[m:m + micro, 1:].numel() if part is None else part.sum()
+            total[1] += (targets != IGNORE_INDEX).sum()
     # TP peers add the same sums as their dp rank: both totals grow alike, the ratio holds.
     dist.all_reduce(total)
     model.train(was_training)
@@ -95,7 +110,7 @@ class Evaluation:
             return {}
         loss, ppl = evaluate(self.model, plan.loss_context, self.prep.eval_corpus, self.batches,
                              self.prep.step.global_batch, t.seq_len, self.micro, self.dp_rank,
-                             self.prep.dims.dp, self.device)
+                             self.prep.dims.dp, self.device, plan.data.document_mask)
         self.last = {"eval loss": loss, "eval perplexity": ppl}
         return {"eval_loss": loss, "eval_ppl": ppl}
 

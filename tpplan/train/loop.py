@@ -27,7 +27,7 @@ from ..models.init import init_adapters
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
-from .data import step_batch
+from .data import document_positions, step_batch
 from .evaluate import Evaluation
 from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
@@ -168,7 +168,8 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     shapes = ckpt.model_shapes(prep.model)  # the whole model's, on every pipeline degree
     n_params = sum(p.numel() for p in prep.model.parameters())
     # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
-    dp_scale = dims.dp if plan.fsdp is not None else 1
+    # FSDP2 averages over dp_shard × cp: each rank's loss is its tokens' part of the sum
+    dp_scale = dims.dp * dims.cp if plan.fsdp is not None else 1
     stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale)
     parts = stepper.parts  # the model, or this rank's pipeline stages
     for part in parts:
@@ -246,8 +247,10 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
                                    t.seq_len, dp_rank, dims.dp)
                 record(step, batch.tokens)
                 tokens, mask = batch.to(device)
+                positions = document_positions(tokens, prep.corpus.separator) \
+                    if plan.data.document_mask else None
                 count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
-                loss_sum = stepper(tokens, mask, count)
+                loss_sum = stepper(tokens, mask, count, positions)
                 # TP peers hold the same partial sums (under a pipeline, the last stage's
                 # ranks; the others hold 0): the world's total over tp is the global mean.
                 with profiler.phase("loss"):

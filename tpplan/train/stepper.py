@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .evaluate import IGNORE_INDEX, plain_loss, summed_loss
+from ..parallel.context import position_kwarg, shard_batch
+from .evaluate import IGNORE_INDEX, plain_loss, target_loss
 
 __all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
 
@@ -25,16 +26,25 @@ class PlainStepper:
             plan, model, micro, accum, dp_scale
         self.parts = [model]
         self.can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
+        # a model that takes no positions (a user's own) trains on packed data unmasked
+        self.takes_positions = position_kwarg(model) is not None
 
-    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
         loss_sum = torch.zeros((), device=tokens.device)
         for m in range(self.accum):
             part = slice(m * self.micro, (m + 1) * self.micro)
             if self.can_skip_sync:  # reduce-scatter gradients once, on the last micro-batch
                 self.model.set_requires_gradient_sync(m == self.accum - 1)
+            inputs, targets = tokens[part, :-1], tokens[part, 1:]
+            if mask is not None:
+                targets = targets.masked_fill(~mask[part], IGNORE_INDEX)
+            # under context parallelism this rank's part of the sequence (and its positions)
+            pos = None if positions is None or not self.takes_positions \
+                else positions[part, :-1]  # packed documents, masked from each other
+            inputs, targets, kwargs = shard_batch(self.model, inputs, targets, pos)
             with self.plan.loss_context():
-                loss = summed_loss(self.model(tokens[part, :-1]), tokens[part],
-                                   None if mask is None else mask[part]) / count
+                loss = target_loss(self.model(inputs, **kwargs), targets) / count
                 (loss * self.dp_scale).backward()
             loss_sum += plain_loss(loss.detach())
         return loss_sum
@@ -63,7 +73,9 @@ class PipelineStepper:
         self.pipe = plan.apply_pipeline(model, mesh, self.loss_fn, device, scale_grads=False)
         self.parts = self.pipe.modules
 
-    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions (packed documents) do not cross pipeline stages yet: docs/long-context.md
         targets = tokens[:, 1:]
         if mask is not None:
             targets = targets.masked_fill(~mask, IGNORE_INDEX)

@@ -1,0 +1,153 @@
+"""Context parallelism (docs/long-context.md): a sequence split over ``cp`` ranks computes what
+one device computes — logits, loss and every gradient — for ring and Ulysses, at cp 2 and 4,
+beside FSDP2 (dp_shard × cp) and TP 2 + SP + loss parallel, on the built-in Llama and HF
+Llama and Qwen3; packed documents masked from each other equal one device with the same
+mask, and the mask is real (the unmasked loss differs). One spawn of 4 gloo processes."""
+
+import pytest
+import torch
+from helpers import run_main
+
+import tpplan
+from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step
+from tpplan.plan.errors import PlanErrors
+
+pytest.importorskip("transformers")
+
+FSDP = "plans/llama-fsdp.yaml"
+TP_SP = "plans/llama.yaml"  # TP 2 + SP + loss parallel + FSDP2
+HF_LLAMA = "tests/plans/hf/llama-cp.yaml"  # TP 2 + loss parallel + cp 2, ring
+QWEN3 = "tests/plans/hf/qwen3-cp.yaml"  # dp_shard 2 × cp 2, ulysses
+SMALL = ["model.kwargs={n_layers: 2}"]
+
+# plan, overrides, the mesh it must resolve to at world 4
+CASES = [
+    (FSDP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
+    (FSDP, [*SMALL, "mesh.cp=4"], {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+    (FSDP, [*SMALL, "mesh.cp=4", "context_parallel={method: ulysses, load_balance: false}"],
+     {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+    (TP_SP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
+    (TP_SP, [*SMALL, "mesh.cp=2", "context_parallel=ulysses", "activation_checkpointing=full"],
+     {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
+    (HF_LLAMA, [], {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
+    (QWEN3, [], {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
+    (QWEN3, ["mesh.cp=4", "context_parallel=ring"], {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+]
+# Packed documents: the same plans with positions restarting per document, and one plan
+# without cp (the mask on its own, under TP + SP).
+MASKED = [
+    (FSDP, [*SMALL, "mesh.cp=4"]),
+    (FSDP, [*SMALL, "mesh.cp=2", "context_parallel=ulysses"]),
+    (TP_SP, [*SMALL, "mesh.cp=2"]),
+    (TP_SP, SMALL),
+    (HF_LLAMA, []),
+    (HF_LLAMA, ["mesh.cp=1"]),  # transformers reads the documents from the position ids
+    (QWEN3, []),
+]
+
+
+def packed_positions(batch: int, length: int, seed: int) -> torch.Tensor:
+    """(batch, length) positions of documents packed back to back: 0, 1, ... restarting at
+    each of three random boundaries per row (some inside a cp rank's chunk, some on one)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(batch):
+        cuts = sorted(torch.randperm(length - 2, generator=g)[:3].add(1).tolist())
+        starts = [0, *cuts]
+        ends = [*cuts, length]
+        rows.append(torch.cat([torch.arange(e - s) for s, e in zip(starts, ends)]))
+    return torch.stack(rows)
+
+
+def _check(ref, par, what: str) -> None:
+    assert not isinstance(par, str), f"{what}: {par}"  # a job's failure is its error line
+    result = compare(ref, par, tolerance=1e-4)
+    assert len(result.rows) == 2 + len(ref.grads), what  # logits, loss, every gradient
+    assert result.ok, what + "\n" + "\n".join(f"{w}: {e:.2e}" for w, e in result.failures)
+
+
+def test_context_parallel_matches_single_device(root, monkeypatch):
+    monkeypatch.chdir(root)
+    tokens = make_batch(vocab_size=256, batch=4, seq_len=32, seed=0)
+    positions = packed_positions(4, 33, seed=1)
+    jobs = [(p, o, tokens, 0) for p, o, _ in CASES]
+    jobs += [(p, o, tokens, 0, positions) for p, o in MASKED]
+    results = parallel_steps(jobs, 4)
+    for (plan_path, overrides, mesh), par in zip(CASES, results):
+        what = " ".join([plan_path, *overrides])
+        plan = tpplan.load(plan_path, overrides)
+        assert plan.parallel_dims(4).as_dict() == mesh, what
+        _check(reference_step(plan, tokens, seed=0), par, what)
+    for (plan_path, overrides), par in zip(MASKED, results[len(CASES):]):
+        what = " ".join(["masked", plan_path, *overrides])
+        plan = tpplan.load(plan_path, overrides)
+        masked = reference_step(plan, tokens, seed=0, positions=positions)
+        _check(masked, par, what)
+        unmasked = reference_step(plan, tokens, seed=0)
+        change = (unmasked.logits - masked.logits).abs().max() / masked.logits.abs().max()
+        assert change > 1e-2, what  # the mask changes the result: it is real
+
+
+def _errors(overrides: list[str], plan: str = FSDP, world: int = 4) -> str:
+    from tpplan.models import build_model
+
+    try:
+        p = tpplan.load(plan, overrides)
+        p.step_shape(world)
+        p.check(build_model(p.model, device="meta"), world)
+    except PlanErrors as e:
+        return "\n".join(str(x) for x in e.errors)
+    return ""
+
+
+def test_context_parallel_mistakes_are_located_errors(root, monkeypatch, write_plan):
+    monkeypatch.chdir(root)
+    out = _errors(["mesh.cp=4", "train.seq_len=12"])
+    assert "train.seq_len=12" in out and "not divisible by cp=4" in out and "2·cp = 8" in out
+    assert "not divisible by cp=4" not in _errors(
+        ["mesh.cp=4", "train.seq_len=12", "context_parallel.load_balance=false"])
+    out = _errors(["mesh.cp=4", "context_parallel=ulysses"], plan=TP_SP, world=8)
+    assert "ulysses with cp=4: n_heads=8 leaves 4 per tp rank" not in out  # 4 heads divide
+    assert "n_kv_heads=4 leaves 2 per tp rank (tp=2), which cp does not divide" in out
+    assert "context_parallel.method' must be one of ring, ulysses, got 'rign'" in \
+        _errors(["mesh.cp=2", "context_parallel=rign"])
+    assert "mesh cp=2 needs an 'fsdp' section" in _errors(["mesh.cp=2", "fsdp=null"])
+    out = _errors(["mesh.cp=2"], plan="tests/plans/minigpt.yaml")
+    assert "context parallelism cannot wrap" in out and "attend(q, k, v, positions)" in out
+    out = _errors(["model.config={use_sliding_window: true, sliding_window: 8, max_window_layers: 0}"],
+                  plan=QWEN3)
+    assert "does not support Qwen3ForCausalLM's sliding-window attention" in out
+
+
+def test_validate_reads_a_cp_plan(root, monkeypatch, capsys):
+    monkeypatch.chdir(root)
+    rc, out = run_main(capsys, "validate", "--plan", FSDP, "--set", "mesh.cp=2",
+                       "--world-size", "4")
+    assert rc == 0, out
+
+
+def test_train_on_cp4_matches_one_process_and_resumes_on_cp1(reference_run, tmp_path):
+    """``tpplan train`` with the sequence over 4 ranks follows the single-process curve;
+    killed in its last save, it resumes from its step-10 checkpoint on one process (cp 1:
+    the checkpoint does not depend on cp) and continues the same curve."""
+    from trainrun import STEPS, assert_same_curve, metrics, ok, tpplan_train
+
+    d = tmp_path / "cp4"
+    stopped = tpplan_train(d, nproc=4, sets=["mesh.tp=1", "mesh.cp=4"],
+                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+    assert stopped.returncode != 0
+    assert "dp_shard=1 × cp=4 × tp=1 on 4 cpu ranks" in stopped.stdout
+    assert_same_curve(metrics(d), metrics(reference_run), range(1, 11))
+    resumed = tpplan_train(d, "--resume", sets=["mesh.tp=1"])
+    ok(resumed)
+    assert "resumed from" in resumed.stdout and "step-000010" in resumed.stdout
+    assert_same_curve(metrics(d), metrics(reference_run), range(1, STEPS + 1))
+
+
+def test_document_positions_restart_after_each_separator():
+    from tpplan.train.data import document_positions
+
+    tokens = torch.tensor([[5, 6, 0, 7, 8, 9, 0, 0, 4], [1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    assert document_positions(tokens, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
+                                                      [0, 1, 2, 3, 4, 5, 6, 7, 8]]
+    assert document_positions(tokens, None) is None  # bytes: no boundaries
