@@ -292,10 +292,10 @@ def test_fsdp_chunks_made_on_demand_are_the_chunks_fsdp_makes(shape, ranks, dim)
     views: shape, stride and offset into the parameter, every index and from the end."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-    from tpplan.analysis.dryrun import _Chunks
+    from tpplan.analysis.dryrun import ChunksOnDemand
 
     t = torch.empty(shape)
-    eager, lazy = _chunk_with_empty(t, ranks, dim), _Chunks(t, ranks, dim)
+    eager, lazy = _chunk_with_empty(t, ranks, dim), ChunksOnDemand(t, ranks, dim)
     assert len(lazy) == len(eager) == ranks
     for i in [*range(ranks), -1]:
         a, b = eager[i], lazy[i]

@@ -22,7 +22,7 @@ from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
-__all__ = ["Analysis", "AnalysisError", "DryRun", "MAX_WORLD_SIZE", "dry_run",
+__all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",
            "fake_process_group", "forget_meshes", "run_analysis", "world_size_problem"]
 
 MAX_WORLD_SIZE = 2**31 - 1  # c10d's ProcessGroup keeps its size in a C int
@@ -118,7 +118,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         forget_meshes()
 
 
-class _Chunks(Sequence):
+class ChunksOnDemand(Sequence):
     """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` entries, as FSDP2's
     ``_chunk_with_empty`` returns it, but each chunk made only when it is read. FSDP2 reads
     two of them (this rank's and the first) and builds all ``n``: at 2,048 data-parallel
@@ -149,7 +149,7 @@ class _Chunks(Sequence):
 
 @contextlib.contextmanager
 def _fsdp_init_on_demand() -> Iterator[None]:
-    """FSDP2's parameter sharding with :class:`_Chunks` and each mesh pair joined once: the
+    """FSDP2's parameter sharding with :class:`ChunksOnDemand` and each mesh pair joined once: the
     same tensors and meshes, made only as often as they differ."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard import _fsdp_param
@@ -165,7 +165,7 @@ def _fsdp_init_on_demand() -> Iterator[None]:
             concatenated[key] = (list(meshes), original_concatenate(meshes))
         return concatenated[key][1]
 
-    _fsdp_param._chunk_with_empty = _Chunks
+    _fsdp_param._chunk_with_empty = ChunksOnDemand
     DeviceMesh._concatenate = staticmethod(concatenate)
     try:
         yield
