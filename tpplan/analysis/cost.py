@@ -123,16 +123,15 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
         if dim == "dp_shard":
             add("dp", n * sizes.get("dp_replicate", 1))
         stride *= n
-    # Expert parallelism borrows dp_shard's (× cp's) innermost ranks, tp inside them
-    # (parallel/mesh.py), and its experts' FSDP2 runs over the rest; FSDP2 under context
-    # parallelism over dp_shard × cp flattened.
-    ep, inner = sizes.get("ep", 1), sizes.get("tp", 1) * sizes.get("cp", 1)
-    stride = inner
-    add("ep", ep)
-    stride = inner * ep
-    add("efsdp", sizes.get("dp_shard", 1) * sizes.get("cp", 1) // ep)
-    stride = sizes.get("tp", 1)
-    add("dp_shard_cp", sizes.get("dp_shard", 1) * sizes.get("cp", 1))
+    # ep: dp_shard's (× cp's) innermost ranks (parallel/mesh.py); efsdp: the experts' FSDP2.
+    ep, cp, stride = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("tp", 1) * sizes.get("cp", 1)
+    if ep > 1:
+        add("ep", ep)
+        stride *= ep
+        add("efsdp", sizes.get("dp_shard", 1) * cp // ep)
+    if cp > 1:
+        stride = sizes.get("tp", 1)
+        add("dp_shard_cp", sizes.get("dp_shard", 1) * cp)
     return out
 
 

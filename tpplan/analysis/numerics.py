@@ -4,8 +4,8 @@ The parallel side runs the plan for real: N processes on a gloo CPU mesh, the sa
 ``plan.apply`` the trainer uses. The reference is the same model (same seed) and the same
 global batch on one device with no plan at all. Both run in ``eval()`` mode, so dropout
 (random, and drawn differently on sharded tensors) does not blur the comparison; gradients
-flow the same. Each data-parallel rank takes its slice of
-the batch; FSDP averages gradients over them, which equals the reference's mean loss.
+flow the same. Each data-parallel rank takes its slice of the batch; FSDP averages
+gradients over them, which equals the reference's mean loss.
 """
 
 from __future__ import annotations
@@ -87,10 +87,10 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
     torch.manual_seed(seed)
     model = build_model(plan.require_model(), device="cpu").eval()
     mesh = plan.build_mesh("cpu")
+    dp = plan.parallel_dims(world).dp
     if plan.pipeline is not None:
-        _pipeline_step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir)
-    else:
-        _plain_step(plan, model, mesh, tokens, plan.parallel_dims(world).dp, out_dir, positions)
+        return _pipeline_step(plan, model, mesh, tokens, dp, out_dir)
+    _plain_step(plan, model, mesh, tokens, dp, out_dir, positions)
 
 
 def _grads(models: list, named) -> dict[str, torch.Tensor]:
@@ -105,9 +105,8 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     dp_rank = data_parallel_rank(mesh)
     model = plan.apply(model, mesh)
     local = tokens.chunk(dp)[dp_rank]
-    if positions is not None:
+    if positions is not None:  # below: under context parallelism, this rank's part of each sequence
         positions = positions.chunk(dp)[dp_rank][:, :-1]
-    # under context parallelism this rank's part of each sequence, with its positions
     inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
         logits = model(inputs, **kwargs)
@@ -160,7 +159,6 @@ def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_d
 def _quiet() -> None:
     import logging
     import warnings
-
     warnings.simplefilter("ignore")  # FSDP/DTensor advice on every rank drowns the table
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
 
@@ -242,10 +240,9 @@ def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,
 
 def parallel_steps(jobs: Sequence[tuple[str, Sequence[str], torch.Tensor, int]],
                    world_size: int) -> list[StepResult | str]:
-    """Several plans' steps (``(plan_path, overrides, tokens, seed)`` each, ``positions``
-    after them for packed documents) in one spawn of
-    ``world_size`` processes, so start-up is paid once: each job's result, or the error
-    line it failed with."""
+    """Several plans' steps (``(plan_path, overrides, tokens, seed[, positions])`` each) in
+    one spawn of ``world_size`` processes, so start-up is paid once: each job's result, or
+    the error line it failed with."""
     with tempfile.TemporaryDirectory(prefix="tpplan-verify-") as out:
         for i in range(len(jobs)):
             (Path(out) / f"job{i}").mkdir()
@@ -293,13 +290,12 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     shape = plan.step_shape(nproc)  # seq_len under SP: a located error, not a crash
     model = build_model(plan.require_model(), device="meta")
     plan.check(model, nproc)
-    vocab = vocab_size(model)
-    if vocab is None:  # no range to draw token ids from: refuse, naming the model's line
+    if (vocab := vocab_size(model)) is None:  # no range to draw token ids from: refuse, located
         spec = plan.require_model()
-        what = f"model.factory '{spec.factory}'" if spec.factory else "the model"
         raise PlanErrors([PlanError(
-            f"{what} builds a {type(model).__name__} with no token embedding (nn.Embedding) and "
-            "no config.vocab_size: verify feeds a model a batch of token ids and cannot tell "
-            "which ids it takes", spec.locs.get("factory", spec.loc))])
+            f"{f'model.factory {spec.factory!r}' if spec.factory else 'the model'} builds a "
+            f"{type(model).__name__} with no token embedding (nn.Embedding) and no config."
+            "vocab_size: verify feeds a model a batch of token ids and cannot tell which ids it "
+            "takes", spec.locs.get("factory", spec.loc))])
     tokens = make_batch(vocab, shape.global_batch, shape.seq_len, seed)
     return VerifyStep(plan, every, tokens)
