@@ -280,7 +280,7 @@ def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tin
     from trainrun import fails, metrics, ok
 
     from tpplan.train.corpora import load_corpora
-    from tpplan.train.data import step_batch
+    from tpplan.train.data import document_positions, step_batch
     from tpplan.train.evaluate import summed_loss
 
     plan_path, _ = lora_run
@@ -302,8 +302,12 @@ def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tin
                                    f"data.path={tiny_llama / 'chat.jsonl'}", "eval=null"])
     data = load_corpora(plan.data, plan.eval, run, base.config.vocab_size, 32)
     batch = step_batch(data.train, 0, 1, 4, 32, 0, 1)
+    # packed chats attend within themselves (data.document_mask): transformers takes that as
+    # positions restarting at each document
+    positions = document_positions(batch.tokens, data.train.separator)
     with torch.no_grad():
-        logits = model(input_ids=batch.tokens[:, :-1]).logits
+        logits = model(input_ids=batch.tokens[:, :-1], position_ids=positions[:, :-1],
+                       use_cache=False).logits  # no cache: transformers masks packed positions
     loss = summed_loss(logits, batch.tokens, batch.mask).item() / batch.count
     got = metrics(run)
     assert got[1]["loss"] == pytest.approx(loss, rel=1e-5)
