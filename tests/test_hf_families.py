@@ -83,3 +83,25 @@ def test_an_attention_with_per_head_parameters_of_its_own_is_refused_where_shard
     assert rc == 1 and "Traceback" not in out
     assert "plan.yaml:" in out and "uses parameters of its own (gate_bias)" in out
     assert "add 'head_params: [gate_bias]' to rule 'model.layers.*.self_attn'" in out
+
+
+@pytest.mark.parametrize("family", ["phi", "gemma4_text", "hrm_text", "deepseek_v4"])
+def test_communication_is_computed_for_a_family_that_calls_a_module_twice(capsys, tmp_path,
+                                                                          family):
+    """These families call one module twice in a forward (phi's residual dropout, for the
+    attention and the MLP): CommDebugMode's module tracker popped its parent twice and the
+    communication analysis ended in ``IndexError: list index out of range``. Now computed:
+    the TP collectives by module add up to the step's."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config(family), default=str))
+    plan = tmp_path / "plan.yaml"
+    rc, _ = run_main(capsys, "import-hf", config, "-o", plan)
+    assert rc == 0
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "2", "--json",
+                       "--strict")
+    data = json.loads(out[out.index("{"):])
+    assert rc == 0 and data["analysis_errors"] == [], data["analysis_errors"]
+    comm = data["comm_per_step"]
+    assert comm["collectives"] and sum(r["count"] for r in comm["tp_by_module"]) == sum(
+        r["count"] for r in comm["collectives"] if r["source"] == "tp")
+    assert "wire_bytes" in data["comm_minimum"]
