@@ -83,3 +83,45 @@ def test_an_attention_with_per_head_parameters_of_its_own_is_refused_where_shard
     assert rc == 1 and "Traceback" not in out
     assert "plan.yaml:" in out and "uses parameters of its own (gate_bias)" in out
     assert "add 'head_params: [gate_bias]' to rule 'model.layers.*.self_attn'" in out
+
+
+@pytest.mark.parametrize("family", ["phi", "gemma4_text", "hrm_text", "deepseek_v4"])
+def test_communication_is_computed_for_a_family_that_calls_a_module_twice(capsys, tmp_path,
+                                                                          family):
+    """These families call one module twice in a forward (phi's residual dropout, for the
+    attention and the MLP): CommDebugMode's module tracker popped its parent twice and the
+    communication analysis ended in ``IndexError: list index out of range``. Now computed:
+    the TP collectives by module add up to the step's."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config(family), default=str))
+    plan = tmp_path / "plan.yaml"
+    rc, _ = run_main(capsys, "import-hf", config, "-o", plan)
+    assert rc == 0
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "2", "--json",
+                       "--strict")
+    data = json.loads(out[out.index("{"):])
+    assert rc == 0 and data["analysis_errors"] == [], data["analysis_errors"]
+    comm = data["comm_per_step"]
+    assert comm["collectives"] and sum(r["count"] for r in comm["tp_by_module"]) == sum(
+        r["count"] for r in comm["collectives"] if r["source"] == "tp")
+    assert "wire_bytes" in data["comm_minimum"]
+
+
+@pytest.mark.parametrize("family, operation", [
+    ("llama4_text", "Output 0 of BackwardHookFunction is a view and is being modified inplace "
+                    "(in module 'model.layers.0.feed_forward', forward)"),
+    ("longcat_flash", "torch.nonzero() raises unimplemented by default, as a correct "
+                      "data-independent implementation does not exist (in module "
+                      "'model.layers.0.mlp.experts', forward)")])
+def test_a_family_the_trace_cannot_run_names_the_operation_and_module(capsys, tmp_path, family,
+                                                                       operation):
+    """Where the communication trace cannot run, the reason is the one operation that stops
+    it and the module it runs in; the plan itself stays valid (exit 0)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config(family), default=str))
+    plan = tmp_path / "plan.yaml"
+    assert run_main(capsys, "import-hf", config, "-o", plan)[0] == 0
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "2", "--json")
+    data = json.loads(out[out.index("{"):])
+    reasons = {e["analysis"]: e["message"] for e in data["analysis_errors"]}
+    assert rc == 0 and data["errors"] == [] and operation in reasons["comm_per_step"], reasons

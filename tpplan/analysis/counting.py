@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 
 __all__ = ["Collective", "CollectiveRecorder", "KINDS"]
 
@@ -86,6 +87,20 @@ def _group_size(name: str, args) -> int:
         return ints[0] if ints else 1
 
 
+class _ModuleTracker(_CommModeModuleTracker):
+    """CommDebugMode's module tracker, with one repair: it registers a post-forward hook on a
+    module at every call and never removes the last one, so a module called twice in one
+    forward (phi's residual dropout, for the attention and the MLP) pops its parent twice
+    and the trace ends in ``IndexError: list index out of range``. The hook of the call
+    before is removed first, so each call pops once."""
+
+    def _fw_pre_hook(self, mod, input):
+        handle = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
+        if handle is not None:
+            handle.remove()
+        super()._fw_pre_hook(mod, input)
+
+
 class CollectiveRecorder(CommDebugMode):
     """``CommDebugMode`` that also records each collective's size, group and pass.
 
@@ -99,6 +114,7 @@ class CollectiveRecorder(CommDebugMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.advanced_module_tracker = _ModuleTracker()
         self.collectives: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -218,8 +218,9 @@ def worker_failure(e: BaseException) -> str:
     (the exception itself, not the multi-process traceback around it)."""
     rank = getattr(e, "error_index", None)
     text = str(e).strip().splitlines()
-    last = next((x for x in reversed(text) if x.strip()), str(e))
-    return f"rank {rank} failed: {last.strip()}" if rank is not None else last.strip()
+    last = next((x for x in reversed(text) if x.strip()), str(e)).strip()
+    last = last.removeprefix("tpplan.plan.errors.PlanErrors: ")  # a plan's mistake: located
+    return f"rank {rank} failed: {last}" if rank is not None else last
 
 
 def parallel_step(plan_path: str, overrides: Sequence[str], world_size: int,

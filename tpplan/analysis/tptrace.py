@@ -15,6 +15,8 @@ checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import logging
 from collections import Counter
@@ -80,11 +82,30 @@ def _truncated(container: nn.Module, depth: int) -> nn.Module:
     return nn.ModuleList(list(container)[:depth])
 
 
+@contextlib.contextmanager
+def _naming_the_module(rec: CollectiveRecorder):
+    """An operation the trace cannot run (a meta tensor's data-dependent shape, an in-place
+    write to a hooked module's output) re-raised with the module it ran in and the pass:
+    the one operation that stops the analysis, located in the model."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - re-raised, with where
+        tracker = rec.advanced_module_tracker
+        first = str(e).strip().split(". ")[0].splitlines()[0] if str(e).strip() else ""
+        name = tracker.name.partition(".")[2] or tracker.name  # less the root's class name
+        where = f" (in module '{name}', {'backward' if tracker.is_bw else 'forward'})"
+        try:
+            located = type(e)(f"{first}{where}")
+        except Exception:  # noqa: BLE001 - an exception type that takes more than a message
+            located = RuntimeError(f"{type(e).__name__}: {first}{where}")
+        raise located from None
+
+
 def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str],
          io: StageIO | None = None) -> Counter:
     model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
     io = io or StageIO(True, True)
-    with CollectiveRecorder() as rec, fused_attention_on_meta():
+    with CollectiveRecorder() as rec, fused_attention_on_meta(), _naming_the_module(rec):
         with loss_context(plan):
             targets, kwargs = tokens, {}
             if io.first:  # under cp, this rank's part of the sequence and its positions
