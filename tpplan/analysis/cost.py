@@ -178,11 +178,12 @@ def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple
     return seconds, dict(link={k: v[0] for k, v in group.items()}, first=first, latency=alpha)
 
 
-def _rank_flops(flops: ModelFlops, result, work: dict[str, tuple[float, float]]
+def _rank_flops(flops: ModelFlops, result, work: dict[str, tuple[float, float, float]]
                 ) -> tuple[float, float, float, float, int]:
     """The busiest pp rank's training and recomputed work per token (FLOPs over each GEMM's
-    efficiency, ``work``: :func:`tpplan.analysis.gemm.unit_work`), the same as plain FLOPs,
-    and how many pp ranks the model's units are divided over (1 without a pipeline)."""
+    efficiency, ``work``: :func:`tpplan.analysis.gemm.unit_work`), the FLOPs its kernels
+    run (training and recomputed), the model's FLOPs of it, and how many pp ranks the
+    model's units are divided over (1 without a pipeline)."""
     pipe = result.extra.get("pipeline")
     ranks = flops.rank_units(pipe.get("stages") if pipe else None)
     ac = result.plan.spec.activation_checkpointing
@@ -194,7 +195,8 @@ def _rank_flops(flops: ModelFlops, result, work: dict[str, tuple[float, float]]
 
     best = max(ranks, key=lambda u: sum(cost(u)))
     train, recomputed = cost(best)
-    return (train, recomputed, 3 * flops.forward_of(best), flops.forward_of(ckpt & set(best)),
+    run = sum(work[u][2] * (3 + (u in ckpt)) for u in best if u in work)
+    return (train, recomputed, run, 3 * flops.forward_of(best) + flops.forward_of(ckpt & set(best)),
             len(ranks))
 
 
@@ -209,7 +211,7 @@ def flops_of(result) -> ModelFlops:
 def _compute(result, device: Device, c: CostConstants,
              flops: ModelFlops) -> tuple[dict, float, float]:
     """The compute and recompute terms of the busiest rank, the global tokens per step and
-    the rank's FLOPs per step."""
+    the rank's FLOPs per step: the model's count, and what its kernels run."""
     if not device.bf16_flops:
         raise ValueError(f"device {device.name} has no bf16 peak: no compute estimate")
     step, dims = result.step, result.resolution.dims
@@ -219,11 +221,11 @@ def _compute(result, device: Device, c: CostConstants,
     rows = step.micro_batch * step.seq_len // cp
     work = unit_work(flops, linear_splits(result.resolution.rule_of), dims.tp, rows,
                      step.micro_batch, step.seq_len // cp, device, speed)
-    train, recomputed, train_flops, recomputed_flops, pp_ranks = _rank_flops(flops, result, work)
+    train, recomputed, run, counted, pp_ranks = _rank_flops(flops, result, work)
     per_rank_tokens = tokens / (result.world_size / pp_ranks)  # a stage's ranks split tokens
     return (dict(compute=train * per_rank_tokens / speed,
                  recompute=recomputed * per_rank_tokens / speed), tokens,
-            (train_flops + recomputed_flops) * per_rank_tokens)
+            (counted * per_rank_tokens, run * per_rank_tokens))
 
 
 def _rate(device: Device, c: CostConstants) -> float:
@@ -258,7 +260,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         raise ValueError("the dry run has no pipeline schedule (its memory analysis failed)")
     world = result.world_size
     flops = flops or flops_of(result)
-    terms, tokens, rank_flops = _compute(result, device, c, flops)
+    terms, tokens, (rank_flops, run_flops) = _compute(result, device, c, flops)
     raw, comm = _comm(result, device, gpus_per_node, c)
     terms["tp"] = raw.get("tp", 0.0) * (1 - c.tp_overlap)
     busy = terms["compute"] + terms["recompute"]
@@ -280,7 +282,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         flops_per_token=flops.train_per_token, matmul_params=flops.matmul_params,
         attention_width=flops.attention_width, model_flops_per_step=model,
         rank_flops_per_step=rank_flops,
-        gemm_efficiency=rank_flops / (busy * _rate(device, c)) if busy else 1.0,
+        gemm_efficiency=run_flops / (busy * _rate(device, c)) if busy else 1.0,
         comm_seconds_before_overlap=raw, comm_latency_seconds=comm["latency"],
         first_unit_exposure=comm["first"], bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(

@@ -116,7 +116,9 @@ _WORK: dict[tuple, tuple[object, object, dict]] = {}
 def unit_work(flops, splits: dict[str, str], tp: int, tokens: int, micro_batch: int,
               seq: int, device: Device, rate: float) -> dict[str, tuple[float, float]]:
     """Per unit of ``flops`` (:class:`tpplan.analysis.flops.ModelFlops`): ``(forward,
-    training)`` FLOPs per token divided by each GEMM's efficiency, so that ``FLOPs / rate``
+    training, run)``: forward and training FLOPs per token divided by each GEMM's efficiency
+    (and causal attention's skipped half), and the forward FLOPs the kernels run (causal
+    attention's share only), so that ``FLOPs / rate``
     becomes seconds at the shapes one rank runs: its Linears' local shapes under TP
     (``splits``) on ``tokens`` rows per micro-batch, and attention's ``QKᵀ`` and ``AV`` as
     a batch of ``micro_batch × heads/tp`` GEMMs of ``seq × seq × head_dim`` and ``seq ×
@@ -142,7 +144,8 @@ def _unit_work(flops, splits, tp, tokens, micro_batch, seq, device, rate):
         batch = micro_batch * local_heads
         attn = 0.5 / gemm_efficiency(seq, seq, hd, device, rate, batch) + \
             0.5 / gemm_efficiency(seq, hd, seq, device, rate, batch)  # 1 / mean efficiency
-        attn *= causal_fraction(seq)
+        attn *= causal_fraction(seq)  # the time of what the kernel computes
+    causal = causal_fraction(seq)
     out = {}
     for unit, forward in flops.forward.items():
         fwd = train = 0.0
@@ -155,8 +158,10 @@ def _unit_work(flops, splits, tp, tokens, micro_batch, seq, device, rate):
             train += 2.0 * i * o * (1 / f + 1 / d + 1 / w)
             linear += 2.0 * i * o
         rest = forward - linear  # attention's matmuls (blocks only)
+        run = linear
         if rest > 0:
             fwd += rest * (attn or 1.0)
             train += 3 * rest * (attn or 1.0)
-        out[unit] = (fwd, train)
+            run += rest * (causal if attn else 1.0)
+        out[unit] = (fwd, train, run)
     return out
