@@ -117,6 +117,25 @@ def test_profile_traces_per_rank_and_counts_equal_the_dry_run(watched):
                for s, r in rows(run).items())
 
 
+def test_profile_counts_under_a_pipeline_are_the_dry_runs_busiest_stage(other_runs):
+    """pp 2 × tp 2: each stage issues its own collectives; the dry run counts the busiest
+    rank's (the last stage: the loss-parallel head), so the largest count over the ranks of
+    each kind equals it, p2p sends and receives included."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+
+    pp = other_runs[0]
+    predicted = dry_run(PLAN, 4, QUICK + PP, [a for a in ANALYSES if a[0] == "comm_per_step"])
+    expected: dict[str, int] = {}
+    for r in predicted.extra["comm_per_step"]["collectives"]:
+        key = f"{r['mesh_dim']} {r['kind']}"
+        expected[key] = expected.get(key, 0) + r["count"]
+    counts = [json.loads((pp / "profile" / f"summary-rank{r}.json").read_text())["steps"][0]
+              ["collectives"] for r in range(4)]
+    assert {k: max(c.get(k, 0) for c in counts) for k in expected} == expected
+    assert set().union(*counts) == set(expected) and expected["pp send"] > 0
+
+
 def test_the_memory_line_is_within_tolerance_of_the_dry_run(watched):
     """The end-of-run line on CPU (docs/training.md says what it measures) against a dry
     run of the same plan made here."""
@@ -142,7 +161,7 @@ def other_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     """The watched run's plan as pp 2 × tp 2, with another seed, and once more as it was
     (without the sinks and the profile, which change no number)."""
     base = tmp_path_factory.mktemp("others")
-    train(base / "pp2-tp2", *PP)
+    train(base / "pp2-tp2", *PP, profile="2:2")
     train(base / "seed1", "train.seed=1")
     train(base / "again")
     return base / "pp2-tp2", base / "seed1", base / "again"
