@@ -117,6 +117,25 @@ def test_profile_traces_per_rank_and_counts_equal_the_dry_run(watched):
                for s, r in rows(run).items())
 
 
+def test_profile_counts_under_a_pipeline_are_the_dry_runs_busiest_stage(other_runs):
+    """pp 2 × tp 2: each stage issues its own collectives; the dry run counts the busiest
+    rank's (the last stage: the loss-parallel head), so the largest count over the ranks of
+    each kind equals it, p2p sends and receives included."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+
+    pp = other_runs[0]
+    predicted = dry_run(PLAN, 4, QUICK + PP, [a for a in ANALYSES if a[0] == "comm_per_step"])
+    expected: dict[str, int] = {}
+    for r in predicted.extra["comm_per_step"]["collectives"]:
+        key = f"{r['mesh_dim']} {r['kind']}"
+        expected[key] = expected.get(key, 0) + r["count"]
+    counts = [json.loads((pp / "profile" / f"summary-rank{r}.json").read_text())["steps"][0]
+              ["collectives"] for r in range(4)]
+    assert {k: max(c.get(k, 0) for c in counts) for k in expected} == expected
+    assert set().union(*counts) == set(expected) and expected["pp send"] > 0
+
+
 def test_the_memory_line_is_within_tolerance_of_the_dry_run(watched):
     """The end-of-run line on CPU (docs/training.md says what it measures) against a dry
     run of the same plan made here."""
@@ -138,11 +157,14 @@ def test_the_memory_line_is_within_tolerance_of_the_dry_run(watched):
 
 
 @pytest.fixture(scope="module")
-def other_runs(tmp_path_factory) -> tuple[Path, Path]:
+def other_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The watched run's plan as pp 2 × tp 2, with another seed, and once more as it was
+    (without the sinks and the profile, which change no number)."""
     base = tmp_path_factory.mktemp("others")
-    train(base / "pp2-tp2", *PP)
+    train(base / "pp2-tp2", *PP, profile="2:2")
     train(base / "seed1", "train.seed=1")
-    return base / "pp2-tp2", base / "seed1"
+    train(base / "again")
+    return base / "pp2-tp2", base / "seed1", base / "again"
 
 
 def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
@@ -150,7 +172,7 @@ def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
     measured peak (the largest over the ranks) within tolerance of the dry run's."""
     from tpplan.train.verdict import MEMORY_TOLERANCE
 
-    for run in other_runs:
+    for run in other_runs[:2]:
         record = json.loads((run / "estimate.json").read_text())
         ratio = record["measured"]["peak_bytes"] / record["dry_run"]["peak_bytes"]
         assert MEMORY_TOLERANCE[0] <= ratio <= MEMORY_TOLERANCE[1], (run, ratio)
@@ -188,7 +210,7 @@ def test_report_side_by_side_names_where_runs_part(watched, other_runs, tmp_path
     from browser import find_browser, parse, rendered_dom
 
     run, _ = watched
-    pp, seed = other_runs
+    pp, seed, _ = other_runs
     page_file = tmp_path / "runs.html"
     proc = tpplan_cli("report", run, pp, seed, "--json", "--html", page_file, check=True)
     data = json.loads(proc.stdout)
@@ -218,18 +240,21 @@ def test_report_side_by_side_names_where_runs_part(watched, other_runs, tmp_path
     assert partings == {str(pp): "none", str(seed): "1"}
 
 
-def test_same_plan_same_seed_is_identical_at_tolerance_zero(watched, tmp_path):
-    """The default tolerance is 0 for runs of the same plan: a copy of a run's folder
-    agrees; one loss changed in its last bit parts there."""
+def test_same_plan_same_seed_is_identical_at_tolerance_zero(watched, other_runs, tmp_path):
+    """The default tolerance is 0 for runs of the same plan at the same world size: the
+    run made again agrees bit for bit; one loss changed in its last bit parts there."""
+    import math
     import shutil
 
     run, _ = watched
+    again = other_runs[2]
+    data = json.loads(tpplan_cli("report", run, again, "--json", check=True).stdout)
+    assert data["differences"] == [] and data["partings"][0]["tolerance"] == 0
+    assert data["partings"][0]["step"] is None and data["partings"][0]["common_steps"] == STEPS
     copy = tmp_path / "copy"
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("wandb", "tensorboard", "profile"))
-    data = json.loads(tpplan_cli("report", run, copy, "--json", check=True).stdout)
-    assert data["partings"][0]["step"] is None and data["partings"][0]["tolerance"] == 0
+    shutil.copytree(again, copy)
     logged = rows(copy)
-    logged[2]["loss"] = logged[2]["loss"] * (1 + 2 ** -52)
+    logged[2]["loss"] = math.nextafter(logged[2]["loss"], math.inf)  # one bit apart
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged.values()))
     data = json.loads(tpplan_cli("report", run, copy, "--json", check=True).stdout)
     assert data["partings"][0]["step"] == 2

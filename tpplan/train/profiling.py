@@ -66,10 +66,14 @@ class _Annotate:
             if group_name not in by_name:
                 from torch.distributed.distributed_c10d import _resolve_process_group
 
-                ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(group_name)))
+                try:
+                    ranks = tuple(dist.get_process_group_ranks(
+                        _resolve_process_group(group_name)))
+                except (RuntimeError, ValueError, KeyError):
+                    ranks = ()
                 by_name[group_name] = by_ranks.get(ranks) or (
                     "world" if len(ranks) == dist.get_world_size() else
-                    "ranks " + ",".join(map(str, ranks)))
+                    "ranks:" + ",".join(map(str, ranks)) if ranks else "other")
             return by_name[group_name]
 
         class Mode(TorchDispatchMode):
@@ -85,7 +89,8 @@ class _Annotate:
                     pg = next(a for a in args if isinstance(a, torch.ScriptObject))
                     group = dist.ProcessGroup.unbox(pg).group_name
                 else:
-                    group = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
+                    group = args[-1] if args and isinstance(args[-1], str) else \
+                        str((kwargs or {}).get("group_name", "?"))
                 label = f"{COMM}{dim_of(group)} {KINDS[name]} {owner.phase}"
                 with torch.profiler.record_function(label):
                     return func(*args, **(kwargs or {}))
