@@ -267,6 +267,10 @@ def test_peft_and_merged_exports_give_tpplans_logits(lora_run, tiny_llama, tmp_p
     rc, out = run_main(capsys, "generate", "--checkpoint", str(run), "--prompt", "Hi",
                        "--max-new-tokens", "4")
     assert rc == 0, out
+    for fmt in ("safetensors", "hf"):  # they would write the adapters alone as a model
+        rc, out = run_main(capsys, "export", "--checkpoint", str(run), "--format", fmt,
+                           "-o", str(tmp_path / fmt))
+        assert rc != 0 and "export them with --format peft, or merged" in out, out
 
 
 def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tiny_llama,

@@ -123,6 +123,9 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
 
     checkpoint = checked_checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
+    if plan.lora is not None:  # its checkpoint holds the adapters, not the model
+        raise CommandError("this run trained LoRA adapters (the plan's 'lora' section): export "
+                           "them with --format peft, or merged into the base with --merge")
     state = read_weights(checkpoint)
     if not state:
         raise PlanErrors([PlanError(f"'{checkpoint}' holds no model tensors")])
