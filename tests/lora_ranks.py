@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 
 import tpplan
 from tpplan.models import build_model
-from tpplan.models.init import _assign
 from tpplan.parallel.lora import lora_targets, saved_modules
 from tpplan.parallel.mesh import dp_rank as data_parallel_rank
 from tpplan.parallel.runtime import as_spawned_rank, ensure_process_group, spawn
 from tpplan.train.optim import make_optimizer
+from tpplan.train.pretrained import load_adapter
 
 
 def tpplan_name(peft_name: str) -> str:
@@ -93,9 +93,7 @@ def _job(plan_path: str, overrides, tokens, seed: int, init: dict, out: Path) ->
     else:
         parts = [plan.apply(model, mesh)]
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
-    for name, p in named:
-        if name in init:
-            _assign(p, init[name])
+    load_adapter(init, parts)  # peft's A and B (and modules_to_save), each rank its slice
 
     def step():
         with plan.loss_context():

@@ -29,6 +29,9 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "tp 4 (llama-tp)": ("llama-tp.yaml", 4, SMALL + ["train.global_batch_size=4"]),
     "fsdp 4 (llama-fsdp)": ("llama-fsdp.yaml", 4, SMALL + ["train.global_batch_size=16"]),
     "HF Llama 2x2": ("hf-llama.yaml", 4, SMALL + ["train.global_batch_size=8"] + HF_SMALL),
+    "2x2, LoRA rank 16 (base frozen)": ("llama.yaml", 4, SMALL + [
+        "train.global_batch_size=8", 'lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", '
+        '"layers.*.feed_forward.{w1,w2,w3}"], rank: 16}']),
 }
 
 

@@ -267,6 +267,10 @@ def test_peft_and_merged_exports_give_tpplans_logits(lora_run, tiny_llama, tmp_p
     rc, out = run_main(capsys, "generate", "--checkpoint", str(run), "--prompt", "Hi",
                        "--max-new-tokens", "4")
     assert rc == 0, out
+    for fmt in ("safetensors", "hf"):  # they would write the adapters alone as a model
+        rc, out = run_main(capsys, "export", "--checkpoint", str(run), "--format", fmt,
+                           "-o", str(tmp_path / fmt))
+        assert rc != 0 and "export them with --format peft, or merged" in out, out
 
 
 def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tiny_llama,
@@ -319,3 +323,38 @@ def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tin
     fails(lora_train(plan_path, tiny_llama, tmp_path / "refused",
                      sets=[f"model.adapter={tmp_path / 'rank2'}", "mesh.tp=1"]),
           "model.adapter:", "has r 2 but the plan's lora section says 4")
+
+
+def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only(capsys):
+    """The same apply on fake tensors: gradients are the adapters' local elements (fp32),
+    AdamW two moments of them and a step counter each; ``--device`` proposes LoRA (with the
+    rank it assumed) among its checked changes when a full fine-tune does not fit."""
+    from torch.distributed.tensor import DTensor
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.fit import LORA_RANK, needed
+
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    plan = str(ROOT / "plans" / "llama.yaml")
+    small = ["train.seq_len=64", "train.global_batch_size=8"]
+    lora = ['lora={targets: ["layers.*.attention.{wq,wv,wo}", "layers.*.feed_forward.w2"], '
+            'rank: 8}']
+    r = dry_run(plan, 4, small + lora, memory)
+    trained = [(n, p) for n, p in r.model.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n, _ in trained)
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in trained)
+    m = r.extra["memory_per_rank"]
+    assert m["gradients"] == 4 * local
+    assert m["optimizer"] == 2 * 4 * local + 4 * len(trained)
+    full = dry_run(plan, 4, small, memory).extra["memory_per_rank"]
+    assert m["parameters"] > full["parameters"] and m["optimizer"] < full["optimizer"] / 10
+
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4",
+                       *sum((["--set", s] for s in small), []), "--device-memory",
+                       str(needed(full["peak"]) - 1), "--json")
+    assert rc == 0, out
+    changes = {c["change"]: c for c in json.loads(out)["fit"]["changes"]}
+    proposed = [c for what, c in changes.items() if what.startswith(f"LoRA rank {LORA_RANK} ")]
+    assert len(proposed) == 1 and proposed[0]["error"] is None, changes.keys()
+    assert proposed[0]["peak"] < full["peak"] and f"rank: {LORA_RANK}" in proposed[0]["set"][0]

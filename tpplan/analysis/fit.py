@@ -29,6 +29,9 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
     """Changes that lower memory per rank, as (what, ``--set`` lines); each is checked."""
     spec, shape, dims = result.plan.spec, result.step, result.resolution.dims
     out = []
+    lora = _lora_candidate(result)
+    if lora:
+        out.append(lora)
     ac = spec.activation_checkpointing
     if not (ac.enabled and ac.every == 1):
         out.append(("activation checkpointing of every block",
@@ -65,6 +68,28 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
                     "no unsharded gradients kept)",
                     [f"train.micro_batch_size={shape.micro_batch * shape.grad_accum}"]))
     return out
+
+
+LORA_RANK = 16  # the rank a proposed LoRA assumes (alpha twice it, as is common)
+
+
+def _lora_candidate(result: DryRun) -> tuple[str, list[str]] | None:
+    """LoRA of rank 16 on every linear layer of the repeated blocks, when the plan trains
+    full weights: the base frozen, so no gradients and no AdamW state for it."""
+    import torch.nn as nn
+
+    from ..plan.patterns import generalize
+
+    if result.plan.spec.lora is not None or result.model is None:
+        return None
+    linears = sorted({generalize(p) for p, m in result.model.named_modules()
+                      if isinstance(m, nn.Linear) and "*" in generalize(p)})
+    if not linears:
+        return None
+    targets = ", ".join(f'"{t}"' for t in linears)
+    return (f"LoRA rank {LORA_RANK} on the {len(linears)} linear layers of each block (the "
+            "base frozen: no gradients, no AdamW state for it)",
+            [f"lora={{targets: [{targets}], rank: {LORA_RANK}, alpha: {2 * LORA_RANK}}}"])
 
 
 def _check(plan_path: str, world_size: int, overrides: Sequence[str], capacity: int) -> dict:

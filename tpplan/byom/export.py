@@ -153,6 +153,9 @@ def export_checkpoint(checkpoint: Path, out: Path, plan_path: Path | None = None
 
     checkpoint = checked_checkpoint(Path(checkpoint))
     plan = load(plan_path or find_plan(checkpoint))
+    if plan.lora is not None:  # its checkpoint holds the adapters, not the model
+        raise CommandError("this run trained LoRA adapters (the plan's 'lora' section): export "
+                           "them with --format peft, or merged into the base with --merge")
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"cannot write to '{out}': it is a file; -o names a folder")

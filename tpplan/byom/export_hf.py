@@ -123,6 +123,9 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     checkpoint = checked_checkpoint(Path(checkpoint))
     plan_file = Path(plan_path or find_plan(checkpoint))
     plan = load(plan_file)
+    if plan.lora is not None:  # its checkpoint holds the adapters, not the model
+        raise CommandError("this run trained LoRA adapters (the plan's 'lora' section): export "
+                           "them with --format peft, or merged into the base with --merge")
     spec = plan.require_model()
     if not (spec.is_hf or spec.name == "llama3"):
         raise CommandError("--format hf exports a HuggingFace model (model.hf, hf_config or "

@@ -70,7 +70,6 @@ Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
 # Optimizer state keyed by each parameter's name (``state.layers.3.attention.wq.weight.exp_avg``),
 # not by position in one optimizer: a checkpoint of pp=2 stages loads onto pp=4 or none.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-PARTIAL = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # trained only
 
 
 class SaveFailed(Exception):
@@ -183,13 +182,9 @@ def _attempt(fn, *args, **kwargs) -> str | None:
 
 def save(ckpt_dir: Path, step: int, model: Parts, optimizer: Optimizers,
          trainer_state: dict[str, Any], keep: int, trained_only: bool = False) -> Path:
-    """Save collectively (every rank calls it); return the final folder.
-
-    ``trained_only``: the model's entries are the parameters that train (LoRA adapters and
-    ``modules_to_save``); the frozen base is identified in the trainer state instead.
-
-    Raises :class:`SaveFailed` on every rank if any rank fails; the ``.tmp`` folder is
-    removed and earlier checkpoints are untouched."""
+    """Save collectively (every rank calls it); return the final folder. Raises
+    :class:`SaveFailed` on every rank if any rank fails; the ``.tmp`` folder is removed and
+    earlier checkpoints are untouched. ``trained_only``: of the model, what trains (LoRA)."""
     rank = dist.get_rank()
     final = ckpt_dir / f"step-{step:06d}"
     tmp = ckpt_dir / f"step-{step:06d}.tmp"
@@ -246,11 +241,9 @@ def _prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, model: Parts, optimizer: Optimizers,
-         trained_only: bool = False) -> dict[str, Any]:
+def load(path: Path, model: Parts, optimizer: Optimizers, trained_only: bool = False) -> dict:
     """Load model and optimizer (resharded onto this mesh, and onto these pipeline stages)
-    and return the trainer state. ``trained_only``: the checkpoint holds the parameters
-    that train; the others keep the values they have (the base, loaded before)."""
+    and return the trainer state; ``trained_only`` as saved (the rest keeps its values)."""
     parts = _state_dicts(model, optimizer, trained_only)
     model_sd, optim_sd = _merged(parts)
     state = {MODEL_KEY: model_sd, "optim": optim_sd}
@@ -260,7 +253,7 @@ def load(path: Path, model: Parts, optimizer: Optimizers,
     for (m, o), (msd, osd) in zip(_pairs(model, optimizer), parts):
         set_state_dict(m, o, model_state_dict={k: state[MODEL_KEY][k] for k in msd},
                        optim_state_dict={k: state["optim"][k] for k in osd},
-                       options=PARTIAL if trained_only else FLAT)
+                       options=StateDictOptions(flatten_optimizer_state_dict=True, strict=not trained_only))
     return read_trainer_state(path)
 
 
@@ -270,16 +263,11 @@ def _pairs(model: Parts, optimizer: Optimizers) -> list[tuple[nn.Module, torch.o
     return list(zip(models, optims, strict=True))
 
 
-def _state_dicts(model: Parts, optimizer: Optimizers,
-                 trained_only: bool = False) -> list[tuple[dict, dict]]:
-    out = []
-    for m, o in _pairs(model, optimizer):
-        msd, osd = get_state_dict(m, o, options=FLAT)
-        if trained_only:
-            trained = {n for n, p in m.named_parameters() if p.requires_grad}
-            msd = {k: v for k, v in msd.items() if k in trained}
-        out.append((msd, osd))
-    return out
+def _state_dicts(model: Parts, optimizer: Optimizers, trained_only: bool = False) -> list[tuple[dict, dict]]:
+    dicts = [(m, *get_state_dict(m, o, options=FLAT)) for m, o in _pairs(model, optimizer)]
+    trained = {n for m, *_ in dicts for n, p in m.named_parameters() if p.requires_grad}
+    return [({k: v for k, v in msd.items() if not trained_only or k in trained}, osd)
+            for _, msd, osd in dicts]
 
 
 def _merged(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:

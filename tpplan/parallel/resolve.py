@@ -129,8 +129,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
             if rule.style.name in SHARDING_STYLES:
                 _check_sharding(rule, path, modules[path], tp, errs)
                 check_composite(rule, path, modules[path], errs)
-                check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
-                             tp, errs)
+                check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]), tp, errs)
             elif rule.style.name in PACKED_STYLES:
                 check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
                              tp, errs)

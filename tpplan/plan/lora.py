@@ -9,7 +9,7 @@ from __future__ import annotations
 from .errors import ErrorList, nearest
 from .patterns import compile_pattern
 from .reader import Reader
-from .specs import LORA_INITS, LoraSpec, LoraTarget
+from .lora_spec import LORA_INITS, LoraSpec, LoraTarget
 from .yamlio import LMap, LSeq
 
 __all__ = ["parse_lora"]

@@ -15,6 +15,7 @@ from typing import Any
 
 from .context import ContextParallelSpec
 from .errors import Loc
+from .lora_spec import LORA_INITS, LoraSpec, LoraTarget
 from .sinks import TensorBoardSpec, WandbSpec
 from .styles import StyleSpec
 
@@ -144,41 +145,6 @@ class FreezeRule:
     pattern: str
     frozen: bool  # False for a '!pattern' exception
     loc: Loc
-
-
-LORA_INITS = ("kaiming", "gaussian")  # PEFT's init_lora_weights=True and "gaussian"
-
-
-@dataclass
-class LoraTarget:
-    """One ``lora.targets`` entry: the linear modules whose path the pattern matches get an
-    adapter; ``!pattern`` takes them out again. The last entry that matches decides."""
-
-    pattern: str
-    included: bool  # False for a '!pattern' exception
-    loc: Loc
-
-
-@dataclass
-class LoraSpec:
-    """``lora:`` — low-rank adapters beside frozen linear layers (PEFT's LoRA): the output
-    of each target becomes ``base(x) + B(A(dropout(x))) * alpha / rank`` (``alpha /
-    sqrt(rank)`` with ``rslora``). Every other parameter is frozen except the modules in
-    ``modules_to_save``, which train whole (a new head, say)."""
-
-    targets: list[LoraTarget] = field(default_factory=list)
-    rank: int = 8
-    alpha: float = 8.0
-    dropout: float = 0.0
-    init: str = "kaiming"  # A kaiming-uniform(a=sqrt 5), B zeros; "gaussian": A normal(1/rank)
-    rslora: bool = False
-    modules_to_save: list[LoraTarget] = field(default_factory=list)
-    loc: Loc | None = None
-    locs: dict[str, Loc] = field(default_factory=dict)
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (self.rank ** 0.5 if self.rslora else self.rank)
 
 
 @dataclass
