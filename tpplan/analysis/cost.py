@@ -4,10 +4,9 @@ Every term is in seconds per optimizer step on the busiest rank, so a user sees 
 dominates (formulas, device figures and their sources: docs/search.md):
 
 - ``compute``: the model's training FLOPs (:mod:`.flops`: ``3 ×`` forward, ``6N + 12·L·d·s``
-  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction ×
-  compute_efficiency × f(shape)``: ``gemm_fraction`` the rate a large GEMM measurably
-  reaches on the device; ``f`` (:mod:`.gemm`) is what the rank's own matrix shapes (after TP sharding,
-  at its micro-batch) lose to tile and wave quantization and to memory bandwidth;
+  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction × compute_efficiency
+  × f(shape)``: ``gemm_fraction`` the rate a large GEMM measurably reaches on the device; ``f``
+  (:mod:`.gemm`) what the rank's own shapes lose to tile and wave quantization and bandwidth;
 - ``recompute``: the forward of the blocks activation checkpointing recomputes in backward;
 - ``tp``, ``fsdp`` (``dp_shard``), ``dp`` (``dp_replicate``), ``pp_p2p``: the dry run's
   collectives per mesh dimension (``comm_per_step``), each call ``α₀ + steps × α + wire
@@ -107,8 +106,7 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
     node), so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the
     product of the inner dimensions; it stays in a node (``intra``) when that span is at most
     ``gpus_per_node``, else it spans ``nodes`` nodes (``inter``). ``dp`` is dp_replicate and
-    dp_shard flattened; ``ep`` (expert parallelism borrows the innermost ranks) spans ``ep``
-    consecutive ranks."""
+    dp_shard flattened; ``ep``, ``efsdp`` and ``dp_shard_cp`` as the mesh lays them out."""
     out, stride = {}, 1
 
     def add(name: str, n: int) -> None:

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
-from ..plan.errors import PlanError, PlanErrors
 from ..plan.packing import packed_params
 from ..parallel.context import shard_batch
 from ..parallel.freeze import apply_freeze
@@ -272,7 +271,7 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     """The plan's model shrunk to a tiny one of the same architecture (every divisibility
     relation over tp kept), a step of ``batch_per_rank`` sequences per data-parallel rank,
     checked as the trainer checks it. :class:`PlanErrors` if the plan does not fit."""
-    from ..models.introspect import shrink_overrides, vocab_size
+    from ..models.introspect import shrink_overrides, token_ids
 
     plan = load(plan_path, overrides)
     dims = plan.parallel_dims(nproc)  # PlanErrors (exit 1) if the mesh does not fit
@@ -291,12 +290,6 @@ def verify_step(plan_path: str, nproc: int, overrides: Sequence[str] = (), layer
     shape = plan.step_shape(nproc)  # seq_len under SP: a located error, not a crash
     model = build_model(plan.require_model(), device="meta")
     plan.check(model, nproc)
-    if (vocab := vocab_size(model)) is None:  # no range to draw token ids from: refuse, located
-        spec = plan.require_model()
-        raise PlanErrors([PlanError(
-            f"{f'model.factory {spec.factory!r}' if spec.factory else 'the model'} builds a "
-            f"{type(model).__name__} with no token embedding (nn.Embedding) and no config."
-            "vocab_size: verify feeds a model a batch of token ids and cannot tell which ids it "
-            "takes", spec.locs.get("factory", spec.loc))])
+    vocab = token_ids(model, plan.require_model())
     tokens = make_batch(vocab, shape.global_batch, shape.seq_len, seed)
     return VerifyStep(plan, every, tokens)

@@ -9,9 +9,10 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 
-__all__ = ["find_blocks", "first_block", "is_norm", "vocab_size", "small_hf_fields",
+__all__ = ["find_blocks", "first_block", "is_norm", "vocab_size", "token_ids", "small_hf_fields",
            "shrink_overrides"]
 
 
@@ -53,6 +54,18 @@ def vocab_size(model: nn.Module) -> int | None:
         return cfg.vocab_size
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return emb.num_embeddings if emb is not None else None
+
+
+def token_ids(model: nn.Module, spec: ModelSpec) -> int:
+    """:func:`vocab_size` for a caller that feeds the model token ids (``verify``): a model
+    with none is refused at the plan's ``model`` line, as it cannot tell which ids it takes."""
+    if (vocab := vocab_size(model)) is None:
+        raise PlanErrors([PlanError(
+            f"{f'model.factory {spec.factory!r}' if spec.factory else 'the model'} builds a "
+            f"{type(model).__name__} with no token embedding (nn.Embedding) and no config."
+            "vocab_size: verify feeds a model a batch of token ids and cannot tell which ids it "
+            "takes", spec.locs.get("factory", spec.loc))])
+    return vocab
 
 
 def _keep_residue(n: int | None, tp: int, base: int) -> int:

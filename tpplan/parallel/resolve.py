@@ -1,8 +1,7 @@
 """Patterns -> concrete module paths, and every check that needs the model.
 
 Runs on any model, meta-device ones included, without a process group: a plan that does
-not fit is reported with its lines before any collective could hang on it.
-"""
+not fit is reported with its lines before any collective could hang on it."""
 
 from __future__ import annotations
 
@@ -126,18 +125,17 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                          f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line})", rule.loc)
                 continue
             res.rule_of[path] = rule
+            module, parent = modules[path], modules.get(path.rpartition(".")[0])
             if rule.style.name in SHARDING_STYLES:
-                _check_sharding(rule, path, modules[path], tp, errs)
-                check_composite(rule, path, modules[path], errs)
-                check_heads(rule, path, modules[path], modules.get(path.rpartition(".")[0]), tp, errs)
+                _check_sharding(rule, path, module, tp, errs)
+                check_composite(rule, path, module, errs)
+                check_heads(rule, path, module, parent, tp, errs)
             elif rule.style.name in PACKED_STYLES:
-                check_packed(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
-                             tp, errs)
+                check_packed(rule, path, module, parent, tp, errs)
             elif rule.style.name == "mla_kv_a_proj":
-                check_latent(rule, path, modules[path], modules.get(path.rpartition(".")[0]), errs)
+                check_latent(rule, path, module, parent, errs)
             elif rule.style.name == "kv_colwise":
-                check_kv_colwise(rule, path, modules[path], modules.get(path.rpartition(".")[0]),
-                                 tp, errs)
+                check_kv_colwise(rule, path, module, parent, tp, errs)
     check_norms_beside_colwise(res, modules)
     check_experts(plan.mesh, res, modules)
     check_head_params(res, modules, tp)

@@ -1,11 +1,13 @@
-"""The metric sinks of the ``metrics`` section (pure data; the trainer's ``train/sinks.py``
-writes to them)."""
+"""The ``metrics`` section and its sinks (pure data; the trainer's ``train/sinks.py`` writes
+to them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["TensorBoardSpec", "WANDB_MODES", "WandbSpec"]
+from .errors import Loc
+
+__all__ = ["MetricsSpec", "TensorBoardSpec", "WANDB_MODES", "WandbSpec"]
 
 
 @dataclass
@@ -28,3 +30,16 @@ class WandbSpec:
 
 
 WANDB_MODES = ("offline", "online")
+
+
+@dataclass
+class MetricsSpec:
+    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile."""
+
+    run_dir: str | None = None  # default runs/<plan file stem>
+    log_interval: int = 1
+    tensorboard: TensorBoardSpec | None = None
+    wandb: WandbSpec | None = None
+    profile: tuple[int, int] | None = None
+    loc: Loc | None = None
+    locs: dict[str, Loc] = field(default_factory=dict)

@@ -16,7 +16,7 @@ from typing import Any
 from .context import ContextParallelSpec
 from .errors import Loc
 from .lora_spec import LORA_INITS, LoraSpec, LoraTarget
-from .sinks import TensorBoardSpec, WandbSpec
+from .sinks import MetricsSpec
 from .styles import StyleSpec
 
 __all__ = [
@@ -265,19 +265,6 @@ class CheckpointSpec:
     dir: str | None = None
     on_signal: bool = True  # SIGTERM/SIGINT: finish the step, save, exit 75
     verify: bool = True  # check every file's SHA-256 before resuming from a checkpoint
-    loc: Loc | None = None
-    locs: dict[str, Loc] = field(default_factory=dict)
-
-
-@dataclass
-class MetricsSpec:
-    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile."""
-
-    run_dir: str | None = None  # default runs/<plan file stem>
-    log_interval: int = 1
-    tensorboard: TensorBoardSpec | None = None
-    wandb: WandbSpec | None = None
-    profile: tuple[int, int] | None = None
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
 

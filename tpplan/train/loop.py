@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import document_positions, step_batch
 from .evaluate import Evaluation
+from .failures import out_of_memory, peer_lost
 from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
 from .pretrained import load as load_pretrained
@@ -36,7 +36,7 @@ from .pretrained import load_adapter
 from .profiling import StepProfiler
 from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
-from .runfolder import record_launch, remove_written, trim_metrics, write_plan
+from .runfolder import record_launch, start_folder
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 from .sinks import Sinks
@@ -82,7 +82,7 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     except RuntimeError as e:
         if (oom := out_of_memory(prep, e)) is not None:
             raise oom from None
-        if not _peer_lost(e):
+        if not peer_lost(e):
             raise
         first = str(e).strip().splitlines()[0]
         raise TrainError(f"rank {dist.get_rank()}: lost another rank, which crashed or was "
@@ -96,39 +96,6 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
             dist.destroy_process_group()
 
 
-_OOM = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
-
-
-def out_of_memory(prep: Prepared, e: RuntimeError) -> TrainError | None:
-    """A rank that ran out of memory (CUDA's OutOfMemoryError, the CPU allocator's refusal)
-    as one line at the plan's batch keys, None for any other error. How much a step needs
-    is known before a run only from the dry run (``tpplan validate --device-memory``); the
-    trainer learns it when the allocation fails, so it is caught here, on every phase."""
-    text = str(e)
-    if not (isinstance(e, torch.OutOfMemoryError) or _OOM.search(text)):
-        return None
-    tried = re.search(r"allocate (\d+) bytes|allocate ([\d.]+ ?[KMGT]i?B)", text)
-    tried = (f"{int(tried.group(1)) / 2**30:,.1f} GiB" if tried.group(1) else tried.group(2)) \
-        if tried else None
-    t, step = prep.plan.train, prep.step
-    key = "micro_batch_size" if "micro_batch_size" in t.locs else "global_batch_size"
-    where = t.locs.get(key, t.loc)
-    return TrainError(
-        f"rank {dist.get_rank()} ran out of memory{f' (tried to allocate {tried})' if tried else ''}: "
-        f"each data-parallel rank runs micro-batches of {step.micro_batch} × {t.seq_len} tokens "
-        f"(train.{key}{f' at {where}' if where else ''}); lower it, or see the peak per rank "
-        f"first: tpplan validate --plan {prep.plan.source} --world-size {dist.get_world_size()} "
-        "--device-memory SIZE", every_rank=True)
-
-
-def _peer_lost(e: RuntimeError) -> bool:
-    """A collective failed because another rank's process is gone."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-        "NCCL communicator was aborted", "remote process exited"))
-
-
 def _quiet_known_warnings() -> None:
     import logging
     import warnings
@@ -140,20 +107,6 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
-def _start_folder(prep: Prepared, claimed: Claim, start: int) -> list[str]:
-    """Rank 0: the run folder as this run needs it; returns notes for the header."""
-    notes = list(prep.notes) + claimed.notes
-    if prep.overwrite:
-        remove_written(prep.run_dir, prep.ckpt_dir)
-    record_launch(prep.run_dir)
-    write_plan(prep.run_dir, prep.plan)
-    dropped = trim_metrics(prep.run_dir, start)
-    if dropped:
-        notes.append(f"metrics.jsonl: dropped {dropped} line(s) past step {start} "
-                     f"(steps the checkpoint does not hold, or a line cut off by a kill)")
-    return notes
-
-
 def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
          predicted: dict[str, Any] | None) -> dict:
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
@@ -162,7 +115,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     device = torch.device(device_type, torch.cuda.current_device()) \
         if device_type == "cuda" else torch.device(device_type)
     start = claimed.state["step"] if claimed.state else 0
-    notes = _start_folder(prep, claimed, start) if rank == 0 else []
+    notes = start_folder(prep, claimed, start) if rank == 0 else []
     dist.barrier()
 
     shapes = ckpt.model_shapes(prep.model)  # the whole model's, on every pipeline degree

@@ -25,10 +25,14 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .resume import Claim
+    from .setup import Prepared
 
 __all__ = ["LAUNCH_FILE", "LOCK_FILE", "RunLock", "launch_id", "preflight", "read_launch",
-           "record_launch", "remove_written", "trim_metrics", "write_plan"]
+           "record_launch", "remove_written", "start_folder", "trim_metrics", "write_plan"]
 
 LOCK_FILE = ".tpplan.lock"
 LAUNCH_FILE = ".tpplan-launch"
@@ -226,3 +230,17 @@ def preflight(ckpt_dir: Path, checkpoint_bytes: int, keep: int) -> tuple[str | N
         return None, (f"warning: {ckpt_dir} has {_size(free)} free, room for fewer than the "
                       f"{more} more checkpoints of {_size(checkpoint_bytes)} this run may keep")
     return None, None
+
+
+def start_folder(prep: "Prepared", claimed: "Claim", start: int) -> list[str]:
+    """Rank 0: the run folder as this run needs it; returns notes for the header."""
+    notes = list(prep.notes) + claimed.notes
+    if prep.overwrite:
+        remove_written(prep.run_dir, prep.ckpt_dir)
+    record_launch(prep.run_dir)
+    write_plan(prep.run_dir, prep.plan)
+    dropped = trim_metrics(prep.run_dir, start)
+    if dropped:
+        notes.append(f"metrics.jsonl: dropped {dropped} line(s) past step {start} "
+                     f"(steps the checkpoint does not hold, or a line cut off by a kill)")
+    return notes
