@@ -169,3 +169,27 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         assert all(count == ep["count"] and groups == 1 for count, _, groups in real), real
         assert sum(b for _, b, _ in real) == 4 * ep["balanced_bytes"], (real, ep)
+
+
+def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
+    """The shipped tiny EP plan trains; its checkpoints hold the whole model's experts under
+    their own names, so it resumes on another ep (4 -> 2 -> 1) along the curve of one
+    process run straight through."""
+    from trainrun import metrics, ok, tpplan_train
+
+    from tpplan.checkpoint import latest, read_model_state
+
+    plan = str(ROOT / "plans" / "qwen3-moe-ep-tiny.yaml")
+    sets = ["train.steps=3", "checkpoint.interval=1", "data.max_bytes=50000",
+            "train.global_batch_size=4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    ok(tpplan_train(whole, plan=plan, sets=[*sets, "mesh.ep=1"]))
+    ok(tpplan_train(parts, nproc=4, plan=plan, sets=[*sets, "train.steps=1"]))
+    ok(tpplan_train(parts, "--resume", "latest", nproc=4, plan=plan,
+                    sets=[*sets, "train.steps=2", "mesh.ep=2"]))
+    ok(tpplan_train(parts, "--resume", "latest", nproc=2, plan=plan, sets=[*sets, "mesh.ep=1"]))
+    a, b = metrics(whole), metrics(parts)
+    for step in (1, 2, 3):
+        assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-4 * a[step]["loss"], step
+    state = read_model_state(latest(parts / "checkpoints"))
+    assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 128, 64)
