@@ -1,9 +1,11 @@
 """Expert parallelism (docs/moe.md): ``mesh.ep`` and the ``expert_parallel`` style on two tiny
 HF mixtures of experts (Qwen3-MoE: 4 experts, top-2; Mixtral: 8 experts, top-3) match one
 device on 4 gloo processes -- logits, loss and every gradient, the router's included -- at
-ep 4, ep 2 with the experts FSDP-sharded over the 2 ranks left, ep 2 under HSDP, and ep 2
-beside tp 2 with sequence parallelism; one spawn for all. Experts sharded without dispatch
-fail ``tpplan verify``; plan mistakes are located errors before any process starts."""
+ep 4 (also under full activation checkpointing), ep 2 with the experts FSDP-sharded over the
+2 ranks left, ep 2 under HSDP, and ep 2 beside tp 2 with sequence parallelism; one spawn.
+Experts sharded without dispatch fail ``tpplan verify``; plan mistakes are located errors
+before any process starts; the dry run's all-to-all is what a real run issues; a run resumes
+on another ep."""
 
 import json
 import sys
@@ -44,16 +46,15 @@ def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = 
 
 
 def _sp_plan(capsys, folder, family: str, config) -> str:
-    """import-hf's tp 2 + SP plan with the experts spread over ep 2 instead of TP'd."""
-    imported = folder / f"{family}-sp-import.yaml"
-    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "-o", imported)
-    assert rc == 0, out
-    text = imported.read_text()
-    assert '"model.layers.*.mlp.experts": experts_colwise_rowwise' in text
-    text = text.replace("mlp.experts\": experts_colwise_rowwise", "mlp.experts\": expert_parallel")
-    text = text.replace("mesh: {tp: 2, dp_shard: -1}", "mesh: {tp: 2, ep: 2, dp_shard: -1}")
+    """import-hf's tp 2 + SP plan with ep 2: transformers' ep plan routes the experts."""
     path = folder / f"{family}-sp-ep.yaml"
-    path.write_text(text)
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2",
+                       "-o", path)
+    assert rc == 0, out
+    text = path.read_text()
+    assert "mesh: {tp: 2, ep: 2, dp_shard: -1}" in text
+    assert '"model.layers.*.mlp.experts": expert_parallel' in text
+    assert "experts_colwise_rowwise\n" not in text
     return str(path)
 
 
@@ -65,6 +66,8 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
                   _sp_plan(capsys, tmp_path, family, config)]
     plans.append(_plan(tmp_path, "qwen3_moe-hsdp", configs["qwen3_moe"],
                        "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
+    plans.append(_plan(tmp_path, "qwen3_moe-ep4-ac", configs["qwen3_moe"], "{ep: 4}",
+                       extra=FSDP + '\nactivation_checkpointing: {mode: full, blocks: "model.layers.*"}'))
     steps = [verify_step(p, 4, shrink=False) for p in plans]
     jobs = [(p, s.overrides, s.tokens, 0) for p, s in zip(plans, steps)]
     for path, step, par in zip(plans, steps, parallel_steps(jobs, 4)):
@@ -106,6 +109,8 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
      "is not an experts container"),
     ("{ep: 2, dp_shard: -1}", '"model.layers.*.self_attn": replicate', 1, 12,
      "no rule uses the 'expert_parallel' style"),
+    ("{ep: 2, pp: 2, dp_shard: -1}", RULE + "\npipeline: {microbatches: 2}", 1, 12,
+     "with pipeline stages (pp=2) is not supported"),
 ])
 def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
                                               says):
