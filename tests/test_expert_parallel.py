@@ -9,6 +9,7 @@ on another ep."""
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,13 @@ def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, r
     assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
 
 
+def _ranks(group: str) -> list[int]:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group))
+
+
 def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
                 out: str) -> None:
     """One forward and backward of the plan under a collective recorder; each rank saves
@@ -147,15 +155,19 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
+    ep = plan.parallel_dims(world).ep
+    efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
+             _ranks(c.group) == list(range(rank % ep, world, ep))]  # the efsdp group's
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a})]))
+        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a}), efsdp]))
     torch.distributed.destroy_process_group()
 
 
 def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
     sends its tokens × top-k rows whatever the routing, and what one rank receives another
-    sent), while the dry run assumes balanced routing for each rank's own figure."""
+    sent), while the dry run assumes balanced routing for each rank's own figure. The
+    experts' FSDP traffic over efsdp: counts and bytes per rank."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
     from tpplan.parallel.runtime import spawn
@@ -172,8 +184,18 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         out.mkdir()
         spawn(_a2a_worker, 4, plan, overrides, str(out))
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-        assert all(count == ep["count"] and groups == 1 for count, _, groups in real), real
-        assert sum(b for _, b, _ in real) == 4 * ep["balanced_bytes"], (real, ep)
+        assert all(count == ep["count"] and groups == 1 for count, _, groups, _ in real), real
+        assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
+        # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
+        rows = predicted.extra["comm_per_step"]["collectives"]
+        want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
+        assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
+        for *_, efsdp in real:
+            got = Counter(k for k, _ in efsdp)
+            nbytes = Counter()
+            for k, b in efsdp:
+                nbytes[k] += b
+            assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
 
 
 def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
