@@ -133,6 +133,9 @@ def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple
     from the dry run's ``comm_per_step``; and the link of each dimension. Under a pipeline
     those rows are already the busiest pp rank's, for its own stages."""
     dims = result.resolution.dims
+    if dims.ep > 1:
+        raise ValueError("expert parallelism (mesh.ep) is not in the step-time model yet: its "
+                         "all-to-all and efsdp traffic are in the communication table (docs/moe.md)")
     sizes = dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp)
     link = links(sizes, gpus_per_node)
     seconds: dict[str, float] = {}
