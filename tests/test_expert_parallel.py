@@ -1,12 +1,15 @@
 """Expert parallelism (docs/moe.md): ``mesh.ep`` and the ``expert_parallel`` style on two tiny
 HF mixtures of experts (Qwen3-MoE: 4 experts, top-2; Mixtral: 8 experts, top-3) match one
 device on 4 gloo processes -- logits, loss and every gradient, the router's included -- at
-ep 4, ep 2 with the experts FSDP-sharded over the 2 ranks left, ep 2 under HSDP, and ep 2
-beside tp 2 with sequence parallelism; one spawn for all. Experts sharded without dispatch
-fail ``tpplan verify``; plan mistakes are located errors before any process starts."""
+ep 4 (also under full activation checkpointing), ep 2 with the experts FSDP-sharded over the
+2 ranks left, ep 2 under HSDP, and ep 2 beside tp 2 with sequence parallelism; one spawn.
+Experts sharded without dispatch fail ``tpplan verify``; plan mistakes are located errors
+before any process starts; the dry run's all-to-all is what a real run issues; a run resumes
+on another ep."""
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -44,16 +47,15 @@ def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = 
 
 
 def _sp_plan(capsys, folder, family: str, config) -> str:
-    """import-hf's tp 2 + SP plan with the experts spread over ep 2 instead of TP'd."""
-    imported = folder / f"{family}-sp-import.yaml"
-    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "-o", imported)
-    assert rc == 0, out
-    text = imported.read_text()
-    assert '"model.layers.*.mlp.experts": experts_colwise_rowwise' in text
-    text = text.replace("mlp.experts\": experts_colwise_rowwise", "mlp.experts\": expert_parallel")
-    text = text.replace("mesh: {tp: 2, dp_shard: -1}", "mesh: {tp: 2, ep: 2, dp_shard: -1}")
+    """import-hf's tp 2 + SP plan with ep 2: transformers' ep plan routes the experts."""
     path = folder / f"{family}-sp-ep.yaml"
-    path.write_text(text)
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2",
+                       "-o", path)
+    assert rc == 0, out
+    text = path.read_text()
+    assert "mesh: {tp: 2, ep: 2, dp_shard: -1}" in text
+    assert '"model.layers.*.mlp.experts": expert_parallel' in text
+    assert "experts_colwise_rowwise\n" not in text
     return str(path)
 
 
@@ -65,6 +67,8 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
                   _sp_plan(capsys, tmp_path, family, config)]
     plans.append(_plan(tmp_path, "qwen3_moe-hsdp", configs["qwen3_moe"],
                        "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
+    plans.append(_plan(tmp_path, "qwen3_moe-ep4-ac", configs["qwen3_moe"], "{ep: 4}",
+                       extra=FSDP + '\nactivation_checkpointing: {mode: full, blocks: "model.layers.*"}'))
     steps = [verify_step(p, 4, shrink=False) for p in plans]
     jobs = [(p, s.overrides, s.tokens, 0) for p, s in zip(plans, steps)]
     for path, step, par in zip(plans, steps, parallel_steps(jobs, 4)):
@@ -106,6 +110,8 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
      "is not an experts container"),
     ("{ep: 2, dp_shard: -1}", '"model.layers.*.self_attn": replicate', 1, 12,
      "no rule uses the 'expert_parallel' style"),
+    ("{ep: 2, pp: 2, dp_shard: -1}", RULE + "\npipeline: {microbatches: 2}", 1, 12,
+     "with pipeline stages (pp=2) is not supported"),
 ])
 def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
                                               says):
@@ -114,6 +120,13 @@ def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, r
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", str(world))
     assert rc == 1 and "Traceback" not in out, out
     assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
+
+
+def _ranks(group: str) -> list[int]:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_process_group_ranks(_resolve_process_group(group))
 
 
 def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
@@ -142,15 +155,19 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
+    ep = plan.parallel_dims(world).ep
+    efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
+             _ranks(c.group) == list(range(rank % ep, world, ep))]  # the efsdp group's
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a})]))
+        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a}), efsdp]))
     torch.distributed.destroy_process_group()
 
 
 def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
     sends its tokens × top-k rows whatever the routing, and what one rank receives another
-    sent), while the dry run assumes balanced routing for each rank's own figure."""
+    sent), while the dry run assumes balanced routing for each rank's own figure. The
+    experts' FSDP traffic over efsdp: counts and bytes per rank."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
     from tpplan.parallel.runtime import spawn
@@ -167,5 +184,39 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         out.mkdir()
         spawn(_a2a_worker, 4, plan, overrides, str(out))
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-        assert all(count == ep["count"] and groups == 1 for count, _, groups in real), real
-        assert sum(b for _, b, _ in real) == 4 * ep["balanced_bytes"], (real, ep)
+        assert all(count == ep["count"] and groups == 1 for count, _, groups, _ in real), real
+        assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
+        # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
+        rows = predicted.extra["comm_per_step"]["collectives"]
+        want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
+        assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
+        for *_, efsdp in real:
+            got = Counter(k for k, _ in efsdp)
+            nbytes = Counter()
+            for k, b in efsdp:
+                nbytes[k] += b
+            assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
+
+
+def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
+    """The shipped tiny EP plan trains; its checkpoints hold the whole model's experts under
+    their own names, so it resumes on another ep (4 -> 2 -> 1) along the curve of one
+    process run straight through."""
+    from trainrun import metrics, ok, tpplan_train
+
+    from tpplan.checkpoint import latest, read_model_state
+
+    plan = str(ROOT / "plans" / "qwen3-moe-ep-tiny.yaml")
+    sets = ["train.steps=3", "checkpoint.interval=1", "data.max_bytes=50000",
+            "train.global_batch_size=4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    ok(tpplan_train(whole, plan=plan, sets=[*sets, "mesh.ep=1"]))
+    ok(tpplan_train(parts, nproc=4, plan=plan, sets=[*sets, "train.steps=1"]))
+    ok(tpplan_train(parts, "--resume", "latest", nproc=4, plan=plan,
+                    sets=[*sets, "train.steps=2", "mesh.ep=2"]))
+    ok(tpplan_train(parts, "--resume", "latest", nproc=2, plan=plan, sets=[*sets, "mesh.ep=1"]))
+    a, b = metrics(whole), metrics(parts)
+    for step in (1, 2, 3):
+        assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-4 * a[step]["loss"], step
+    state = read_model_state(latest(parts / "checkpoints"))
+    assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 128, 64)

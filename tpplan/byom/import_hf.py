@@ -245,6 +245,32 @@ def import_hf(target: str, sequence_parallel: bool = False, tp: int | None = Non
 
 
 
+EP_DISPATCH = "ep_dispatch_experts"  # transformers' base_model_ep_plan: experts routed over ep
+
+
+def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
+    """transformers' ``base_model_ep_plan`` in place: each module it routes over ep
+    (``ep_dispatch_experts``) gets tpplan's ``expert_parallel`` instead of its tp rule (the
+    per-parameter ``grouped_gemm`` entries are what ``expert_parallel`` does to the module's
+    parameters). PlanErrors when transformers ships no ep plan for the model."""
+    _, _, config = _resolve(target)
+    ep_plan = dict(getattr(config, "base_model_ep_plan", None) or {})
+    routed = [k for k, v in ep_plan.items() if v == EP_DISPATCH]
+    if not routed:
+        raise PlanErrors([PlanError(f"transformers ships no base_model_ep_plan routing experts "
+                                    f"for {type(config).__name__}; expert parallelism needs an "
+                                    "'expert_parallel' rule on its experts modules (docs/moe.md)")])
+    prefix = causal_lm_for(type(config)).base_model_prefix
+    patterns = [f"{prefix}.{k}" for k in routed]
+    sugg = imported.suggestion
+    comment = (f"transformers' ep plan: {EP_DISPATCH}; each ep rank keeps 1/ep of the routed "
+               "experts, tokens dispatched and combined by all-to-all")
+    have = {r[0] for r in sugg.rules}
+    sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
+                  for r in sugg.rules] + [(p, "expert_parallel", comment) for p in patterns
+                                          if p not in have]
+
+
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:
     """A parent's prepare_input is there for the projections it shares one input among; where
     transformers shards none of them (none below) or leaves one reading the parent's input

@@ -20,26 +20,34 @@ def register(sub) -> None:
     p.add_argument("--tp", type=int, default=2, help="tp degree written into the plan's mesh")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="sequence parallelism inside each decoder layer")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: route experts over this many ranks with "
+                        "transformers' base_model_ep_plan (docs/moe.md)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..byom.import_hf import import_hf
+    from ..byom.import_hf import import_hf, with_expert_parallel
     from ..models.hf import hf_config_path
     from ..plan.specs import ModelSpec
 
     if bad_world_size(args.tp, "--tp"):  # the generated plan is dry-run at tp ranks
         return 2
+    if bad_world_size(args.ep, "--ep"):
+        return 2
     imported = import_hf(args.target, args.sequence_parallel, tp=args.tp)
+    if args.ep > 1:
+        with_expert_parallel(imported, args.target)
     s = imported.suggestion
     header = [f"Imported from {imported.source}",
               f"by `tpplan import-hf {args.target}"
-              f"{' --sequence-parallel' if args.sequence_parallel else ''}`.",
+              f"{' --sequence-parallel' if args.sequence_parallel else ''}"
+              f"{f' --ep {args.ep}' if args.ep > 1 else ''}`.",
               "Linear styles are transformers'; embedding, head, parent prepare_input, loss",
               "parallel and FSDP units come from the model's dataflow (as in `tpplan suggest`)."]
     model = relocate(imported.model, os.getcwd(), args.output)
     text = render_plan(header, model, s.rules, tp=args.tp, loss_parallel=s.loss_parallel,
-                       divide_by_tp=s.divide_by_tp, units=s.units, notes=s.notes)
+                       divide_by_tp=s.divide_by_tp, units=s.units, notes=s.notes, ep=args.ep)
     inputs = [("the imported config", hf_config_path(ModelSpec(hf_config=args.target)))] \
         if os.path.exists(args.target) else []
-    return emit(text, args.output, args.tp, notes=s.notes, stream=sys.stderr, inputs=inputs)
+    return emit(text, args.output, args.tp * args.ep, notes=s.notes, stream=sys.stderr, inputs=inputs)

@@ -28,9 +28,11 @@ def flow(value: Any) -> str:
 
 def render_plan(header: list[str], model: dict[str, Any], rules: list[tuple[str, Any, str]],
                 *, tp: int = 2, loss_parallel: bool = False, divide_by_tp: list[str] = (),
-                units: list[Any] = (), notes: list[str] = ()) -> str:
+                units: list[Any] = (), notes: list[str] = (), ep: int = 1) -> str:
     lines = [f"# {h}" if h else "#" for h in header]
-    lines += [f"mesh: {{tp: {tp}, dp_shard: -1}}", f"model: {flow(model)}", "", "tensor_parallel:"]
+    ep_key = f"ep: {ep}, " if ep > 1 else ""
+    lines += [f"mesh: {{tp: {tp}, {ep_key}dp_shard: -1}}", f"model: {flow(model)}", "",
+              "tensor_parallel:"]
     for pattern, style, comment in rules:
         if comment:
             lines.append(f"  # {comment}")
