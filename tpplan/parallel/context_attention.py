@@ -46,9 +46,9 @@ def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather over cp along ``dim``, differentiable (backward: a reduce-scatter)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    return all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=group)
+    return all_gather_single_autograd(t.contiguous(), dim, group)
 
 
 def _gather_plain(t: torch.Tensor, group, cp: int) -> torch.Tensor:
