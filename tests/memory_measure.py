@@ -286,8 +286,13 @@ def trainer_collectives_worker(rank: int, world: int, port: int, plan_path: str,
         names = {}
         for group, *_ in rec.rows:
             if group not in names:
-                ranks = dist.get_process_group_ranks(_resolve_process_group(group))
+                pg = _resolve_process_group(group)
+                ranks = dist.get_process_group_ranks(pg)
                 stride = ranks[1] - ranks[0] if len(ranks) > 1 else 0
+                desc = getattr(pg, "group_desc", "")
+                if desc in ("mesh_cp", "mesh_dp_shard_cp"):  # ranks alone cannot tell them apart
+                    names[group] = desc.removeprefix("mesh_")
+                    continue
                 names[group] = ("tp" if len(ranks) == dims.tp and stride == 1 else
                                 "dp_shard" if len(ranks) == dims.dp_shard and stride == dims.tp
                                 else "world" if len(ranks) == world else str(ranks))

@@ -151,3 +151,42 @@ def test_document_positions_restart_after_each_separator():
     assert document_positions(tokens, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
                                                       [0, 1, 2, 3, 4, 5, 6, 7, 8]]
     assert document_positions(tokens, None) is None  # bytes: no boundaries
+
+
+def test_dry_run_cp_communication_is_what_tpplan_train_issues(tmp_path):
+    """The dry run's count and bytes of every collective per step, ring's included, equal
+    those ``tpplan train`` issues on gloo (two micro-batches per step), beside TP 2 + SP and
+    FSDP2 over dp_shard × cp. (Ulysses is not compared here: the real run's recorder does
+    not see the autograd all-to-all; and a cp group spanning the world would be the default
+    group, which it cannot tell from FSDP2's.)"""
+    overrides = ["mesh.cp=2"]
+    import json
+    from collections import Counter
+
+    from helpers import PLANS
+    from memory_measure import trainer_collectives_worker
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    world = 4
+    overrides = [*overrides, "model.kwargs={n_layers: 2}", "train.seq_len=32",
+                 "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=1",
+                 "checkpoint.enabled=false", "data.max_bytes=20000",
+                 f"metrics.run_dir={tmp_path / 'run'}"]
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    predicted = dry_run(str(PLANS / "llama.yaml"), world, overrides, comm)
+    assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+    spawn(trainer_collectives_worker, world, str(PLANS / "llama.yaml"), overrides, str(tmp_path))
+    real_count, real_bytes = Counter(), Counter()
+    for dim, kind, nbytes, phase in json.loads((tmp_path / "collectives.json").read_text()):
+        if phase != "step":  # the trainer's own small all-reduces (grad norm, logged loss)
+            assert kind == "all_reduce" and nbytes < 1024, (dim, kind, nbytes, phase)
+            continue
+        real_count[(dim, kind)] += 1
+        real_bytes[(dim, kind)] += nbytes
+    rows = predicted.extra["comm_per_step"]["collectives"]
+    assert any(r["source"] == "cp" for r in rows)
+    assert {(r["mesh_dim"], r["kind"]): r["count"] for r in rows} == real_count
+    assert {(r["mesh_dim"], r["kind"]): r["bytes"] for r in rows} == real_bytes

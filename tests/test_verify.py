@@ -13,7 +13,9 @@ from tpplan.cli import main
 # command itself, with its shrinking: the 2x2 plan, the 3-D one, and a wasteful plan (above
 # the communication minimum, yet correct).
 @pytest.mark.parametrize("plan, nproc", [("llama.yaml", 4), ("llama-hsdp-tp.yaml", 8),
-                                         ("../tests/plans/wasteful-siblings.yaml", 4)])
+                                         ("../tests/plans/wasteful-siblings.yaml", 4),
+                                         ("llama-long.yaml", 4),  # context parallel, cp 4
+                                         ("../tests/plans/hf/qwen3-cp.yaml", 4)])
 def test_shipped_plans_match_one_device(plan, nproc, capsys):
     code = main(["verify", "--plan", str(PLANS / plan), "--nproc", str(nproc)])
     out = capsys.readouterr().out

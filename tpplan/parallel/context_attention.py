@@ -46,18 +46,16 @@ def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather over cp along ``dim``, differentiable (backward: a reduce-scatter)."""
-    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
-    return all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=group)
+    return all_gather_single_autograd(t.contiguous(), dim, group)
 
 
 def _gather_plain(t: torch.Tensor, group, cp: int) -> torch.Tensor:
     """Integer positions of every rank, concatenated along the sequence (no gradient)."""
-    import torch.distributed as dist
+    from torch.distributed._functional_collectives import all_gather_tensor
 
-    parts = [torch.empty_like(t) for _ in range(cp)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    return all_gather_tensor(t.contiguous(), 1, group)
 
 
 def sequence_mask(index: torch.Tensor, all_index: torch.Tensor, positions: torch.Tensor,
