@@ -112,6 +112,8 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
      "no rule uses the 'expert_parallel' style"),
     ("{ep: 2, pp: 2, dp_shard: -1}", RULE + "\npipeline: {microbatches: 2}", 1, 12,
      "with pipeline stages (pp=2) is not supported"),
+    ("{ep: 2, cp: 2, dp_shard: -1}", RULE, 1, 12,
+     "does not yet compose with context parallelism"),
 ])
 def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
                                               says):
