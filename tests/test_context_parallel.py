@@ -112,6 +112,8 @@ def test_context_parallel_mistakes_are_located_errors(root, monkeypatch, write_p
     assert "context_parallel.method' must be one of ring, ulysses, got 'rign'" in \
         _errors(["mesh.cp=2", "context_parallel=rign"])
     assert "mesh cp=2 needs an 'fsdp' section" in _errors(["mesh.cp=2", "fsdp=null"])
+    assert "mesh cp=2 with pipeline stages (pp=2) is not supported yet" in _errors(
+        ["mesh.cp=2", "mesh.pp=2", "pipeline={microbatches: 2}", "train.global_batch_size=4"], world=8)
     out = _errors(["mesh.cp=2"], plan="tests/plans/minigpt.yaml")
     assert "context parallelism cannot wrap" in out and "attend(q, k, v, positions)" in out
     out = _errors(["model.config={use_sliding_window: true, sliding_window: 8, max_window_layers: 0}"],
