@@ -186,8 +186,9 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         ac = plan.activation_checkpointing
-        key = (res.dims.tp, res.dims.ep, res.dims.cp, plan.context_parallel, seq_len, micro_batch,
-               dtype, ac.mode, ac.every)
+        cp = plan.context_parallel
+        key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,
+               micro_batch, dtype, ac.mode, ac.every)
         if key not in self.tp_traces:
             self.tp_traces[key] = trace_tp(plan, res, mesh, build, seq_len, micro_batch, dtype)
             self.traces["tp"] += 1
