@@ -38,19 +38,28 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _page_or_json(args: argparse.Namespace, kind: str, data: dict, title: str,
+                  subtitle: str) -> bool:
+    """Write ``--html`` (a page of ``kind``) and print ``--json``; False when the JSON was
+    printed, so nothing more goes to the terminal."""
+    if args.html:
+        from .page import write_page
+
+        write_page(args.html, kind, data, title, subtitle)
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return False
+    return True
+
+
 def _single(args: argparse.Namespace) -> int:
     from ..analysis.runreport import run_report
     from ._common import console, size
 
     run_dir = args.run_dirs[0]
     data = run_report(run_dir, args.world_size)
-    if args.html:
-        from .page import write_page
-
-        write_page(args.html, "run", data, f"tpplan report: {run_dir}",
-                   f"plan {data['run']['plan_source'] or 'plan.yaml'}")
-    if args.json:
-        print(json.dumps(data, indent=1))
+    if not _page_or_json(args, "run", data, f"tpplan report: {run_dir}",
+                         f"plan {data['run']['plan_source'] or 'plan.yaml'}"):
         return 0
     out = console(120)
     rows = data["run"]["metrics"]
@@ -94,13 +103,8 @@ def _compare(args: argparse.Namespace) -> int:
     from ._common import console
 
     data = compare_runs(args.run_dirs, args.tolerance)
-    if args.html:
-        from .page import write_page
-
-        write_page(args.html, "runs", data, f"tpplan report: {len(args.run_dirs)} runs",
-                   f"baseline {data['baseline']}")
-    if args.json:
-        print(json.dumps(data, indent=1))
+    if not _page_or_json(args, "runs", data, f"tpplan report: {len(args.run_dirs)} runs",
+                         f"baseline {data['baseline']}"):
         return 0
     out = console(140)
     for r in data["runs"]:
