@@ -21,6 +21,20 @@ def find_browser() -> str | None:
     return next((path for path in map(shutil.which, NAMES) if path), None)
 
 
+def browser_or_skip() -> str:
+    """The Chromium a page test renders in; the test is skipped without one, and fails
+    instead under ``TPPLAN_REQUIRE_BROWSER=1`` (.ci/run), so CI never skips a page."""
+    import pytest
+
+    found = find_browser()
+    if found is None:
+        if os.environ.get("TPPLAN_REQUIRE_BROWSER") == "1":
+            pytest.fail("TPPLAN_REQUIRE_BROWSER=1 but no Chromium was found (see .ci/run)")
+        pytest.skip("no Chromium found (chromium, chromium-browser, google-chrome; or set "
+                    "TPPLAN_BROWSER)")
+    return found
+
+
 def run_browser(binary: str, page: Path, *flags: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Open ``page`` headless; ``--no-sandbox`` because tests may run as root in a container
     (Chromium's sandbox refuses root), and console messages go to stderr."""

@@ -179,16 +179,14 @@ def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
 
 
 def test_one_runs_report_shows_the_dry_run_against_the_run(watched, tmp_path):
-    from browser import find_browser, parse, rendered_dom
+    from browser import browser_or_skip, parse, rendered_dom
 
     run, _ = watched
     page_file = tmp_path / "run.html"
     proc = tpplan_cli("report", run, "--html", page_file, check=True)
     record = json.loads((run / "estimate.json").read_text())
     assert "against the dry run's" in proc.stdout and f"{run / 'profile'}" in proc.stdout
-    browser = find_browser()
-    if browser is None:
-        pytest.skip("no Chromium for the page (see tests/test_pages.py)")
+    browser = browser_or_skip()
     p = parse(rendered_dom(browser, page_file)[0]).by_id("estimate")
     assert int(p.attrs["data-measured"]) == record["measured"]["peak_bytes"]
     assert int(p.attrs["data-predicted"]) == record["dry_run"]["peak_bytes"]
@@ -207,7 +205,7 @@ def test_calibrate_reads_a_run_folder(watched):
 def test_report_side_by_side_names_where_runs_part(watched, other_runs, tmp_path):
     """A 2 × 2 run and a pp 2 × tp 2 run of the same plan and seed agree to fp32 rounding;
     another seed parts at its first step; the page draws every curve (headless Chromium)."""
-    from browser import find_browser, parse, rendered_dom
+    from browser import browser_or_skip, parse, rendered_dom
 
     run, _ = watched
     pp, seed, _ = other_runs
@@ -223,9 +221,7 @@ def test_report_side_by_side_names_where_runs_part(watched, other_runs, tmp_path
     assert diffs["mesh (at the run's world size)"][1]["pp"] == 2
     text = tpplan_cli("report", run, pp, seed, check=True).stdout
     assert f"{seed} against {run}: part at step 1" in text.replace("\n", "")
-    browser = find_browser()
-    if browser is None:
-        pytest.skip("no Chromium for the page (see tests/test_pages.py)")
+    browser = browser_or_skip()
     dom, log = rendered_dom(browser, page_file)
     page = parse(dom)
     assert page.find_all("body")[0].attrs.get("data-rendered") == "yes", \

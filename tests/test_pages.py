@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from browser import find_browser, parse, rendered_dom, screenshot
+from browser import browser_or_skip, parse, rendered_dom, screenshot
 from helpers import PLANS, tpplan_cli
 
 PLAN = str(PLANS / "llama.yaml")
@@ -21,13 +21,7 @@ SHOTS = os.environ.get("TPPLAN_SCREENSHOTS")  # a folder to keep the screenshots
 
 @pytest.fixture(scope="module")
 def browser() -> str:
-    found = find_browser()
-    if found is None:
-        if os.environ.get("TPPLAN_REQUIRE_BROWSER") == "1":
-            pytest.fail("TPPLAN_REQUIRE_BROWSER=1 but no Chromium was found (see .ci/run)")
-        pytest.skip("no Chromium found (chromium, chromium-browser, google-chrome; or set "
-                    "TPPLAN_BROWSER)")
-    return found
+    return browser_or_skip()
 
 
 def size(n: float) -> str:
