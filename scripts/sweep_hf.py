@@ -31,6 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODES = ("import", "import+sp", "suggest", "suggest+sp")
+# Expert parallelism (docs/moe.md), for the MoE families: transformers' ep plan through
+# ``import-hf --ep``: ep 4 with no tp, and ep 2 beside tp 2 with sequence parallelism.
+EP_MODES = ("import+ep", "import+ep+sp")
+EP_ARGS = {"import+ep": ["--tp", "1", "--ep", "4"],
+           "import+ep+sp": ["--sequence-parallel", "--ep", "2"]}
 TOLERANCE = 1e-4
 
 
@@ -76,12 +81,46 @@ FIXUPS = {
 }
 
 
+# More than one tiny config per MoE family (``--families deepseek_v3:dense1``): layer mixes,
+# head and expert counts, top-k. Fields on top of the shrunk defaults; verify then runs the
+# config as written (its own shrinking would reset the expert counts).
+VARIANTS = {
+    "mixtral:e8k3": {"num_local_experts": 8, "num_experts_per_tok": 3,
+                     "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 64},
+    "qwen3_moe:e8k1": {"num_experts": 8, "num_experts_per_tok": 1, "mlp_only_layers": [0]},
+    "qwen3_moe:step2": {"decoder_sparse_step": 2, "num_experts_per_tok": 4,
+                        "norm_topk_prob": True},
+    "olmoe:e8k3": {"num_experts": 8, "num_experts_per_tok": 3, "num_attention_heads": 4,
+                   "num_key_value_heads": 4, "hidden_size": 32},
+    "deepseek_v3:dense1": {"first_k_dense_replace": 1},
+    "deepseek_v3:groups": {"first_k_dense_replace": 0, "n_routed_experts": 8, "n_group": 2,
+                           "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 2},
+    "deepseek_v3:kv2": {"first_k_dense_replace": 1, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "hidden_size": 32},
+    "llama4_text:step2": {"interleave_moe_layer_step": 2, "num_local_experts": 8,
+                          "num_experts_per_tok": 1},
+    "gpt_oss:e8k4": {"num_local_experts": 8, "num_experts_per_tok": 4,
+                     "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
+    "qwen3_next:full2": {"full_attention_interval": 2, "num_experts": 8,
+                         "num_experts_per_tok": 2, "mlp_only_layers": [0]},
+    "minicpm3:kv1": {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 32},
+}
+# The MoE families of issue 23 with their variants: what ``--families moe`` runs.
+MOE = ["mixtral", "mixtral:e8k3", "qwen3_moe", "qwen3_moe:e8k1", "qwen3_moe:step2", "olmoe",
+       "olmoe:e8k3", "deepseek_v3:dense1", "deepseek_v3:groups", "deepseek_v3:kv2",
+       "llama4_text", "llama4_text:step2", "gpt_oss", "gpt_oss:e8k4", "qwen3_next",
+       "qwen3_next:full2"]
+
+
 def tiny_config(model_type: str, tp: int = 2, **fields) -> dict:
     """A tiny configuration of ``model_type`` (tpplan's verify shrinking), as a dict."""
     from transformers import AutoConfig
 
     from tpplan.models.introspect import small_hf_fields
 
+    model_type, _, variant = model_type.partition(":")
+    if variant:
+        fields = {**VARIANTS[f"{model_type}:{variant}"], **fields}
     config = AutoConfig.for_model(model_type)
     small = {**small_hf_fields(config, tp), **FIXUPS.get(model_type, {}), **fields}
     if "layer_types" not in FIXUPS.get(model_type, {}):
@@ -116,7 +155,9 @@ def make_plan(cell: Cell, config: Path, folder: Path) -> None:
     plan = folder / f"{cell.mode.replace('+', '-')}.yaml"
     if cell.mode.startswith("import"):
         args = ["import-hf", str(config), "-o", str(plan)]
-        if cell.mode.endswith("+sp"):
+        if cell.mode in EP_ARGS:
+            args += EP_ARGS[cell.mode]
+        elif cell.mode.endswith("+sp"):
             args.append("--sequence-parallel")
     else:
         model = folder / "model.yaml"
@@ -173,7 +214,7 @@ def _run(names: list[str], modes: list[str], out: Path, world: int, log) -> list
 
     cells, jobs, refs = [], [], []
     for name in names:
-        folder = out / name
+        folder = out / name.replace(":", "-")
         folder.mkdir(parents=True, exist_ok=True)
         try:
             config = folder / "config.json"
@@ -191,7 +232,7 @@ def _run(names: list[str], modes: list[str], out: Path, world: int, log) -> list
                 validate(cell, world)
             if cell.status == "ok":
                 try:
-                    step = verify_step(str(cell.plan), world)
+                    step = verify_step(str(cell.plan), world, shrink=name not in VARIANTS)
                     size = _params(step.plan)
                     if size > MAX_PARAMS:
                         raise TooBig(f"verify: the shrunk model still has {size:,} parameters "
@@ -258,13 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--families", help="comma-separated model types (default: all)")
+    p.add_argument("--families", help="comma-separated model types, a variant as "
+                   "TYPE:NAME (VARIANTS), 'moe' for the MoE families (default: all)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", help="folder for configs and plans (default: a temp folder)")
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")
     logging.getLogger("tpplan").setLevel(logging.ERROR)
     names = args.families.split(",") if args.families else families()
+    names = [n for name in names for n in (MOE if name == "moe" else [name])]
     modes = args.modes.split(",")
     with tempfile.TemporaryDirectory(prefix="tpplan-sweep-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)

@@ -44,6 +44,12 @@ __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_exp
            "dispatch_counts", "balanced_counts", "check_experts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
+# The same three arguments under other names: gpt-oss's (hidden_states, router_indices,
+# routing_weights), whose expert weights are stored transposed ([E, in, out]) and carry
+# biases; the style only splits dimension 0 and calls the module's own forward, so neither
+# matters to it.
+CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
+              ("top_k_weights", "routing_weights"))
 # Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
 # only the tokens its own experts were chosen for, the rest are dropped), the silent bug
 # `tpplan verify` must catch (tests/test_expert_parallel.py).
@@ -87,7 +93,7 @@ def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
         names = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         names = []
-    if len(names) < 3 or any(p != q for p, q in zip(names, CALL)):
+    if len(names) < 3 or any(p not in q for p, q in zip(names, CALL_NAMES)):
         errs.add(f"{where} is not called as experts(hidden_states, top_k_index, "
                  f"top_k_weights) (its forward takes {', '.join(names) or 'something else'}), "
                  "so expert_parallel cannot route its tokens", rule.loc)
