@@ -32,6 +32,7 @@ from .tp_fit import fit_to_tp
 from .seq_rules import input_layouts, sequence_inputs, sp_norm, whole_sequence_modules
 from .sublayers import sub_layer_rules, sub_layers
 from ..parallel.checks import composite_children
+from ..parallel.latent import latent_kv_heads_mismatch
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 
@@ -218,6 +219,9 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
     """Trace the plan's model and infer its rules (for ``tp``, KV heads fewer than tp get
     ``kv_colwise``)."""
     model = meta = build_model(spec, "meta")
+    latent = latent_kv_heads_mismatch(model)  # the trace would fail inside SDPA
+    if latent:
+        raise PlanErrors([PlanError(latent)])
     blocks = find_blocks(model)
     if blocks is None:
         s = Suggestion()

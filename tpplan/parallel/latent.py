@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["LatentKVParallel", "rope_dim_of"]
+__all__ = ["LatentKVParallel", "rope_dim_of", "latent_kv_heads_mismatch"]
 
 
 class _SumGradOverTp(torch.autograd.Function):
@@ -69,4 +69,27 @@ def rope_dim_of(parent: nn.Module | None) -> int | None:
         value = getattr(owner, "qk_rope_head_dim", None)
         if isinstance(value, int) and value > 0:
             return value
+    return None
+
+
+def latent_kv_heads_mismatch(model: nn.Module) -> str | None:
+    """Why a latent attention of ``model`` cannot run, or None: its ``kv_b_proj`` projects keys
+    and values for every head, yet the config sets fewer KV heads than heads, so transformers
+    repeats the keys ``num_key_value_groups`` times more (SDPA then meets 4 heads against 8,
+    on one device as on many). The config field means nothing to latent attention."""
+    for path, m in model.named_modules():
+        kv_b, groups = getattr(m, "kv_b_proj", None), getattr(m, "num_key_value_groups", 1)
+        heads = getattr(m, "num_heads", None)
+        per_head = [getattr(m, k, None) for k in ("qk_nope_head_dim", "v_head_dim")]
+        if not (isinstance(kv_b, nn.Linear) and isinstance(groups, int) and groups > 1
+                and isinstance(heads, int) and all(isinstance(d, int) for d in per_head)):
+            continue
+        if kv_b.out_features == heads * sum(per_head):
+            return (f"module '{path}' ({type(m).__name__}) is latent attention whose kv_b_proj "
+                    f"projects keys and values for all {heads} heads, but the model's config "
+                    f"sets num_key_value_heads={heads // groups} (fewer than "
+                    f"num_attention_heads={heads}), so transformers repeats the keys "
+                    f"{groups} times more and attention fails on any number of devices (one "
+                    f"included); set num_key_value_heads to {heads}, as the released "
+                    "DeepSeek-V3 and MiniCPM3 configs do")
     return None

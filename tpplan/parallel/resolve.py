@@ -15,6 +15,7 @@ from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .context import check_context_parallel
 from .expert_parallel import check_experts
+from .latent import latent_kv_heads_mismatch
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .head_params import check_head_params
@@ -259,6 +260,9 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         target += hits
     check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
+        latent = latent_kv_heads_mismatch(model)
+        if latent:
+            errs.add(latent, getattr(plan.model, "loc", None))
         check_context_parallel(plan, model, tp, errs)
         check_tied(res, model, modules)
         check_freeze(plan.freeze, model, errs)
