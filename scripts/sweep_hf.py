@@ -103,6 +103,12 @@ VARIANTS = {
                      "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64},
     "qwen3_next:full2": {"full_attention_interval": 2, "num_experts": 8,
                          "num_experts_per_tok": 2, "mlp_only_layers": [0]},
+    "qwen3_next:heads8": {"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64,
+                          "full_attention_interval": 2, "linear_num_value_heads": 8,
+                          "linear_num_key_heads": 4},
+    "qwen3_next:fullfirst": {"layer_types": ["full_attention", "linear_attention"]},
+    "qwen3_next:dense2": {"mlp_only_layers": [1]},
+    "qwen3_next:step2": {"decoder_sparse_step": 2, "full_attention_interval": 1},
     "minicpm3:kv1": {"num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 32},
 }
 # The MoE families of issue 23 with their variants: what ``--families moe`` runs.
@@ -123,7 +129,7 @@ def tiny_config(model_type: str, tp: int = 2, **fields) -> dict:
         fields = {**VARIANTS[f"{model_type}:{variant}"], **fields}
     config = AutoConfig.for_model(model_type)
     small = {**small_hf_fields(config, tp), **FIXUPS.get(model_type, {}), **fields}
-    if "layer_types" not in FIXUPS.get(model_type, {}):
+    if "layer_types" not in {**FIXUPS.get(model_type, {}), **fields}:
         small.pop("layer_types", None)  # derived from the layer count by the config itself
     data = type(config)(**small).to_dict()
     data["model_type"] = model_type

@@ -262,13 +262,22 @@ def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
                                     "'expert_parallel' rule on its experts modules (docs/moe.md)")])
     prefix = causal_lm_for(type(config)).base_model_prefix
     patterns = [f"{prefix}.{k}" for k in routed]
+    spec, _, _ = _resolve(target)
+    if spec.hf:
+        spec.hf_kwargs = {}
+    paths = [n for n, _ in build_model(spec, "meta").named_modules()]
+    routed_paths = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
     sugg = imported.suggestion
     comment = (f"transformers' ep plan: {EP_DISPATCH}; each ep rank keeps 1/ep of the routed "
                "experts, tokens dispatched and combined by all-to-all")
-    have = {r[0] for r in sugg.rules}
+    # A tp rule on the same experts goes, whatever its pattern (blocks unlike the first get
+    # rules narrowed to 'layers.0...'): one module takes one rule.
+    kept = [r for r in sugg.rules if r[0] in patterns or not any(
+        compile_pattern(r[0]).fullmatch(p) for p in routed_paths)]
+    have = {r[0] for r in kept}
     sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
-                  for r in sugg.rules] + [(p, "expert_parallel", comment) for p in patterns
-                                          if p not in have]
+                  for r in kept] + [(p, "expert_parallel", comment) for p in patterns
+                                    if p not in have]
 
 
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:
