@@ -180,9 +180,10 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
             model.to(dtype)
         # Only the modules still in the model: the container may have been cut to 3 blocks.
         paths = {p for p, _ in model.named_modules()}
-        apply_tp(model, mesh["tp"], dataclasses.replace(
-            res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
-            attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
+        if res.dims.tp > 1:  # as apply does: at tp 1 (an ep-only run) the rules do nothing
+            apply_tp(model, mesh["tp"], dataclasses.replace(
+                res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
+                attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
         if ep_mesh is not None:
             apply_ep(model, ep_mesh, dataclasses.replace(
                 res, rule_of={p: r for p, r in res.rule_of.items() if p in paths}))
