@@ -19,6 +19,7 @@ from typing import Any
 
 
 from ..models import build_model
+from ..parallel.expert_parallel import experts_for_ep
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
 from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
@@ -252,24 +253,30 @@ def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
     """transformers' ``base_model_ep_plan`` in place: each module it routes over ep
     (``ep_dispatch_experts``) gets tpplan's ``expert_parallel`` instead of its tp rule (the
     per-parameter ``grouped_gemm`` entries are what ``expert_parallel`` does to the module's
-    parameters). PlanErrors when transformers ships no ep plan for the model."""
-    _, _, config = _resolve(target)
-    ep_plan = dict(getattr(config, "base_model_ep_plan", None) or {})
-    routed = [k for k, v in ep_plan.items() if v == EP_DISPATCH]
-    if not routed:
-        raise PlanErrors([PlanError(f"transformers ships no base_model_ep_plan routing experts "
-                                    f"for {type(config).__name__}; expert parallelism needs an "
-                                    "'expert_parallel' rule on its experts modules (docs/moe.md)")])
-    prefix = causal_lm_for(type(config)).base_model_prefix
-    patterns = [f"{prefix}.{k}" for k in routed]
-    spec, _, _ = _resolve(target)
+    parameters). Without an ep plan (Llama 4), the experts modules ``expert_parallel`` can
+    spread, with a note; PlanErrors when there are none."""
+    spec, _, config = _resolve(target)
     if spec.hf:
         spec.hf_kwargs = {}
-    paths = [n for n, _ in build_model(spec, "meta").named_modules()]
+    model = build_model(spec, "meta")
+    paths = [n for n, _ in model.named_modules()]
+    ep_plan = dict(getattr(config, "base_model_ep_plan", None) or {})
+    prefix = causal_lm_for(type(config)).base_model_prefix
+    patterns = [f"{prefix}.{k}" for k, v in ep_plan.items() if v == EP_DISPATCH]
+    source = f"transformers' ep plan: {EP_DISPATCH}"
+    if not patterns:  # Llama 4: experts tpplan can spread, without transformers' ep plan
+        patterns = sorted({re.sub(r"\.\d+\.", ".*.", p, count=1) for p in experts_for_ep(model)})
+        source = "experts held as [num_experts, ...] parameters (no transformers ep plan)"
+        imported.suggestion.notes.append(f"transformers ships no base_model_ep_plan for "
+                                         f"{type(config).__name__}; {source}")
+    if not patterns:
+        raise PlanErrors([PlanError(f"{type(config).__name__}: transformers ships no "
+                                    "base_model_ep_plan and the model has no experts module "
+                                    "expert_parallel can spread (docs/moe.md)")])
     routed_paths = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
     sugg = imported.suggestion
-    comment = (f"transformers' ep plan: {EP_DISPATCH}; each ep rank keeps 1/ep of the routed "
-               "experts, tokens dispatched and combined by all-to-all")
+    comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
+               "and combined by all-to-all")
     # A tp rule on the same experts goes, whatever its pattern (blocks unlike the first get
     # rules narrowed to 'layers.0...'): one module takes one rule.
     kept = [r for r in sugg.rules if r[0] in patterns or not any(

@@ -41,6 +41,7 @@ from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
 
 __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
+           "call_form", "experts_for_ep",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
@@ -68,6 +69,25 @@ def expert_count(module: nn.Module) -> int | None:
     return n if stacked and any(p.dim() == 3 for p in params) else None
 
 
+def call_form(module: nn.Module) -> str | None:
+    """How the experts module is called: ``"routed"`` (hidden states, expert ids, weights),
+    ``"dense"`` (Llama 4's: every token for every expert, pre-weighted) or None."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names == ["hidden_states"]:
+        return "dense"
+    ok = len(names) >= 3 and all(p in q for p, q in zip(names, CALL_NAMES))
+    return "routed" if ok else None
+
+
+def experts_for_ep(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s experts modules that ``expert_parallel`` can spread."""
+    return [p for p, m in model.named_modules()
+            if expert_count(m) is not None and call_form(m) is not None]
+
+
 def local_expert_params(module: nn.Module) -> list[str]:
     """The names of the parameters the style splits over ep (all the module's own)."""
     return [n for n, p in module.named_parameters(recurse=False)]
@@ -89,11 +109,11 @@ def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
                  "(transformers 5's experts classes, e.g. 'model.layers.*.mlp.experts')",
                  rule.loc)
         return
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        names = []
-    if len(names) < 3 or any(p not in q for p, q in zip(names, CALL_NAMES)):
+    if call_form(module) is None:
+        try:
+            names = list(inspect.signature(module.forward).parameters)
+        except (TypeError, ValueError):
+            names = []
         errs.add(f"{where} is not called as experts(hidden_states, top_k_index, "
                  f"top_k_weights) (its forward takes {', '.join(names) or 'something else'}), "
                  "so expert_parallel cannot route its tokens", rule.loc)
@@ -225,6 +245,35 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
 
 
+def _ep_dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
+                      hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts take every token for every expert, already weighted by the router
+    (zero where not chosen): ``[num_experts × T, H]`` in expert-major blocks. Each rank's
+    blocks for the experts of rank ``s`` go to ``s`` (equal splits), the local experts run
+    on ``ep × T`` rows each, and the results come back the same way."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep, group = mesh.size(), mesh.get_group()
+    local, width = num_experts // ep, hidden_states.shape[-1]
+    if hidden_states.shape[0] % num_experts:
+        raise ValueError(f"expert_parallel: {hidden_states.shape[0]} rows are not "
+                         f"{num_experts} experts' blocks of tokens")
+    rows = hidden_states.shape[0] // num_experts
+    split = [local * rows] * ep
+    got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
+    x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
+    names = list(module._tpplan_ep_params)
+    held = _local(module, names, ep)
+    try:
+        module.num_experts = local
+        out = forward(x) + sum(module._parameters[n].sum() for n in names) * 0
+    finally:
+        module.num_experts = num_experts
+        module._parameters.update(held)
+    out = out.view(local, ep, rows, width).transpose(0, 1).reshape(-1, width)
+    return all_to_all_single_autograd(out.contiguous(), split, split, group)
+
+
 def _without_dispatch(module: nn.Module, forward, first: int, local: int,
                       hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -265,8 +314,9 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         module._tpplan_ep_params = tuple(names)
         module._tpplan_ep_size = device_mesh.size()
-        module.forward = functools.partial(_ep_forward, module, module.forward, device_mesh,
-                                           num_experts)
+        dense = call_form(module) == "dense"
+        module.forward = functools.partial(_ep_dense_forward if dense else _ep_forward, module,
+                                           module.forward, device_mesh, num_experts)
         return module
 
     def __repr__(self) -> str:
