@@ -114,6 +114,10 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
      "with pipeline stages (pp=2) is not supported"),
     ("{ep: 2, cp: 2, dp_shard: -1}", RULE, 1, 12,
      "does not yet compose with context parallelism"),
+    # expert TP inside EP: the experts stay whole on each tp rank, one rule per module
+    ("{tp: 2, ep: 2, dp_shard: -1}", RULE + '\n  "model.layers.{0,1}.mlp.experts": '
+     "experts_colwise_rowwise", 5, 3, "expert TP inside EP (the experts split over tp too) is "
+     "not supported"),
 ])
 def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, rule, line, col,
                                               says):

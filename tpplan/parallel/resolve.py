@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from ..plan.styles import EP_STYLES, PACKED_STYLES, SHARDING_STYLES
 from .context import check_context_parallel
 from .expert_parallel import check_experts
 from .latent import latent_kv_heads_mismatch
@@ -122,8 +122,14 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         for path in hits:
             other = res.rule_of.get(path)
             if other is not None:
+                etp = {other.style.name, rule.style.name} & set(EP_STYLES) and \
+                    {other.style.name, rule.style.name} - set(EP_STYLES)
+                why = ("; expert TP inside EP (the experts split over tp too) is not supported: "
+                       "with tp > 1 expert_parallel keeps each expert whole on every tp rank "
+                       "(docs/moe.md), so give the experts one rule") if etp else ""
                 errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line "
-                         f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line})", rule.loc)
+                         f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line}){why}",
+                         rule.loc)
                 continue
             res.rule_of[path] = rule
             module, parent = modules[path], modules.get(path.rpartition(".")[0])

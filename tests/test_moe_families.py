@@ -1,0 +1,57 @@
+"""The HF mixture-of-experts families under expert parallelism (docs/moe.md, docs/models.md):
+``tpplan import-hf CONFIG --tp 1 --ep 4`` and ``--sequence-parallel --ep 2`` (tp 2 × ep 2),
+validated and run on 4 gloo processes against one device (logits, loss, every gradient, the
+routers' included), on tiny variants other than the ones tests/test_expert_parallel.py runs:
+DeepSeek-V3's grouped top-k with two shared experts and a dense first layer, Llama 4 (no
+transformers ep plan; every token to every expert), gpt-oss (transposed experts with biases,
+two expert counts), OLMoE, Mixtral at 8 experts top-3 and Qwen3-Next with a dense first layer
+(blocks unlike the first). One spawn for all of them. Latent attention whose config sets fewer
+KV heads than heads, and expert TP inside EP, are located refusals."""
+
+import json
+import sys
+
+import pytest
+from helpers import ROOT, run_main
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sweep_hf  # noqa: E402
+
+FAMILIES = ["mixtral:e8k3", "olmoe", "deepseek_v3:groups", "deepseek_v3:dense1",
+            "llama4_text:step2", "gpt_oss", "gpt_oss:e8k4", "qwen3_next:dense2"]
+
+
+def test_moe_families_under_expert_parallelism_match_one_device(tmp_path):
+    cells = sweep_hf.run(FAMILIES, list(sweep_hf.EP_MODES), tmp_path, log=lambda s: None)
+    bad = [f"{c.family} {c.mode}: {c.status} {c.detail}" for c in cells if c.status != "ok"]
+    assert not bad, "\n".join(bad)
+    assert all(c.worst is not None and c.worst < sweep_hf.TOLERANCE for c in cells)
+    for family in FAMILIES:
+        folder = tmp_path / family.replace(":", "-")
+        for mode in ("import-ep", "import-ep-sp"):
+            text = (folder / f"{mode}.yaml").read_text()
+            assert "experts\": expert_parallel" in text, (family, mode)
+            assert "experts\": experts_colwise_rowwise" not in text, (family, mode)
+    assert "mesh: {tp: 1, ep: 4, dp_shard: -1}" in (tmp_path / "olmoe" / "import-ep.yaml").read_text()
+    llama4 = (tmp_path / "llama4_text-step2" / "import-ep.yaml").read_text()
+    assert "no transformers ep plan" in llama4 and "feed_forward.experts\": expert_parallel" in llama4
+
+
+@pytest.mark.parametrize("variant, arch", [("deepseek_v3:kv2", "DeepseekV3Attention"),
+                                           ("minicpm3:kv1", "MiniCPM3Attention")])
+def test_latent_attention_with_fewer_kv_heads_is_refused_located(tmp_path, capsys, variant, arch):
+    """transformers repeats latent attention's per-head keys by heads // KV heads and fails in
+    SDPA even on one device: refused at the plan's model line, and by import-hf, with the
+    reason; never a traceback inside verify."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config(variant)))
+    rc, out = run_main(capsys, "import-hf", config, "-o", tmp_path / "x.yaml")
+    assert rc == 1 and "Traceback" not in out and f"({arch}) is latent attention" in out, out
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"mesh: {{tp: 2, dp_shard: -1}}\nmodel: {{hf_config: {config}}}\n"
+                    "tensor_parallel:\n  lm_head: colwise\n")
+    rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "4")
+    assert rc == 1 and "Traceback" not in out, out
+    assert "plan.yaml:2:1: error: " in out and "set num_key_value_heads to 4" in out, out
