@@ -32,10 +32,12 @@ from pathlib import Path
 
 MODES = ("import", "import+sp", "suggest", "suggest+sp")
 # Expert parallelism (docs/moe.md), for the MoE families: transformers' ep plan through
-# ``import-hf --ep``: ep 4 with no tp, and ep 2 beside tp 2 with sequence parallelism.
-EP_MODES = ("import+ep", "import+ep+sp")
+# ``import-hf --ep``: ep 4 with no tp, and ep 2 beside tp 2 with sequence parallelism; and
+# ``suggest --ep 2`` (tp 2, sequence parallelism in the blocks).
+EP_MODES = ("import+ep", "import+ep+sp", "suggest+ep")
 EP_ARGS = {"import+ep": ["--tp", "1", "--ep", "4"],
-           "import+ep+sp": ["--sequence-parallel", "--ep", "2"]}
+           "import+ep+sp": ["--sequence-parallel", "--ep", "2"],
+           "suggest+ep": ["--ep", "2", "--sequence-parallel", "blocks"]}
 TOLERANCE = 1e-4
 
 
@@ -168,8 +170,8 @@ def make_plan(cell: Cell, config: Path, folder: Path) -> None:
     else:
         model = folder / "model.yaml"
         model.write_text(f"model: {{hf_config: {config.name}}}\n")
-        args = ["suggest", str(model), "-o", str(plan), "--sequence-parallel",
-                "blocks" if cell.mode.endswith("+sp") else "off"]
+        args = ["suggest", str(model), "-o", str(plan), *EP_ARGS.get(cell.mode, [
+            "--sequence-parallel", "blocks" if cell.mode.endswith("+sp") else "off"])]
     rc, err = _cli(*args)
     if rc == -1:
         cell.status, cell.detail = "TRACEBACK", err.strip().splitlines()[-1]

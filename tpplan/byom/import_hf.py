@@ -19,13 +19,13 @@ from typing import Any
 
 
 from ..models import build_model
-from ..parallel.expert_parallel import experts_for_ep
 from ..models.hf import causal_lm_class, causal_lm_for, hf_config, require_transformers
 from ..plan.errors import PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
 from ..plan.yamlio import not_a_file
+from .ep_rules import ep_patterns, route_experts
 from .head_rules import attach_head_params, take_hf_head_params
 from .hf_rules import unshardable
 from .import_rules import GRAD_ALLREDUCE, expand, grad_allreduce_rule, like_blocks, regroup
@@ -265,7 +265,7 @@ def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
     patterns = [f"{prefix}.{k}" for k, v in ep_plan.items() if v == EP_DISPATCH]
     source = f"transformers' ep plan: {EP_DISPATCH}"
     if not patterns:  # Llama 4: experts tpplan can spread, without transformers' ep plan
-        patterns = sorted({re.sub(r"\.\d+\.", ".*.", p, count=1) for p in experts_for_ep(model)})
+        patterns = ep_patterns(model)
         source = "experts held as [num_experts, ...] parameters (no transformers ep plan)"
         imported.suggestion.notes.append(f"transformers ships no base_model_ep_plan for "
                                          f"{type(config).__name__}; {source}")
@@ -273,18 +273,7 @@ def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
         raise PlanErrors([PlanError(f"{type(config).__name__}: transformers ships no "
                                     "base_model_ep_plan and the model has no experts module "
                                     "expert_parallel can spread (docs/moe.md)")])
-    routed_paths = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
-    sugg = imported.suggestion
-    comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
-               "and combined by all-to-all")
-    # A tp rule on the same experts goes, whatever its pattern (blocks unlike the first get
-    # rules narrowed to 'layers.0...'): one module takes one rule.
-    kept = [r for r in sugg.rules if r[0] in patterns or not any(
-        compile_pattern(r[0]).fullmatch(p) for p in routed_paths)]
-    have = {r[0] for r in kept}
-    sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
-                  for r in kept] + [(p, "expert_parallel", comment) for p in patterns
-                                    if p not in have]
+    route_experts(imported.suggestion, paths, patterns, source)
 
 
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:

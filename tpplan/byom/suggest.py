@@ -26,6 +26,7 @@ import torch.nn as nn
 from ..models import build_model
 from ..models.dataflow import Trace, trace_forward
 from ..models.introspect import find_blocks, first_block, is_norm, small_hf_fields
+from .ep_rules import ep_proposal
 from .gated_norm import gated_norm_sp_rules, is_gated_norm
 from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
@@ -251,4 +252,7 @@ def suggest_plan(spec: ModelSpec, sequence_parallel: str = "auto", tp: int | Non
             _untraceable(e)
     blocks = find_blocks(meta, {c.path for c in trace.calls}) or blocks
     s = analyse(model, trace, blocks, sequence_parallel)
+    proposal = ep_proposal(meta)
+    if proposal:
+        s.notes.append(proposal)
     return fit_to_tp(s, meta, tp) if tp else s

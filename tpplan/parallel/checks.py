@@ -14,7 +14,7 @@ from .head_params import head_params_of
 from .tied import tied_groups
 
 __all__ = ["check_composite", "check_latent", "check_heads", "check_norms_beside_colwise", "check_tied",
-           "composite_children"]
+           "check_whole_model", "composite_children"]
 
 
 def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
@@ -54,6 +54,17 @@ def check_latent(rule: Rule, path: str, module: nn.Module, parent: nn.Module | N
         errs.add(f"rule '{rule.pattern}' (mla_kv_a_proj) on '{path}' ({type(module).__name__}) "
                  "needs a linear layer whose output ends with the rotary key: give rope_dim, "
                  "or an attention with 'qk_rope_head_dim'", rule.loc)
+
+
+def _check_mla_kv(plan, model: nn.Module, errs: ErrorList) -> None:
+    """Latent attention whose config sets fewer KV heads than heads, which transformers
+    cannot run (:func:`tpplan.parallel.latent.latent_kv_heads_mismatch`): an error at the
+    plan's ``model`` section."""
+    from .latent import latent_kv_heads_mismatch
+
+    why = latent_kv_heads_mismatch(model)
+    if why:
+        errs.add(why, getattr(plan.model, "loc", None))
 
 
 def check_heads(rule: Rule, path: str, module: nn.Module, parent: nn.Module | None, tp: int,
@@ -135,6 +146,13 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
                     "'{style: sequence_parallel, sequence_dim: 2, use_local_output: true}' if it "
                     "normalizes each head, or gather the projection (output_layouts: replicate)",
                     rule.loc)
+
+
+def check_whole_model(plan, res: Any, model: nn.Module, modules: dict) -> None:
+    """The checks that look at the whole model (not at one stage): tied weights, latent
+    attention's KV heads."""
+    check_tied(res, model, modules)
+    _check_mla_kv(plan, model, res.errors)
 
 
 def check_tied(res: Any, model: nn.Module, modules: dict) -> None:

@@ -33,59 +33,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
+from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
+                           experts_for_ep)
 
 __all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
-           "call_form", "experts_for_ep",
+           "call_form", "experts_for_ep", "expert_tp_inside_ep",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
-CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
-# The same three arguments under other names: gpt-oss's (hidden_states, router_indices,
-# routing_weights), whose expert weights are stored transposed ([E, in, out]) and carry
-# biases; the style only splits dimension 0 and calls the module's own forward, so neither
-# matters to it.
-CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
-              ("top_k_weights", "routing_weights"))
 # Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
 # only the tokens its own experts were chosen for, the rest are dropped), the silent bug
 # `tpplan verify` must catch (tests/test_expert_parallel.py).
 NO_DISPATCH_ENV = "TPPLAN_TEST_EP_NO_DISPATCH"
-
-
-def expert_count(module: nn.Module) -> int | None:
-    """The number of routed experts a module holds as ``[num_experts, ...]`` parameters
-    (its ``num_experts`` attribute, every own parameter leading with it, one at least a
-    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None."""
-    n = getattr(module, "num_experts", None)
-    params = list(module.parameters(recurse=False))
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not params:
-        return None
-    stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
-    return n if stacked and any(p.dim() == 3 for p in params) else None
-
-
-def call_form(module: nn.Module) -> str | None:
-    """How the experts module is called: ``"routed"`` (hidden states, expert ids, weights),
-    ``"dense"`` (Llama 4's: every token for every expert, pre-weighted) or None."""
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    if names == ["hidden_states"]:
-        return "dense"
-    ok = len(names) >= 3 and all(p in q for p, q in zip(names, CALL_NAMES))
-    return "routed" if ok else None
-
-
-def experts_for_ep(model: nn.Module) -> list[str]:
-    """The paths of ``model``'s experts modules that ``expert_parallel`` can spread."""
-    return [p for p, m in model.named_modules()
-            if expert_count(m) is not None and call_form(m) is not None]
 
 
 def local_expert_params(module: nn.Module) -> list[str]:
@@ -119,6 +83,17 @@ def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
                  "so expert_parallel cannot route its tokens", rule.loc)
     if n % ep:
         errs.add(f"{where} holds {n} experts and mesh ep={ep} does not divide them", rule.loc)
+
+
+def expert_tp_inside_ep(first: Rule, second: Rule) -> str:
+    """The reason two rules on one experts module cannot both hold, when one is
+    ``expert_parallel`` and the other a tp style (else nothing to add)."""
+    styles = {first.style.name, second.style.name}
+    if not (styles & set(EP_STYLES) and styles - set(EP_STYLES)):
+        return ""
+    return ("; expert TP inside EP (the experts split over tp too) is not supported: with "
+            "tp > 1 expert_parallel keeps each expert whole on every tp rank (docs/moe.md), so "
+            "give the experts one rule")
 
 
 def balanced_counts(pairs: int, num_experts: int) -> list[int]:
@@ -164,34 +139,6 @@ def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor
     return torch.bincount(flat, minlength=num_experts)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
-def _local(module: nn.Module, names: list[str], ep: int) -> dict[str, nn.Parameter]:
-    """The local experts in place of the module's parameters (returned, to put back).
-
-    Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
-    here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
-    one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
-    (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
-    gloo lacks.)"""
-    held = {n: module._parameters[n] for n in names}
-    for n, p in held.items():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        module._parameters[n] = _ScaleGrad.apply(local, 1.0 / ep) if ep > 1 else local
-    return held
-
-
 def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
                 hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -228,7 +175,7 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
     names = list(module._tpplan_ep_params)
-    held = _local(module, names, ep)
+    held = local_experts(module, names, ep)
     try:  # the module's own expert code, on its local experts
         module.num_experts = local
         out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
@@ -245,42 +192,13 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
 
 
-def _ep_dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
-                      hidden_states: torch.Tensor) -> torch.Tensor:
-    """Llama 4's experts take every token for every expert, already weighted by the router
-    (zero where not chosen): ``[num_experts × T, H]`` in expert-major blocks. Each rank's
-    blocks for the experts of rank ``s`` go to ``s`` (equal splits), the local experts run
-    on ``ep × T`` rows each, and the results come back the same way."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    ep, group = mesh.size(), mesh.get_group()
-    local, width = num_experts // ep, hidden_states.shape[-1]
-    if hidden_states.shape[0] % num_experts:
-        raise ValueError(f"expert_parallel: {hidden_states.shape[0]} rows are not "
-                         f"{num_experts} experts' blocks of tokens")
-    rows = hidden_states.shape[0] // num_experts
-    split = [local * rows] * ep
-    got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
-    x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
-    names = list(module._tpplan_ep_params)
-    held = _local(module, names, ep)
-    try:
-        module.num_experts = local
-        out = forward(x) + sum(module._parameters[n].sum() for n in names) * 0
-    finally:
-        module.num_experts = num_experts
-        module._parameters.update(held)
-    out = out.view(local, ep, rows, width).transpose(0, 1).reshape(-1, width)
-    return all_to_all_single_autograd(out.contiguous(), split, split, group)
-
-
 def _without_dispatch(module: nn.Module, forward, first: int, local: int,
                       hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The wrong thing on purpose (:data:`NO_DISPATCH_ENV`): remote experts' tokens dropped."""
     mine = (top_k_index >= first) & (top_k_index < first + local)
     ids = torch.where(mine, top_k_index - first, local)  # local: transformers' "no expert"
-    held = _local(module, list(module._tpplan_ep_params), 1)
+    held = local_experts(module, list(module._tpplan_ep_params), 1)
     try:
         module.num_experts = local
         return forward(hidden_states, ids, top_k_weights * mine)
@@ -315,7 +233,7 @@ class ExpertParallel(ParallelStyle):
         module._tpplan_ep_params = tuple(names)
         module._tpplan_ep_size = device_mesh.size()
         dense = call_form(module) == "dense"
-        module.forward = functools.partial(_ep_dense_forward if dense else _ep_forward, module,
+        module.forward = functools.partial(dense_forward if dense else _ep_forward, module,
                                            module.forward, device_mesh, num_experts)
         return module
 

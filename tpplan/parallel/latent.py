@@ -93,3 +93,4 @@ def latent_kv_heads_mismatch(model: nn.Module) -> str | None:
                     f"included); set num_key_value_heads to {heads}, as the released "
                     "DeepSeek-V3 and MiniCPM3 configs do")
     return None
+

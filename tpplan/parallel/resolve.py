@@ -12,11 +12,10 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import EP_STYLES, PACKED_STYLES, SHARDING_STYLES
+from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .context import check_context_parallel
-from .expert_parallel import check_experts
-from .latent import latent_kv_heads_mismatch
-from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
+from .expert_parallel import check_experts, expert_tp_inside_ep
+from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
 from .freeze import check_freeze
 from .head_params import check_head_params
 from .kv_heads import check_kv_colwise
@@ -122,14 +121,8 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
         for path in hits:
             other = res.rule_of.get(path)
             if other is not None:
-                etp = {other.style.name, rule.style.name} & set(EP_STYLES) and \
-                    {other.style.name, rule.style.name} - set(EP_STYLES)
-                why = ("; expert TP inside EP (the experts split over tp too) is not supported: "
-                       "with tp > 1 expert_parallel keeps each expert whole on every tp rank "
-                       "(docs/moe.md), so give the experts one rule") if etp else ""
-                errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line "
-                         f"{other.loc.line}) and '{rule.pattern}' (line {rule.loc.line}){why}",
-                         rule.loc)
+                errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line {other.loc.line}) and "
+                         f"'{rule.pattern}' (line {rule.loc.line}){expert_tp_inside_ep(other, rule)}", rule.loc)
                 continue
             res.rule_of[path] = rule
             module, parent = modules[path], modules.get(path.rpartition(".")[0])
@@ -266,11 +259,8 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         target += hits
     check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
-        latent = latent_kv_heads_mismatch(model)
-        if latent:
-            errs.add(latent, getattr(plan.model, "loc", None))
         check_context_parallel(plan, model, tp, errs)
-        check_tied(res, model, modules)
+        check_whole_model(plan, res, model, modules)
         check_freeze(plan.freeze, model, errs)
     if plan.pipeline is not None and not stage:
         res.pipeline = split_stages(model, plan, dims.pp if dims else plan.mesh.pp)

@@ -1,0 +1,66 @@
+"""Expert parallelism in a generated plan (``import-hf --ep``, ``suggest --ep``): which
+experts modules get ``expert_parallel`` and the note that proposes it (docs/moe.md)."""
+
+from __future__ import annotations
+
+import re
+
+import torch.nn as nn
+
+from ..parallel.expert_parallel import expert_count, experts_for_ep
+from ..plan.patterns import compile_pattern
+
+__all__ = ["ep_patterns", "ep_proposal", "route_experts", "with_ep"]
+
+PROPOSAL = "expert parallelism fits them"
+
+
+def ep_patterns(model: nn.Module) -> list[str]:
+    """One pattern per kind of experts module ``expert_parallel`` can spread (the block index
+    as ``*``: ``model.layers.*.mlp.experts``, which matches the MoE blocks only)."""
+    return sorted({re.sub(r"\.\d+\.", ".*.", p, count=1) for p in experts_for_ep(model)})
+
+
+def ep_proposal(model: nn.Module) -> str | None:
+    """The note proposing expert parallelism for a model with experts, with the reason."""
+    found = experts_for_ep(model)
+    if not found:
+        return None
+    counts = sorted({expert_count(m) for p, m in model.named_modules() if p in found})
+    return (f"{', '.join(ep_patterns(model))} hold {'/'.join(map(str, counts))} routed experts "
+            f"as [num_experts, ...] parameters: {PROPOSAL} (--ep N, N dividing "
+            "the experts and the data-parallel ranks): each of N ranks keeps 1/N of the experts "
+            "whole and tokens go to them by all-to-all, where the tp rule gives every rank "
+            "1/tp of every expert and all-reduces their output (docs/moe.md)")
+
+
+def route_experts(sugg, paths: list[str], patterns: list[str], source: str) -> None:
+    """``expert_parallel`` on the modules ``patterns`` match, in place of any rule on the same
+    modules whatever its pattern (blocks unlike the first get rules narrowed to
+    ``layers.0...``): one module takes one rule."""
+    routed = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
+    comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
+               "and combined by all-to-all")
+    sugg.notes = [n for n in sugg.notes if PROPOSAL not in n]  # done, not proposed
+    kept = [r for r in sugg.rules if r[0] in patterns or not any(
+        compile_pattern(r[0]).fullmatch(p) for p in routed)]
+    have = {r[0] for r in kept}
+    sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
+                  for r in kept] + [(p, "expert_parallel", comment) for p in patterns
+                                    if p not in have]
+
+
+def with_ep(sugg, spec) -> None:
+    """``suggest --ep``: ``expert_parallel`` on every experts module the style can spread;
+    PlanErrors when the model has none."""
+    from ..models import build_model
+    from ..plan.errors import PlanError, PlanErrors
+
+    model = build_model(spec, "meta")
+    patterns = ep_patterns(model)
+    if not patterns:
+        raise PlanErrors([PlanError("--ep: the model has no experts module expert_parallel can "
+                                    "spread (a module with 'num_experts' and its own "
+                                    "[num_experts, ...] parameters; docs/moe.md)")])
+    route_experts(sugg, [n for n, _ in model.named_modules()], patterns,
+                  "experts held as [num_experts, ...] parameters")

@@ -1,0 +1,109 @@
+"""The forms of an experts module ``expert_parallel`` spreads (docs/moe.md): how many
+experts it holds, how it is called, and the dense dispatch of Llama 4's experts, which take
+every token for every expert."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+__all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "dense_forward"]
+
+CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
+# The same three arguments under other names: gpt-oss's (hidden_states, router_indices,
+# routing_weights), whose expert weights are stored transposed ([E, in, out]) and carry
+# biases; the style only splits dimension 0 and calls the module's own forward, so neither
+# matters to it.
+CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
+              ("top_k_weights", "routing_weights"))
+
+def expert_count(module: nn.Module) -> int | None:
+    """The number of routed experts a module holds as ``[num_experts, ...]`` parameters
+    (its ``num_experts`` attribute, every own parameter leading with it, one at least a
+    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None."""
+    n = getattr(module, "num_experts", None)
+    params = list(module.parameters(recurse=False))
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not params:
+        return None
+    stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
+    return n if stacked and any(p.dim() == 3 for p in params) else None
+
+
+def call_form(module: nn.Module) -> str | None:
+    """How the experts module is called: ``"routed"`` (hidden states, expert ids, weights),
+    ``"dense"`` (Llama 4's: every token for every expert, pre-weighted) or None."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names == ["hidden_states"]:
+        return "dense"
+    ok = len(names) >= 3 and all(p in q for p, q in zip(names, CALL_NAMES))
+    return "routed" if ok else None
+
+
+def experts_for_ep(model: nn.Module) -> list[str]:
+    """The paths of ``model``'s experts modules that ``expert_parallel`` can spread."""
+    return [p for p, m in model.named_modules()
+            if expert_count(m) is not None and call_form(m) is not None]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def local_experts(module: nn.Module, names: list[str], ep: int) -> dict[str, nn.Parameter]:
+    """The local experts in place of the module's parameters (returned, to put back).
+
+    Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
+    here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
+    one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
+    (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
+    gloo lacks.)"""
+    held = {n: module._parameters[n] for n in names}
+    for n, p in held.items():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        module._parameters[n] = _ScaleGrad.apply(local, 1.0 / ep) if ep > 1 else local
+    return held
+
+
+def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
+                      hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts take every token for every expert, already weighted by the router
+    (zero where not chosen): ``[num_experts × T, H]`` in expert-major blocks. Each rank's
+    blocks for the experts of rank ``s`` go to ``s`` (equal splits), the local experts run
+    on ``ep × T`` rows each, and the results come back the same way."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    ep, group = mesh.size(), mesh.get_group()
+    local, width = num_experts // ep, hidden_states.shape[-1]
+    if hidden_states.shape[0] % num_experts:
+        raise ValueError(f"expert_parallel: {hidden_states.shape[0]} rows are not "
+                         f"{num_experts} experts' blocks of tokens")
+    rows = hidden_states.shape[0] // num_experts
+    split = [local * rows] * ep
+    got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
+    x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
+    names = list(module._tpplan_ep_params)
+    held = local_experts(module, names, ep)
+    try:
+        module.num_experts = local
+        out = forward(x) + sum(module._parameters[n].sum() for n in names) * 0
+    finally:
+        module.num_experts = num_experts
+        module._parameters.update(held)
+    out = out.view(local, ep, rows, width).transpose(0, 1).reshape(-1, width)
+    return all_to_all_single_autograd(out.contiguous(), split, split, group)
