@@ -55,3 +55,26 @@ def test_latent_attention_with_fewer_kv_heads_is_refused_located(tmp_path, capsy
     rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "4")
     assert rc == 1 and "Traceback" not in out, out
     assert "plan.yaml:2:1: error: " in out and "set num_key_value_heads to 4" in out, out
+
+
+def test_suggest_proposes_expert_parallelism_with_the_reason(tmp_path, capsys):
+    """For a model with experts modules suggest's notes propose ep and say why; --ep writes
+    it (the sweep's suggest+ep cells verify such plans); a dense model's --ep is refused."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("olmoe")))
+    model = tmp_path / "model.yaml"
+    model.write_text(f"model: {{hf_config: {config}}}\n")
+    rc, out = run_main(capsys, "suggest", model, "-o", tmp_path / "s.yaml")
+    assert rc == 0, out
+    text = (tmp_path / "s.yaml").read_text()
+    assert "model.layers.*.mlp.experts hold 4 routed experts" in text
+    assert "expert parallelism fits them" in text and "expert_parallel\n" not in text
+    rc, out = run_main(capsys, "suggest", model, "--ep", "2", "-o", tmp_path / "ep.yaml")
+    text = (tmp_path / "ep.yaml").read_text()
+    assert rc == 0 and "mesh: {tp: 2, ep: 2, dp_shard: -1}" in text, out
+    assert '"model.layers.*.mlp.experts": expert_parallel' in text
+    assert "expert parallelism fits them" not in text  # done, not proposed
+    dense = tmp_path / "dense.yaml"
+    dense.write_text("model: {name: llama3, config: debug}\n")
+    rc, out = run_main(capsys, "suggest", dense, "--ep", "2")
+    assert rc == 1 and "no experts module expert_parallel can spread" in out, out

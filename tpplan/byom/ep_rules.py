@@ -30,8 +30,9 @@ def ep_proposal(model: nn.Module) -> str | None:
     return (f"{', '.join(ep_patterns(model))} hold {'/'.join(map(str, counts))} routed experts "
             f"as [num_experts, ...] parameters: {PROPOSAL} (--ep N, N dividing "
             "the experts and the data-parallel ranks): each of N ranks keeps 1/N of the experts "
-            "whole and tokens go to them by all-to-all, where the tp rule gives every rank "
-            "1/tp of every expert and all-reduces their output (docs/moe.md)")
+            "whole and tokens go to them by all-to-all, where tp alone gives every rank 1/tp "
+            "of every expert (experts_colwise_rowwise) and all-reduces their output, or leaves "
+            "them replicated (docs/moe.md)")
 
 
 def route_experts(sugg, paths: list[str], patterns: list[str], source: str) -> None:
