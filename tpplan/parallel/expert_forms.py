@@ -13,13 +13,14 @@ from torch.distributed.tensor import DTensor
 
 __all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "dense_forward"]
 
-CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
-# The same three arguments under other names: gpt-oss's (hidden_states, router_indices,
+# What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
+# arguments under other names: gpt-oss's (hidden_states, router_indices,
 # routing_weights), whose expert weights are stored transposed ([E, in, out]) and carry
 # biases; the style only splits dimension 0 and calls the module's own forward, so neither
 # matters to it.
 CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
               ("top_k_weights", "routing_weights"))
+
 
 def expert_count(module: nn.Module) -> int | None:
     """The number of routed experts a module holds as ``[num_experts, ...]`` parameters

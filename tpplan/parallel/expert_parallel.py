@@ -21,6 +21,10 @@ The router stays outside, on each rank's own tokens. Dispatch is dropless:
    and summed per token.
 
 An expert id outside ``[0, num_experts)`` raises at run time: it is never dropped.
+
+gpt-oss names the three arguments ``(hidden_states, router_indices, routing_weights)``; Llama
+4's experts take every token for every expert instead (``experts(hidden_states [E·T, H])``),
+spread by :func:`tpplan.parallel.expert_forms.dense_forward`.
 """
 
 from __future__ import annotations
