@@ -8,6 +8,10 @@ For each family a tiny configuration of the architecture (no download) is writte
 - ``suggest``: ``tpplan suggest`` with ``--sequence-parallel off`` -> validate -> verify;
 - ``suggest+sp``: ``--sequence-parallel blocks``.
 
+For mixtures of experts (docs/moe.md), ``--modes import+ep,import+ep+sp,suggest+ep`` runs
+``import-hf --tp 1 --ep 4``, ``import-hf --sequence-parallel --ep 2`` and ``suggest --ep 2``;
+``--families moe`` names the MoE families with their tiny variants (``TYPE:NAME``).
+
 verify runs every plan on 4 gloo processes (tp 2 × dp 2) against the same model on one
 device: logits, loss and every gradient. All plans' parallel steps share one spawn of 4
 processes, so start-up is paid once. A cell reads ``ok`` (verify within the tolerance), a
@@ -15,6 +19,7 @@ located refusal (``refused: ...``, one line, exit 1), ``WRONG`` (numbers differ)
 ``TRACEBACK`` (an exception escaped a command: a bug).
 
     python scripts/sweep_hf.py [--families llama,qwen3] [--modes import,suggest] [--out DIR]
+    python scripts/sweep_hf.py --families moe --modes import+ep,import+ep+sp,suggest+ep
 """
 
 from __future__ import annotations
