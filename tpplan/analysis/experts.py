@@ -61,7 +61,7 @@ class ExpertsModule:
 
 def _top_k(model: nn.Module, path: str) -> int:
     """Experts chosen per token: the router beside the experts (``top_k``), else the
-    config's ``num_experts_per_tok``."""
+    config's ``num_experts_per_tok``, else 0 (unknown: the all-to-all figures refuse it)."""
     parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
     for m in parent.modules():
         k = getattr(m, "top_k", None)
@@ -70,8 +70,7 @@ def _top_k(model: nn.Module, path: str) -> int:
     k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
     if isinstance(k, int) and k > 0:
         return k
-    raise ValueError(f"experts module '{path}': no top_k beside it and no num_experts_per_tok "
-                     "in the model's config: the experts chosen per token are unknown")
+    return 0
 
 
 def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
@@ -88,7 +87,7 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
         params = list(m.parameters(recurse=False))
         shapes = tuple(tuple(p.shape) for p in params)  # DTensors: the global shape
         hidden = getattr(m, "hidden_dim", None) or getattr(m, "hidden_size", None) or \
-            getattr(getattr(model, "config", None), "hidden_size", None)
+            getattr(getattr(model, "config", None), "hidden_size", None) or 0
         out.append(ExpertsModule(
             path, n, _top_k(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),
@@ -145,6 +144,10 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
     for mod in modules:
         if not mod.parallel or ep <= 1:
             continue
+        if not mod.top_k:
+            raise ValueError(f"experts module '{mod.path}': no top_k beside it and no "
+                             "num_experts_per_tok in the model's config: the experts chosen "
+                             "per token are unknown")
         fw = 1 + (mod.path in recomputed)  # forward passes per micro-batch
         data = 2 * fw + BACKWARD  # dispatch and combine each forward, two transposes back
         row = mod.hidden * e
