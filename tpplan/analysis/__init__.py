@@ -122,7 +122,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
             a2a = comm["ep_all_to_all"]
             result.extra["comm_minimum"]["ep"] = dict(
                 mesh_dim="ep", wire_bytes=a2a["minimum_wire_bytes"],
-                measured_wire_bytes=a2a["balanced_wire_bytes"], ratio=a2a["over_minimum"])
+                measured_wire_bytes=a2a["hidden_wire_bytes"], ratio=a2a["over_minimum"])
 
 
 def _ep_bounds(result: DryRun, e: int) -> dict[str, Any]:

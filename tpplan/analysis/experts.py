@@ -136,11 +136,12 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
     """The experts' all-to-all per rank per optimizer step: ``count``, ``balanced_bytes``
     (buffers, as the traced rows count them) and ``balanced_wire_bytes``, ``worst_case_bytes``
     (the busiest rank's buffers when every token picks one rank's experts) and the minimum's
-    ``minimum_wire_bytes``. ``e``: bytes per activation element; ``recomputed``: paths of
+    ``minimum_wire_bytes`` (hidden states only; ``over_minimum``: the hidden states tpplan
+    sends over it, the counts exchange left out of both). ``e``: bytes per activation element; ``recomputed``: paths of
     experts modules whose forward activation checkpointing runs again."""
     ep, accum = dims.ep, shape.grad_accum
     tokens = shape.micro_batch * shape.seq_len
-    count = balanced = wire = worst = minimum = 0
+    count = balanced = wire = data_wire = worst = minimum = 0
     for mod in modules:
         if not mod.parallel or ep <= 1:
             continue
@@ -156,13 +157,15 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
         counts_bytes = mod.num_experts * COUNT_BYTES
         balanced += accum * (fw * counts_bytes + data * pairs * row)
         wire += accum * (fw * counts_bytes + data * pairs * row) * (ep - 1) // ep
+        data_wire += accum * data * pairs * row * (ep - 1) / ep
         busiest = ep * tokens * min(mod.top_k, mod.num_experts // ep)
         worst += accum * (fw * counts_bytes + data * busiest * row)
         minimum += accum * data * tokens * row * distinct_remote_ranks(
             mod.num_experts, mod.top_k, ep)
     return dict(count=count, balanced_bytes=balanced, balanced_wire_bytes=wire,
-                worst_case_bytes=worst, minimum_wire_bytes=int(minimum),
-                over_minimum=(wire / minimum) if minimum else None)
+                worst_case_bytes=worst, hidden_wire_bytes=int(data_wire),
+                minimum_wire_bytes=int(minimum),
+                over_minimum=(data_wire / minimum) if minimum else None)
 
 
 def ep_figures(model: nn.Module, res, dims, shape, e: int,
