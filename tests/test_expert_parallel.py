@@ -172,8 +172,8 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     optimizer = torch.optim.AdamW(experts)
     optimizer.step()
 
-    def nbytes(ts):
-        return sum(t.to_local().untyped_storage().nbytes() for t in ts)
+    def nbytes(ts):  # the local shards' own bytes (FSDP2's gradients view one flat buffer)
+        return sum(t.to_local().numel() * t.element_size() for t in ts)
 
     memory = [nbytes(experts), nbytes(p.grad for p in experts),
               nbytes(v for p in experts for k, v in optimizer.state[p].items() if k != "step")]
