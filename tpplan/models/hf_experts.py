@@ -6,8 +6,8 @@ down (``transformers/integrations/moe.py``, ``grouped_mm_experts_forward``). On 
 tensors two things stand in the way: torch's ``grouped_mm`` meta kernel takes bfloat16 only,
 and the eager loop over experts asks ``nonzero()`` for values. ``batched_mm``, which runs on
 shapes, gathers a copy of each pair's expert weights (``[T·k, 2I, H]``): for Qwen3-30B-A3B at
-4,096 tokens, 384 GiB per block saved for backward where the real run saves ``T·k`` rows --
-the 13.5 TiB a dry run once reported.
+4,096 tokens, 384 GiB per block saved for backward where the real run saves ``T·k`` rows
+(27 TiB over its 48 blocks, where the real run's activations are 81 GiB in fp32).
 
 :data:`SHAPES_ONLY` is the same ``grouped_mm`` forward with its grouped GEMMs through
 transformers' own fallback operator (``transformers::grouped_mm_fallback``), whose fake
