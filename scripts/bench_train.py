@@ -4,6 +4,9 @@ One run, 4 CPU processes (gloo), two rows, each side by side:
 
 - ``train``: a 2×2 mesh (dp_shard 2 × tp 2), the debug Llama of ``plans/llama.yaml``
   (TP + SP + loss parallel + FSDP2);
+- ``ep`` (``--rows ep``; ``scripts/bench_ep.py``): a MoE layer at ep 4, tpplan's
+  ``expert_parallel`` against the same all-to-all dispatch by hand, and the bytes each rank
+  sends against the minimum;
 - ``pipeline``: pp 2 × tp 2, the same model as ``plans/llama-3d.yaml`` cuts it (2 blocks
   per stage, 1F1B over 4 micro-batches, selective AC every 2nd block, FSDP2 units on the
   stage's dp_shard of 1), against ``PipelineStage`` + ``Schedule1F1B`` + the same
@@ -284,6 +287,11 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
     }
     skip = 3  # first steps warm allocators and caches
     for row in args.rows.split(","):
+        if row == "ep":  # the experts' dispatch: its own bench (scripts/bench_ep.py)
+            from bench_ep import ep_row
+
+            ep_row(rank, args.steps, args.rounds, 2048)
+            continue
         plan, plan_sets, by_hand = rows[row]
         hand, tp = [], []
         for r in range(args.rounds):
@@ -306,7 +314,8 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="train,pipeline",
-                   help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2)")
+                   help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2), "
+                        "ep (a MoE layer at ep 4: scripts/bench_ep.py)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--naive-clip", action="store_true",

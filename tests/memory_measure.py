@@ -32,6 +32,10 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "2x2, LoRA rank 16 (base frozen)": ("llama.yaml", 4, SMALL + [
         "train.global_batch_size=8", 'lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", '
         '"layers.*.feed_forward.{w1,w2,w3}"], rank: 16}']),
+    # experts over ep 2, FSDP-sharded over the efsdp 2 left; transformers' grouped_mm
+    # experts (the dry run: the same forward on shapes, models/hf_experts.py), routed for real
+    "HF Qwen3-MoE ep 2 x efsdp 2": ("qwen3-moe-ep-tiny.yaml", 4, SMALL + [
+        "train.global_batch_size=16", "mesh.ep=2"]),
 }
 
 

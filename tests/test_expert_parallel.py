@@ -137,9 +137,13 @@ def _ranks(group: str) -> list[int]:
 
 def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
                 out: str) -> None:
-    """One forward and backward of the plan under a collective recorder; each rank saves
-    its all-to-alls on the ep group as (count, bytes)."""
+    """One forward and backward of the plan under a collective recorder, then an AdamW
+    step; each rank saves its all-to-alls on the ep group as (count, bytes), its experts'
+    FSDP traffic, its experts' parameter, gradient and AdamW bytes, and, in a second forward
+    whose router picks experts 0..k-1 for every token (all on the first ep rank, or as many
+    as it holds), the rows each of its dispatches received."""
     import torch
+    import torch.distributed._functional_collectives as fc
 
     import tpplan
     from tpplan.analysis.counting import CollectiveRecorder
@@ -157,15 +161,46 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     model = plan.apply(model, mesh)
     tokens = make_batch(128, shape.global_batch, shape.seq_len, 0).chunk(
         plan.parallel_dims(world).dp)[dp_rank(mesh)]
-    with CollectiveRecorder() as rec:
+
+    def loss():
         logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    with CollectiveRecorder() as rec:
+        loss().backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
     ep = plan.parallel_dims(world).ep
     efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
              _ranks(c.group) == list(range(rank % ep, world, ep))]  # the efsdp group's
+    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    optimizer = torch.optim.AdamW(experts)
+    optimizer.step()
+
+    def nbytes(ts):  # the local shards' own bytes (FSDP2's gradients view one flat buffer)
+        return sum(t.to_local().numel() * t.element_size() for t in ts)
+
+    memory = [nbytes(experts), nbytes(p.grad for p in experts),
+              nbytes(v for p in experts for k, v in optimizer.state[p].items() if k != "step")]
+    for m in model.modules():  # every token picks experts 0..k-1
+        if type(m).__name__.endswith("TopKRouter"):
+            def pick(mod, args, out):
+                logits, weights, ids = out
+                return logits, weights, torch.arange(ids.shape[-1]).expand_as(ids).contiguous()
+            m.register_forward_hook(pick)
+    received, real = [], fc.all_to_all_single_autograd
+
+    def recording(x, output_split_sizes, input_split_sizes, group):
+        y = real(x, output_split_sizes, input_split_sizes, group)
+        received.append(y.numel() * y.element_size())
+        return y
+
+    fc.all_to_all_single_autograd = recording
+    with torch.no_grad():
+        loss()
+    fc.all_to_all_single_autograd = real
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a}), efsdp]))
+        [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a}), efsdp, memory,
+         received[::2]]))  # dispatch, combine, dispatch, ...: the dispatches
     torch.distributed.destroy_process_group()
 
 
@@ -173,9 +208,14 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
     sends its tokens × top-k rows whatever the routing, and what one rank receives another
     sent), while the dry run assumes balanced routing for each rank's own figure. The
-    experts' FSDP traffic over efsdp: counts and bytes per rank."""
+    experts' FSDP traffic over efsdp, their parameters, gradients and AdamW state: per rank.
+    The worst case: with every token routed to experts 0..k-1, the busiest rank's step
+    (its dispatches as received, each data all-to-all's buffer that size: the combine sends
+    back what arrived, backward transposes both) is the dry run's bound, exactly."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.experts import COUNT_BYTES, ep_figures
+    from tpplan.parallel.expert_parallel import expert_count
     from tpplan.parallel.runtime import spawn
 
     comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
@@ -186,17 +226,31 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         assert predicted.ok, (predicted.errors, predicted.analysis_errors)
         ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
         assert ep["count"] == 2 * 5  # per MoE block: counts, dispatch, combine; 2 in backward
+        traced = [r for r in predicted.extra["comm_per_step"]["collectives"]
+                  if r["mesh_dim"] == "ep"]  # the arithmetic is the trace, row for row
+        assert (ep["balanced_bytes"], ep["balanced_wire_bytes"]) == \
+            (sum(r["bytes"] for r in traced), sum(r["wire_bytes"] for r in traced))
+        figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
+                             predicted.step, 4)
+        assert figures["all_to_all"] == ep
         out = tmp_path / family
         out.mkdir()
         spawn(_a2a_worker, 4, plan, overrides, str(out))
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-        assert all(count == ep["count"] and groups == 1 for count, _, groups, _ in real), real
+        assert all(count == ep["count"] and groups == 1 for count, _, groups, *_ in real), real
         assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
+        mem = figures["memory"]
+        for *_, memory, _ in real:
+            assert memory == [mem["parameters"], mem["gradients"], mem["optimizer"]], (memory, mem)
+        busiest = max(real, key=lambda r: sum(r[-1]))[-1]
+        counts = sum(COUNT_BYTES * m.num_experts for m in predicted.model.modules()
+                     if expert_count(m))  # the counts exchanged first, as balanced
+        assert counts + 4 * sum(busiest) == ep["worst_case_bytes"], (busiest, ep)
         # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
         rows = predicted.extra["comm_per_step"]["collectives"]
         want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
         assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
-        for *_, efsdp in real:
+        for _, _, _, efsdp, *_ in real:
             got = Counter(k for k, _ in efsdp)
             nbytes = Counter()
             for k, b in efsdp:

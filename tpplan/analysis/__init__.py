@@ -49,7 +49,18 @@ def analyze_memory(result: DryRun, trace: Callable = memory_per_rank) -> None:
     mem = trace(spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
                 n_blocks, blocks)
     mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
+    _experts_memory(result, mem)
     result.extra["memory_per_rank"] = mem
+
+
+def _experts_memory(result: DryRun, mem: dict[str, Any]) -> None:
+    """The routed experts' share of the parameters, gradients and AdamW state per rank
+    (``mem["experts"]``), where the model has experts (:mod:`tpplan.analysis.experts`)."""
+    from .experts import expert_memory, experts_modules
+
+    modules = experts_modules(result.model, result.resolved)
+    if modules:
+        mem["experts"] = expert_memory(modules, result.resolved.dims)
 
 
 def compute_dtypes(result: DryRun) -> tuple[torch.dtype, torch.dtype]:
@@ -99,7 +110,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         a[0] += n
         a[1] += n * step.nbytes(module, nbytes)
     if dims.ep > 1:
-        comm["ep_all_to_all"] = _ep_bounds(comm["collectives"], dims.ep)
+        comm["ep_all_to_all"] = _ep_bounds(result, param.itemsize)
     result.extra["comm_per_step"] = dict(
         grad_accum=shape.grad_accum, **comm,
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
@@ -107,17 +118,31 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         traced_depths=trace.depths, repeated_blocks=trace.blocks)
     if minimum:
         result.extra["comm_minimum"] = _minimum(result, trace, step, param.itemsize, parts)
+        if "ep_all_to_all" in comm:  # the minimum's EP term: each token to each remote rank once
+            a2a = comm["ep_all_to_all"]
+            result.extra["comm_minimum"]["ep"] = dict(
+                mesh_dim="ep", wire_bytes=a2a["minimum_wire_bytes"],
+                measured_wire_bytes=a2a["hidden_wire_bytes"], ratio=a2a["over_minimum"])
 
 
-def _ep_bounds(collectives: list[dict[str, Any]], ep: int) -> dict[str, int]:
-    """The experts' all-to-all per rank per step: as traced (balanced routing: every rank
-    sends and receives ``tokens × top-k / ep`` rows to and from each) and its worst case,
-    every token choosing experts of one rank, which then receives (and sends back) ``ep``
-    times the balanced rows: a bound of ``ep ×`` the balanced bytes (docs/moe.md)."""
-    a2a = [r for r in collectives if r["mesh_dim"] == "ep"]
-    balanced = sum(r["bytes"] for r in a2a)
-    return dict(count=sum(r["count"] for r in a2a), balanced_bytes=balanced,
-                worst_case_bytes=ep * balanced)
+def _ep_bounds(result: DryRun, e: int) -> dict[str, Any]:
+    """The experts' all-to-all per rank per step (:func:`tpplan.analysis.experts.expert_all_to_all`):
+    the balanced count and bytes, as traced, its worst case (every token choosing experts
+    of one rank) and the minimum (each token to each distinct remote rank once)."""
+    from .experts import expert_all_to_all, experts_modules
+
+    res = result.resolved
+    return expert_all_to_all(experts_modules(result.model, res), res.dims, result.step, e,
+                             _recomputed(result))
+
+
+def _recomputed(result: DryRun) -> set[str]:
+    """Module paths inside the blocks activation checkpointing recomputes."""
+    ac, res = result.plan.spec.activation_checkpointing, result.resolved
+    if not ac.enabled:
+        return set()
+    blocks = tuple(b + "." for b in res.ac_blocks[::ac.every])
+    return {p for p, _ in result.model.named_modules() if p.startswith(blocks)}
 
 
 def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:

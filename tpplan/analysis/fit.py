@@ -35,7 +35,8 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
     ac = spec.activation_checkpointing
     if not (ac.enabled and ac.every == 1):
         out.append(("activation checkpointing of every block",
-                    ["activation_checkpointing={mode: full}"]))
+                    [f"activation_checkpointing={{mode: full{_ac_blocks(result)}}}"]))
+    out += _ep_candidates(result)
     if spec.fsdp is not None and not spec.fsdp.param_dtype:
         out.append(("bf16 compute (FSDP mixed precision, fp32 gradient reduction)",
                     ["fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"]))
@@ -68,6 +69,49 @@ def _candidates(result: DryRun) -> list[tuple[str, list[str]]]:
                     "no unsharded gradients kept)",
                     [f"train.micro_batch_size={shape.micro_batch * shape.grad_accum}"]))
     return out
+
+
+def _ac_blocks(result: DryRun) -> str:
+    """``, blocks: "..."`` naming the model's own repeated blocks (``model.layers.*`` in an
+    HF model) where the plan's pattern is the default ``layers.*`` and matches none."""
+    from ..models.introspect import find_blocks
+    from ..plan.specs import DEFAULT_BLOCKS
+
+    blocks = result.plan.spec.activation_checkpointing.blocks
+    if blocks == DEFAULT_BLOCKS and result.model is not None:
+        found = find_blocks(result.model)
+        if found and found != DEFAULT_BLOCKS.removesuffix(".*"):
+            return f', blocks: "{found}.*"'
+    return "" if blocks == DEFAULT_BLOCKS else f', blocks: "{blocks}"'
+
+
+def _ep_candidates(result: DryRun) -> list[tuple[str, list[str]]]:
+    """Expert parallelism where the model has routed experts: ep doubled (then the largest
+    that divides both ``dp_shard`` and every experts module's count), each rank keeping
+    ``num_experts / ep`` of them (docs/moe.md). A plan without an ``expert_parallel`` rule
+    gets one on its experts modules' pattern (replacing a rule already there, which one
+    module cannot take beside it)."""
+    from ..plan.patterns import generalize
+    from .experts import experts_modules
+
+    dims, res = result.resolution.dims, result.resolved
+    if result.model is None or dims.pp > 1 or getattr(dims, "cp", 1) > 1:
+        return []
+    modules = experts_modules(result.model, res)
+    if not modules:
+        return []
+    rule = []
+    if not all(m.parallel for m in modules):
+        for pattern in sorted({res.rule_of[m.path].pattern if m.path in res.rule_of
+                               else generalize(m.path) for m in modules}):
+            rule.append(f'tensor_parallel.{pattern}=expert_parallel')
+    fits = [ep for ep in range(dims.ep + 1, dims.dp_shard + 1)
+            if dims.dp_shard % ep == 0 and all(m.num_experts % ep == 0 for m in modules)]
+    chosen = sorted({e for e in (2 * dims.ep, fits[-1] if fits else 0) if e in fits})
+    experts = modules[0].num_experts
+    return [(f"expert parallelism ep {ep} ({experts // ep} of {experts} experts per rank, "
+             f"FSDP over the {dims.dp_shard // ep} ranks left)", [f"mesh.ep={ep}", *rule])
+            for ep in chosen]
 
 
 LORA_RANK = 16  # the rank a proposed LoRA assumes (alpha twice it, as is common)

@@ -133,6 +133,7 @@ PART_NAMES = {
 
 def render_memory(out, mem: dict[str, Any]) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     b = mem["batch"]
     accum = f", {b['grad_accum']} micro-batches" if b["grad_accum"] > 1 else ""
@@ -147,6 +148,12 @@ def render_memory(out, mem: dict[str, Any]) -> None:
     t.add_row("[bold]peak[/bold]", "", f"[bold]{size(mem['peak'])}[/bold]")
     out.print(t)
     out.print(f"peak: {mem['peak_at']}")
+    ex = mem.get("experts")
+    if ex:
+        out.print(Text(f"routed experts per rank: {ex['experts_per_rank']} of each of "
+                       f"{ex['modules']} experts modules; parameters {size(ex['parameters'])}, "
+                       f"gradients {size(ex['gradients'])}, AdamW {size(ex['optimizer'])} "
+                       "(included above)"))
 
 
 def render_pipeline(out, mem: dict[str, Any], pipe: dict[str, Any]) -> None:
@@ -197,8 +204,15 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
     ep = comm.get("ep_all_to_all")
     if ep:
         out.print(Text(f"experts' all-to-all: {ep['count']} per step, {size(ep['balanced_bytes'])}"
-                       f" with balanced routing, at most {size(ep['worst_case_bytes'])} when "
-                       "every token chooses one rank's experts"))
+                       f" with balanced routing ({size(ep['balanced_wire_bytes'])} on the wire), "
+                       f"at most {size(ep['worst_case_bytes'])} on one rank when every token "
+                       "chooses that rank's experts"))
+    if mini.get("ep"):
+        m = mini["ep"]
+        out.print(Text(f"EP minimum: each token's hidden state to each distinct remote rank among"
+                       f" its top-k, once: {size(m['wire_bytes'])} per rank per step over ep; "
+                       f"the dispatch sends one row per (token, expert) pair: "
+                       f"{size(m['measured_wire_bytes'])} ({m['ratio']:.2f}×)"))
     style = f"a Megatron-style {mini['style']} plan"
     if mini["at_minimum"]:
         out.print(f"[green]TP at the minimum[/green]: {style} moves "

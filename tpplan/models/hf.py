@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 from ..plan.yamlio import not_a_file
+from .hf_experts import register_shapes_only
 from .hf_stages import mark_stageable
 
 __all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
@@ -223,9 +224,9 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     kwargs = {"attn_implementation": "sdpa", "dtype": torch.float32}
     if torch.empty(0).device.type == "meta" and cls is not None and \
             cls._can_set_experts_implementation():
-        # grouped_mm's meta kernel takes bfloat16 only, and the eager loop over experts asks
-        # nonzero() for values: batched_mm runs on shapes alone (the dry run's traces).
-        kwargs["experts_implementation"] = "batched_mm"
+        # A real run's grouped_mm, on shapes alone (hf_experts.py: what the dry run's traces
+        # save is what the real run saves); batched_mm where this transformers lacks it.
+        kwargs["experts_implementation"] = register_shapes_only() or "batched_mm"
     try:
         model = _from_config(transformers, cls if spec.hf else None, config, kwargs)
     except ValueError as e:

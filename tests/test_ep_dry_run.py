@@ -1,0 +1,74 @@
+"""The dry run's expert-parallel figures that need no process (docs/moe.md, "The dry run"):
+the minimum's expected distinct remote ranks against every routing enumerated, the worst
+case's rows, and ``--device`` fit proposing ep (and checkpointing the HF model's own blocks),
+each proposal checked by a dry run. The figures against a real gloo run:
+tests/test_expert_parallel.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+from helpers import ROOT
+
+from tpplan.analysis import ANALYSES
+from tpplan.analysis.dryrun import dry_run
+from tpplan.analysis.experts import ExpertsModule, distinct_remote_ranks, expert_all_to_all
+from tpplan.analysis.fit import fit, needed
+from tpplan.plan.devices import DEVICES
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import sweep_hf  # noqa: E402
+
+
+@pytest.mark.parametrize("experts, k, ep", [(8, 3, 4), (16, 4, 4), (12, 2, 3), (8, 8, 2)])
+def test_distinct_remote_ranks_is_the_mean_over_every_routing(experts, k, ep):
+    local = experts // ep
+    for rank in range(ep):
+        counts = [len({e // local for e in chosen} - {rank})
+                  for chosen in itertools.combinations(range(experts), k)]
+        assert distinct_remote_ranks(experts, k, ep) == pytest.approx(sum(counts) / len(counts))
+
+
+def test_worst_case_rows_are_bounded_by_the_experts_one_rank_holds():
+    """``ep · T · min(k, E/ep)`` rows arrive at the busiest rank per data all-to-all."""
+    dims = SimpleNamespace(ep=4)
+    shape = SimpleNamespace(grad_accum=1, micro_batch=2, seq_len=8)
+    for experts, k in ((16, 3), (8, 3)):  # L = 4 >= k, then L = 2 < k
+        mod = ExpertsModule("m", experts, k, 10, ((experts, 4, 10),), 4, True, True)
+        a = expert_all_to_all([mod], dims, shape, 2)
+        rows = 4 * 16 * min(k, experts // 4)
+        assert a["worst_case_bytes"] == experts * 8 + 4 * rows * 10 * 2
+        assert a["balanced_bytes"] == experts * 8 + 4 * 16 * k * 10 * 2
+        assert a["count"] == 5
+
+
+def test_fit_proposes_expert_parallelism_and_checkpoints_the_hf_blocks(tmp_path):
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config(  # experts big beside the activations
+        "qwen3_moe", num_experts=8, moe_intermediate_size=512)))
+    plan = tmp_path / "moe.yaml"
+    plan.write_text(f"mesh: {{dp_shard: -1}}\nmodel: {{hf_config: {config}}}\n"
+                    'fsdp: {units: [model.embed_tokens, "model.layers.*", '
+                    "[model.norm, lm_head]]}\ntrain: {seq_len: 16, global_batch_size: 8}\n")
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    base = dry_run(str(plan), 4, [], memory)
+    assert base.ok, (base.errors, base.analysis_errors)
+    device = dataclasses.replace(DEVICES["h100"],  # just too small for the plan as written
+                                 memory=needed(base.extra["memory_per_rank"]["peak"]) - 1)
+    f = fit(base, device, str(plan), [])
+    changes = {c["change"].split(" (")[0]: c for c in f["changes"]}
+    rule = "tensor_parallel.model.layers.*.mlp.experts=expert_parallel"
+    for ep in (2, 4):
+        c = changes[f"expert parallelism ep {ep}"]
+        assert c["set"] == [f"mesh.ep={ep}", rule] and c["error"] is None, c
+        assert c["peak"] < f["peak"]  # a block gathers E/ep experts, not E
+    ac = changes["activation checkpointing of every block"]
+    assert ac["set"] == ['activation_checkpointing={mode: full, blocks: "model.layers.*"}']
+    assert ac["error"] is None and ac["peak"] < f["peak"], ac
