@@ -69,6 +69,25 @@ def test_best_first_ranks_exactly_as_estimating_every_candidate():
     assert fast["traces"]["memory"] < full["traces"]["memory"]
 
 
+def test_best_first_is_exact_with_expert_and_context_parallelism_in_the_space():
+    """ep (a MoE plan: every ep dividing dp_shard) and cp (a long-context plan: every cp)
+    are enumerated and estimated, and best first still ranks exactly as the exhaustive
+    search, down to the first layout with ep or cp above 1."""
+    cases = [(str(PLANS / "qwen3-moe-ep-tiny.yaml"), 1, "ep",
+              ["train.global_batch_size=4", "train.seq_len=32"]),
+             (str(PLANS / "llama-long.yaml"), 2, "cp",
+              ["train.global_batch_size=2", "train.seq_len=256", "model.kwargs.n_layers=2"])]
+    for plan, max_tp, axis, sets in cases:
+        opts = Options(max_tp=max_tp, schedules=(), ac_every=())
+        full = search(plan, 4, DEVICES["h100"], sets, options=opts, top=1, exhaustive=True)
+        degrees = [r["mesh"][axis] for r in full["ranked"]]
+        assert {1, 2, 4} <= set(degrees), (axis, degrees)
+        top = next(i for i, d in enumerate(degrees) if d > 1) + 1
+        fast = search(plan, 4, DEVICES["h100"], sets, options=opts, top=top)
+        assert fast["ranked"] == full["ranked"][:top], axis
+        assert sum(fast["not_ranked"].values()) > 0
+
+
 def _comparable(result) -> tuple:
     mem = dict(result.extra["memory_per_rank"])
     mem.pop("pp_ranks", None)

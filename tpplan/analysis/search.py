@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Sequence
 
+from ..models.introspect import find_blocks
 from ..plan.devices import Device
 from .candidates import Options, candidates
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
@@ -62,7 +63,7 @@ def _row(c, result: DryRun, est, device: Device) -> dict[str, Any]:
     mem = result.extra["memory_per_rank"]
     need = needed(mem["peak"])
     return dict(sets=c.sets, mesh=dict(pp=c.pp, dp_replicate=c.dp_replicate,
-                                       dp_shard=c.dp_shard, tp=c.tp),
+                                       dp_shard=c.dp_shard, cp=c.cp, ep=c.ep, tp=c.tp),
                 step=result.step.to_json(), peak=mem["peak"], needed=need,
                 headroom=device.memory - need, estimate=est.to_json(),
                 tokens_per_s_per_device=est.tokens_per_s_per_device, step_time=est.step_time,
@@ -93,7 +94,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     options = options or Options(max_tp=gpus_per_node)
     say = progress or (lambda _: None)
     ev = Evaluator(plan_path, overrides, world_size)
-    cands = candidates(ev.base, world_size, options)
+    blocks = find_blocks(ev.model)
+    cands = candidates(ev.base, world_size, options, blocks and f"{blocks}.*")
     say(f"{len(cands)} candidates")
     dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
@@ -146,7 +148,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
             if level == 1:
-                split = (c.pp, c.tp, *c.sets[1:])  # all but the data-parallel split
+                split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
                 if split in floors and needed(floors[split]) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
                          "split changes is too large (traced for another split)", c)

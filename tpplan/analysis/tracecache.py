@@ -65,9 +65,12 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
                  for m in module.modules() if id(m) not in skipped)
 
 
-def _mesh_key(mesh) -> tuple:
-    size = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    return (size["tp"], size["dp_shard"], size["dp_replicate"] > 1, size.get("pp", 1) > 1)
+def _mesh_key(dims: ParallelDims, spec: PlanSpec) -> tuple:
+    """What a memory trace reads of the mesh: every degree but dp_replicate's size (no
+    storage depends on it), and the context-parallel method where there is cp."""
+    cp = spec.context_parallel
+    return (dims.tp, dims.dp_shard, dims.dp_replicate > 1, dims.pp > 1, dims.cp, dims.ep,
+            (cp.method, cp.load_balance) if dims.cp > 1 else None)
 
 
 class Evaluator:
@@ -160,7 +163,8 @@ class Evaluator:
         ac = spec.activation_checkpointing
         module = build()
         stage = io and (io.first, io.last, io.received, _signature(module))
-        common = (_mesh_key(mesh), shape.seq_len, shape.micro_batch, min(shape.grad_accum, 3),
+        common = (_mesh_key(self._last, spec), shape.seq_len, shape.micro_batch,
+                  min(shape.grad_accum, 3),
                   shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
         key = (*common, n_blocks, stage)
         if key not in self.memories:
@@ -200,7 +204,8 @@ class Evaluator:
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
     ac, pipe = spec.activation_checkpointing, spec.pipeline
-    return (dims.tp, dims.pp, dims.ep, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
+    return (dims.tp, dims.pp, dims.ep, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
+            ac.mode, ac.every,
             pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 
