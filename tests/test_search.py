@@ -14,7 +14,7 @@ from tpplan.analysis.candidates import Options, candidates, factorizations
 from tpplan.analysis.cost import estimate_step
 from tpplan.analysis.dryrun import dry_run, fake_process_group
 from tpplan.analysis.fit import needed
-from tpplan.analysis.search import search, split_free
+from tpplan.analysis.search import search, sharded_state, split_free
 from tpplan.analysis.tracecache import Evaluator
 from tpplan.api import load
 from tpplan.cli import main
@@ -159,10 +159,18 @@ def test_what_no_data_parallel_split_changes_bounds_every_split():
     for pp, (tail, splits) in layouts.items():
         sets = [[f"mesh={{pp: {pp}, dp_replicate: {r}, dp_shard: {s}, tp: 2}}", *tail]
                 for r, s in splits]
-        _, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
+        ev, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
         mems = [r.extra["memory_per_rank"] for r in results]
         assert len({m["peak"] for m in mems}) == len(mems)  # the splits differ...
-        assert max(split_free(m) for m in mems) <= min(m["peak"] for m in mems)
+        # ...and each split's sharded state, from arithmetic, is its traced parameters and
+        # AdamW moments (less AdamW's step counters): with any other split's split-free
+        # part, a bound of its peak.
+        for r, m in zip(results, mems):
+            state = sharded_state(r, ev.fsdp_units(r))
+            if pp == 1:
+                held = m["at_peak"]["parameters"] + m["at_peak"]["optimizer"]
+                assert 0 < held - state <= 8 * len(list(r.model.parameters())), (held, state)
+            assert max(split_free(o) for o in mems) + state <= m["peak"]
         moments: dict[str, set] = {}  # ...but not in these parts, at the same moment
         for m in mems:
             moments.setdefault(m["peak_at"], set()).add(split_free(m))

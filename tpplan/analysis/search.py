@@ -41,7 +41,7 @@ from .fit import needed
 from .stagemem import pipeline_schedule
 from .tracecache import Evaluator
 
-__all__ = ["search", "reason_of", "split_free"]
+__all__ = ["search", "reason_of", "split_free", "sharded_state"]
 
 
 def reason_of(message: str) -> str:
@@ -81,6 +81,23 @@ def split_free(memory: dict[str, Any]) -> int:
     runs the same operations on the same activations, so at that moment it holds these bytes
     and its own parameter shards and optimizer state: its peak is at least this."""
     return sum(memory["at_peak"][p] for p in SPLIT_FREE)
+
+
+def sharded_state(result: DryRun, units: list | None) -> int:
+    """A lower bound, from arithmetic alone, of the bytes every moment of ``result``'s step
+    holds on its busiest rank: rank 0's padded FSDP2 shard of every unit (``units``, from
+    shapes: :func:`tpplan.parallel.fsdp_units.unit_sizes`), in the smallest parameter dtype,
+    and AdamW's two moments of each where every parameter is trained. 0 under a pipeline
+    (``units`` None: a stage's units are its own)."""
+    if not units:
+        return 0
+    dims = result.resolution.dims
+    shards = {"dp_shard": dims.dp_shard * dims.cp, "efsdp": dims.efsdp}
+    elements = sum(u.elements // shards.get(u.mesh_dim, 1) for u in units)
+    size = min((p.element_size() for p in result.model.parameters()), default=0)
+    spec = result.plan.spec
+    trained = spec.lora is None and not spec.freeze  # else AdamW holds only what is trained
+    return elements * size * (3 if trained else 1)
 
 
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
@@ -149,9 +166,11 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
             r = checked(c)
             if level == 1:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
-                if split in floors and needed(floors[split]) > device.memory:
+                if split in floors and \
+                        needed(floors[split] + sharded_state(r, ev.fsdp_units(r))) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
-                         "split changes is too large (traced for another split)", c)
+                         "split changes (traced for another split) and its own sharded "
+                         "state are too large", c)
                     continue
                 ev.memory(r)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})

@@ -149,13 +149,22 @@ class Evaluator:
         :func:`tpplan.analysis.stagecomm.pipeline_comm` in :attr:`stages`."""
         dims = result.resolution.dims
         result.mesh = self._mesh(dims)
-        if result.plan.spec.pipeline is None:
-            key = (_resolution_key(result.plan.spec, dims), dims.dp_shard)
-            if key not in self.units:
-                self.units[key] = result.fsdp_units
-            result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
+        self.fsdp_units(result)
         run_analysis(result, "comm_per_step",
                      lambda r: analyze_comm(r, self._tp, self.stages, minimum=False))
+
+    def fsdp_units(self, result: DryRun) -> list | None:
+        """A whole model's FSDP2 units (``result.fsdp_units``), cached by the resolution's key
+        and dp_shard (all that :func:`unit_sizes` reads); None under a pipeline, whose units
+        are its stages' (:mod:`tpplan.analysis.stagecomm`)."""
+        if result.plan.spec.pipeline is not None:
+            return None
+        dims = result.resolution.dims
+        key = (_resolution_key(result.plan.spec, dims), dims.dp_shard)
+        if key not in self.units:
+            self.units[key] = result.fsdp_units
+        result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
+        return self.units[key]
 
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
