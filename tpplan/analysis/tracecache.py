@@ -10,9 +10,10 @@ run. A cache entry is keyed by everything its trace reads that can differ betwee
 candidates of one plan (they differ only in the mesh, activation checkpointing, the
 micro-batch and the pipeline section); docs/search.md says why each key is complete.
 
-- Resolution (patterns, checks, the stage split): keyed by tp, pp, whether there is data
-  parallelism, the checkpointing mode and period, and the pipeline's stages per rank and
-  placement; the candidate's own mesh degrees are put back in.
+- Resolution (patterns, checks, the stage split): keyed by tp, pp, cp, ep, whether there is
+  data parallelism, and the pipeline's stages per rank and placement; resolved without
+  checkpointing, whose blocks (and their errors) each candidate matches itself; the
+  candidate's own mesh degrees are put back in.
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
   stage): keyed by tp, dp_shard, whether dp_replicate and pp are above 1, seq_len,
   micro-batch, the micro-batches the trace runs (``min(accumulation, 3)``), dtypes,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
@@ -36,11 +38,12 @@ from ..api import Plan
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.mesh import ParallelDims
+from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
 from ..plan.pipeline import SCHEDULES
 from ..plan.sections import require_model
-from ..plan.specs import PlanSpec
+from ..plan.specs import ACSpec, PlanSpec
 from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
@@ -88,6 +91,8 @@ class Evaluator:
         self.base = parse_plan(self.doc, self.path)
         self.model = build_model(require_model(self.base), device="meta")  # never applied: shared
         self.checkpoint = checkpoint_bytes(self.model)
+        self.modules = dict(self.model.named_modules())
+        self.params = {n for n, _ in self.model.named_parameters()}
         self.meshes: dict[ParallelDims, Any] = {}
         self.resolutions: dict[tuple, Any] = {}
         self.memories: dict[tuple, tuple] = {}
@@ -123,9 +128,19 @@ class Evaluator:
         key = _resolution_key(spec, dims)
         res = self.resolutions.get(key)
         if res is None:
-            res = self.resolutions[key] = Plan(spec, None).resolve(self.model, self.world_size)
+            # Checkpointing adds only its blocks (and their errors) to a resolution: resolved
+            # once without it for every mode, each candidate's own blocks matched below.
+            bare = replace(spec, activation_checkpointing=ACSpec())
+            res = self.resolutions[key] = Plan(bare, None).resolve(self.model, self.world_size)
             self.traces["resolutions"] += 1
-        return _with_dims(res, dims)
+        out = _with_dims(res, dims)
+        ac = spec.activation_checkpointing
+        if ac.enabled:
+            errs = ErrorList(res.errors)
+            out.ac_blocks = match_modules(ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc,
+                                          self.modules, self.params, False, errs)
+            out.errors = errs
+        return out
 
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
@@ -212,9 +227,8 @@ class Evaluator:
 
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
-    ac, pipe = spec.activation_checkpointing, spec.pipeline
+    pipe = spec.pipeline
     return (dims.tp, dims.pp, dims.ep, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
-            ac.mode, ac.every,
             pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 
