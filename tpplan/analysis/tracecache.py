@@ -15,7 +15,8 @@ micro-batch and the pipeline section); docs/search.md says why each key is compl
   checkpointing, whose blocks (and their errors) each candidate matches itself; the
   candidate's own mesh degrees are put back in.
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
-  stage): keyed by tp, dp_shard, whether dp_replicate and pp are above 1, seq_len,
+  stage): keyed by tp, dp_shard, cp (and its method), ep, whether dp_replicate and pp are
+  above 1, seq_len,
   micro-batch, the micro-batches the trace runs (``min(accumulation, 3)``), dtypes,
   checkpointing mode and period, the stage's ends and structure and what it receives.
   The schedule and its number of micro-batches are not in it: they are combined afterwards
