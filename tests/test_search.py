@@ -106,9 +106,10 @@ def _comparable(result) -> tuple:
     return mem, result.extra["comm_per_step"]["collectives"], result.extra.get("pipeline")
 
 
-def _evaluated(overrides: list[str], world: int, sets: list[list[str]]) -> tuple:
+def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: str = PLAN
+               ) -> tuple:
     """One :class:`Evaluator` over ``sets``, each checked, memory and communication analysed."""
-    ev = Evaluator(PLAN, overrides, world)
+    ev = Evaluator(plan, overrides, world)
     out = []
     with fake_process_group(world):
         for s in sets:
@@ -131,16 +132,27 @@ def test_cached_analyses_equal_uncached_dry_runs():
          "pipeline={schedule: 1f1b, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: gpipe, microbatches: 4}"],
+        # cp: its own traces (keyed by cp), one resolution for two checkpointing modes
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, cp: 2, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, cp: 2, tp: 2}", "train.micro_batch_size=1",
+         "activation_checkpointing={mode: full}"],
     ]
-    ev, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
-    cached = [(_comparable(r), estimate_step(r, DEVICES["h100"]).step_time) for r in results]
-    # TP: the first two whole-model candidates share a trace (a pipeline's stages' traces are
-    # cached by the stage analysis, not counted here).
-    assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
-    for s, (got, seconds) in zip(sets, cached):
-        real = dry_run(PLAN, 8, SMALL + ["train.global_batch_size=16"] + s, ANALYSES)
-        assert got == _comparable(real), s
-        assert seconds == estimate_step(real, DEVICES["h100"]).step_time
+    moe = str(PLANS / "qwen3-moe-ep-tiny.yaml")  # ep: keyed by ep, at one dp_shard
+    moe_sets = [[f"mesh={{pp: 1, dp_replicate: 1, dp_shard: 4, ep: {e}, tp: 1}}",
+                 "train.micro_batch_size=1"] for e in (1, 2)]
+    for plan, world, overrides, variants in (
+            (PLAN, 8, SMALL + ["train.global_batch_size=16"], sets),
+            (moe, 4, ["train.seq_len=32", "train.global_batch_size=4"], moe_sets)):
+        ev, results = _evaluated(overrides, world, variants, plan)
+        cached = [(_comparable(r), estimate_step(r, DEVICES["h100"]).step_time) for r in results]
+        if plan == PLAN:
+            # TP: the first two whole-model candidates share a trace (a pipeline's stages'
+            # traces are cached by the stage analysis, not counted here).
+            assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
+        for s, (got, seconds) in zip(variants, cached):
+            real = dry_run(plan, world, overrides + s, ANALYSES)
+            assert got == _comparable(real), s
+            assert seconds == estimate_step(real, DEVICES["h100"]).step_time
 
 
 def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
