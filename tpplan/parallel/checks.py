@@ -90,14 +90,14 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
     seen: set[str] = set()
     # Only inside a sub-layer: a parent holding a rowwise linear too (attention, MLP),
     # not the model's root, whose final norm feeds the head its whole input.
-    rowwise_parents = {p.rpartition(".")[0] for p, r in res.rule_of.items()
-                       if r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)}
+    with_rowwise = {p.rpartition(".")[0] for p, r in res.rule_of.items()
+                    if r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)}
     for path, rule in res.rule_of.items():
         if rule.style.name != "colwise" or _gathered(rule) or \
                 not isinstance(modules[path], nn.Linear):
             continue
         parent = path.rpartition(".")[0]
-        if not parent or parent not in rowwise_parents:
+        if not parent or parent not in with_rowwise:
             continue
         split = head_params_of(res.rule_of.get(parent))
         own = [n for n, p in modules[parent].named_parameters(recurse=False)
