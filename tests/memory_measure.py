@@ -184,6 +184,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
         with mt, held_by_fsdp:
             figures["start"] = _plain(mt.get_tracker_snapshot())
             step(b, mt)
+        figures["fsdp_state_max"] = held_by_fsdp.largest
         dev = torch.device("cpu")
         figures["peak"] = _plain(mt.get_tracker_snapshot("peak"))
         unsharded = [0]
@@ -192,7 +193,6 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
                 for snap in snaps:
                     unsharded.append(snap.get(dev, {}).get("Unsharded Param", 0))
         figures["fsdp_unsharded_max"] = max(unsharded)
-        figures["fsdp_state_max"] = held_by_fsdp.largest
         if rank == 0:
             (Path(out) / "measured.json").write_text(json.dumps(figures))
     finally:

@@ -92,8 +92,6 @@ class Evaluator:
         self.base = parse_plan(self.doc, self.path)
         self.model = build_model(require_model(self.base), device="meta")  # never applied: shared
         self.checkpoint = checkpoint_bytes(self.model)
-        self.modules = dict(self.model.named_modules())
-        self.params = {n for n, _ in self.model.named_parameters()}
         self.meshes: dict[ParallelDims, Any] = {}
         self.resolutions: dict[tuple, Any] = {}
         self.memories: dict[tuple, tuple] = {}
@@ -102,6 +100,8 @@ class Evaluator:
         self.units: dict[tuple, list] = {}
         self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
+        self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
+        self.params = {n for n, _ in self.model.named_parameters()}
         self._last: ParallelDims | None = None
 
     def check(self, sets: Sequence[str]) -> DryRun:
