@@ -54,7 +54,9 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
                     measured["peak"]["Buffer"] + measured["peak"]["Inputs"]),
         "optimizer": (predicted["optimizer"], measured["optimizer"]),
         "gradients": (predicted["gradients"], measured["gradients"]),
-        "fsdp_unsharded": (predicted["fsdp_unsharded"], measured["fsdp_unsharded_max"]),
+        # FSDP2's own state: every unit gathered and not yet resharded, the prefetched one
+        # included (PyTorch's tracker files that one's buffer under "All Gather").
+        "fsdp_unsharded": (predicted["fsdp_unsharded"], measured["fsdp_state_max"]),
         # What a micro-batch with gradient sync off leaves behind (its logits replace the
         # previous step's, the same size): the live total after its backward, less before.
         "accumulated_gradients": (predicted["accumulated_gradients"], max(
@@ -182,9 +184,11 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
         figures["optimizer"] = _bytes(v for s in optimizer.state.values() for v in s.values())
         mt = FSDPMemTracker(model, optimizer)
         mt.track_inputs((b, held["logits"], held["loss"]))
-        with mt:
+        held_by_fsdp = _fsdp_state_mode(model)
+        with mt, held_by_fsdp:
             figures["start"] = _plain(mt.get_tracker_snapshot())
             step(b, mt)
+        figures["fsdp_state_max"] = held_by_fsdp.largest
         dev = torch.device("cpu")
         figures["peak"] = _plain(mt.get_tracker_snapshot("peak"))
         unsharded = [0]
@@ -197,6 +201,42 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
             (Path(out) / "measured.json").write_text(json.dumps(figures))
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_state_mode(model):
+    """A dispatch mode that reads, after every op, the bytes FSDP2's own state holds
+    unsharded: each unit's all-gather output while its ``_all_gather_result`` is pending
+    (issued, prefetched, not yet copied out) and every parameter's unsharded storage (zero
+    once resharded). Read from FSDP2's objects, not from tpplan's tracker."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups]
+
+    class Mode(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            from torch.distributed.tensor import DTensor
+
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            out = func(*args, **(kwargs or {}))
+            storages = {}
+            for g in groups:
+                pending = g._all_gather_result
+                if pending is not None:
+                    st = pending.all_gather_output.untyped_storage()
+                    storages[st._cdata] = st.nbytes()
+                for p in g.fsdp_params:
+                    for t in getattr(p, "all_gather_outputs", []):
+                        st = t.untyped_storage()
+                        storages[st._cdata] = st.nbytes()
+            Mode.largest = max(Mode.largest, sum(storages.values()))
+            return out
+
+    return Mode()
 
 
 class _Collectives:

@@ -14,7 +14,7 @@ from tpplan.analysis.candidates import Options, candidates, factorizations
 from tpplan.analysis.cost import estimate_step
 from tpplan.analysis.dryrun import dry_run, fake_process_group
 from tpplan.analysis.fit import needed
-from tpplan.analysis.search import search, split_free
+from tpplan.analysis.search import search, sharded_state, split_free
 from tpplan.analysis.tracecache import Evaluator
 from tpplan.api import load
 from tpplan.cli import main
@@ -40,6 +40,18 @@ def test_every_factorization_and_option_is_enumerated():
         expected += 3 * divs * (1 if pp == 1 else per_schedule)  # none, full, selective 2
     assert len(got) == expected
     assert all(c.pp * c.dp * c.tp == n for c in got)
+    # ep where the plan has an expert_parallel rule: every ep dividing dp_shard; cp where it
+    # has a context_parallel section: every cp. What does not compose yet (ep or cp beside
+    # pp, ep beside cp) is one candidate per mesh, for the checks to drop with their reason.
+    opts = Options(max_tp=1, schedules=("1f1b",), ac_every=())
+    moe = candidates(load(str(PLANS / "qwen3-moe-ep-tiny.yaml")).spec, n, opts)
+    assert {(c.dp_shard, c.ep) for c in moe if c.pp == 1} == \
+        {(s, e) for s in (1, 2, 4, 8) for e in (1, 2, 4, 8) if s % e == 0}
+    long = candidates(load(str(PLANS / "llama-long.yaml")).spec, n, opts)
+    assert {c.cp for c in long} == {1, 2, 4, 8}
+    assert all(c.pp * c.dp * c.cp * c.tp == n for c in moe + long)
+    assert all(len(c.sets) == 1 for c in moe + long if c.pp > 1 and c.ep * c.cp > 1)
+    assert all(f"cp: {c.cp}" in c.sets[0] for c in long)
 
 
 def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
@@ -69,15 +81,35 @@ def test_best_first_ranks_exactly_as_estimating_every_candidate():
     assert fast["traces"]["memory"] < full["traces"]["memory"]
 
 
+def test_best_first_is_exact_with_expert_and_context_parallelism_in_the_space():
+    """ep (a MoE plan: every ep dividing dp_shard) and cp (a long-context plan: every cp)
+    are enumerated and estimated, and best first still ranks exactly as the exhaustive
+    search, down to the first layout with ep or cp above 1."""
+    cases = [(str(PLANS / "qwen3-moe-ep-tiny.yaml"), 2, "ep",
+              ["train.global_batch_size=4", "train.seq_len=32"]),
+             (str(PLANS / "llama-long.yaml"), 2, "cp",
+              ["train.global_batch_size=2", "train.seq_len=256", "model.kwargs.n_layers=2"])]
+    for plan, max_tp, axis, sets in cases:
+        opts = Options(max_tp=max_tp, schedules=(), ac_every=())
+        full = search(plan, 2, DEVICES["h100"], sets, options=opts, top=1, exhaustive=True)
+        degrees = [r["mesh"][axis] for r in full["ranked"]]
+        assert {1, 2} <= set(degrees), (axis, degrees)
+        top = next(i for i, d in enumerate(degrees) if d > 1) + 1
+        fast = search(plan, 2, DEVICES["h100"], sets, options=opts, top=top)
+        assert fast["ranked"] == full["ranked"][:top], axis
+        assert sum(fast["not_ranked"].values()) > 0
+
+
 def _comparable(result) -> tuple:
     mem = dict(result.extra["memory_per_rank"])
     mem.pop("pp_ranks", None)
     return mem, result.extra["comm_per_step"]["collectives"], result.extra.get("pipeline")
 
 
-def _evaluated(overrides: list[str], world: int, sets: list[list[str]]) -> tuple:
+def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: str = PLAN
+               ) -> tuple:
     """One :class:`Evaluator` over ``sets``, each checked, memory and communication analysed."""
-    ev = Evaluator(PLAN, overrides, world)
+    ev = Evaluator(plan, overrides, world)
     out = []
     with fake_process_group(world):
         for s in sets:
@@ -100,16 +132,27 @@ def test_cached_analyses_equal_uncached_dry_runs():
          "pipeline={schedule: 1f1b, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: gpipe, microbatches: 4}"],
+        # cp: its own traces (keyed by cp), one resolution for two checkpointing modes
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, cp: 2, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, cp: 2, tp: 2}", "train.micro_batch_size=1",
+         "activation_checkpointing={mode: full}"],
     ]
-    ev, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
-    cached = [(_comparable(r), estimate_step(r, DEVICES["h100"]).step_time) for r in results]
-    # TP: the first two whole-model candidates share a trace (a pipeline's stages' traces are
-    # cached by the stage analysis, not counted here).
-    assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
-    for s, (got, seconds) in zip(sets, cached):
-        real = dry_run(PLAN, 8, SMALL + ["train.global_batch_size=16"] + s, ANALYSES)
-        assert got == _comparable(real), s
-        assert seconds == estimate_step(real, DEVICES["h100"]).step_time
+    moe = str(PLANS / "qwen3-moe-ep-tiny.yaml")  # ep: keyed by ep, at one dp_shard
+    moe_sets = [[f"mesh={{pp: 1, dp_replicate: 1, dp_shard: 4, ep: {e}, tp: 1}}",
+                 "train.micro_batch_size=1"] for e in (1, 2)]
+    for plan, world, overrides, variants in (
+            (PLAN, 8, SMALL + ["train.global_batch_size=16"], sets),
+            (moe, 4, ["train.seq_len=32", "train.global_batch_size=4"], moe_sets)):
+        ev, results = _evaluated(overrides, world, variants, plan)
+        cached = [(_comparable(r), estimate_step(r, DEVICES["h100"]).step_time) for r in results]
+        if plan == PLAN:
+            # TP: the first two whole-model candidates share a trace (a pipeline's stages'
+            # traces are cached by the stage analysis, not counted here).
+            assert ev.traces["memory_cached"] >= 2 and ev.traces["tp_cached"] >= 1
+        for s, (got, seconds) in zip(variants, cached):
+            real = dry_run(plan, world, overrides + s, ANALYSES)
+            assert got == _comparable(real), s
+            assert seconds == estimate_step(real, DEVICES["h100"]).step_time
 
 
 def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
@@ -140,10 +183,18 @@ def test_what_no_data_parallel_split_changes_bounds_every_split():
     for pp, (tail, splits) in layouts.items():
         sets = [[f"mesh={{pp: {pp}, dp_replicate: {r}, dp_shard: {s}, tp: 2}}", *tail]
                 for r, s in splits]
-        _, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
+        ev, results = _evaluated(SMALL + ["train.global_batch_size=16"], 8, sets)
         mems = [r.extra["memory_per_rank"] for r in results]
         assert len({m["peak"] for m in mems}) == len(mems)  # the splits differ...
-        assert max(split_free(m) for m in mems) <= min(m["peak"] for m in mems)
+        # ...and each split's sharded state, from arithmetic, is its traced parameters and
+        # AdamW moments (less AdamW's step counters): with any other split's split-free
+        # part, a bound of its peak.
+        for r, m in zip(results, mems):
+            state = sharded_state(r, ev.fsdp_units(r))
+            if pp == 1:
+                held = m["at_peak"]["parameters"] + m["at_peak"]["optimizer"]
+                assert 0 < held - state <= 8 * len(list(r.model.parameters())), (held, state)
+            assert max(split_free(o) for o in mems) + state <= m["peak"]
         moments: dict[str, set] = {}  # ...but not in these parts, at the same moment
         for m in mems:
             moments.setdefault(m["peak_at"], set()).add(split_free(m))

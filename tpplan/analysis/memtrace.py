@@ -9,8 +9,12 @@ is freed (or resized: FSDP2 allocates and frees its unsharded parameters with
 - what exists before the step is registered by the caller: ``parameters``, ``buffers``,
   ``optimizer`` state, ``gradients``, the inputs;
 - FSDP2's unsharded parameters (what ``fsdp.split_with_sizes_copy`` copies the all-gather
-  into, or a storage FSDP2 resizes) are ``fsdp_unsharded``; its all-gather and
-  reduce-scatter buffers are ``transients``; the reduce-scatter's output is ``gradients``;
+  into, or a storage FSDP2 resizes) are ``fsdp_unsharded``, and so is a unit's all-gather
+  buffer from the all-gather until it is copied out: a unit FSDP2 prefetches (the next one
+  in backward) is held gathered beside the unit computing, and both are its unsharded
+  state. Once copied out, the buffer (kept in forward to overlap the next all-gather) and
+  the reduce-scatter's buffers are ``transients``; the reduce-scatter's output is
+  ``gradients``;
 - anything else is the current phase's: ``activations`` in forward, ``transients`` in
   backward (gradients of activations, recomputed blocks, unsharded gradients of the unit
   being reduced) and in the optimizer step.
@@ -64,15 +68,16 @@ def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
-def _ops() -> tuple[set, set, Any]:
+def _ops() -> tuple[set, set, Any, Any]:
     """FSDP2's ops, by what they make: (unsharded-parameter copies, collective buffers,
-    reduce-scatter); looked up lazily, since FSDP2 registers them on import."""
+    reduce-scatter, all-gather buffer); looked up lazily, since FSDP2 registers them on
+    import."""
     import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp)
 
     fsdp, c10d = torch.ops.fsdp, torch.ops.c10d
     copies = {fsdp.split_with_sizes_copy.default}
     buffers = {fsdp.all_gather_copy_in.default, fsdp.chunk_cat.default}
-    return copies, buffers, c10d._reduce_scatter_base_.default
+    return copies, buffers, c10d._reduce_scatter_base_.default, fsdp.all_gather_copy_in.default
 
 
 class _Propagating:
@@ -110,7 +115,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live: Counter = Counter({p: 0 for p in PARTS})
         self.moments: dict[str, Moment] = {}
         self._info: dict[int, list] = {}  # id(storage) -> [weakref, part, bytes]
-        self._copies, self._buffers, self._scatter = _ops()
+        self._copies, self._buffers, self._scatter, self._gather = _ops()
         self._resize = self._lock = None
         self._propagating = 0
 
@@ -222,9 +227,13 @@ class MemoryTracker(TorchDispatchMode):
             for t in tree_flatten((args, kwargs))[0]:
                 if isinstance(t, torch.Tensor):
                     self.track(t, part, retag=("activations",))
+            if func is self._gather:  # the unit's parameters, gathered: unsharded state
+                part = "fsdp_unsharded"
+                self.track(args[1], part, retag=True)  # the all-gather's output buffer
         elif func is self._scatter:
             self.track(args[0], "gradients", retag=True)
         elif func in self._copies:
+            self.track(args[0], "transients", retag=("fsdp_unsharded",))  # copied out
             for t in tree_flatten(kwargs.get("out", args[-1]))[0]:
                 if isinstance(t, torch.Tensor):
                     self.track(t, "fsdp_unsharded", retag=True)

@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from typing import Any, Callable, Sequence
 
+from ..models.introspect import find_blocks
 from ..plan.devices import Device
 from .candidates import Options, candidates
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
@@ -40,7 +41,7 @@ from .fit import needed
 from .stagemem import pipeline_schedule
 from .tracecache import Evaluator
 
-__all__ = ["search", "reason_of", "split_free"]
+__all__ = ["search", "reason_of", "split_free", "sharded_state"]
 
 
 def reason_of(message: str) -> str:
@@ -62,7 +63,7 @@ def _row(c, result: DryRun, est, device: Device) -> dict[str, Any]:
     mem = result.extra["memory_per_rank"]
     need = needed(mem["peak"])
     return dict(sets=c.sets, mesh=dict(pp=c.pp, dp_replicate=c.dp_replicate,
-                                       dp_shard=c.dp_shard, tp=c.tp),
+                                       dp_shard=c.dp_shard, cp=c.cp, ep=c.ep, tp=c.tp),
                 step=result.step.to_json(), peak=mem["peak"], needed=need,
                 headroom=device.memory - need, estimate=est.to_json(),
                 tokens_per_s_per_device=est.tokens_per_s_per_device, step_time=est.step_time,
@@ -82,6 +83,23 @@ def split_free(memory: dict[str, Any]) -> int:
     return sum(memory["at_peak"][p] for p in SPLIT_FREE)
 
 
+def sharded_state(result: DryRun, units: list | None) -> int:
+    """A lower bound, from arithmetic alone, of the bytes every moment of ``result``'s step
+    holds on its busiest rank: rank 0's padded FSDP2 shard of every unit (``units``, from
+    shapes: :func:`tpplan.parallel.fsdp_units.unit_sizes`), in the smallest parameter dtype,
+    and AdamW's two moments of each where every parameter is trained. 0 under a pipeline
+    (``units`` None: a stage's units are its own)."""
+    if not units:
+        return 0
+    dims = result.resolution.dims
+    shards = {"dp_shard": dims.dp_shard * dims.cp, "efsdp": dims.efsdp}
+    elements = sum(u.elements // shards.get(u.mesh_dim, 1) for u in units)
+    size = min((p.element_size() for p in result.model.parameters()), default=0)
+    spec = result.plan.spec
+    trained = spec.lora is None and not spec.freeze  # else AdamW holds only what is trained
+    return elements * size * (3 if trained else 1)
+
+
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
            gpus_per_node: int = 8, options: Options | None = None, top: int = 10,
            constants: CostConstants | None = None, exhaustive: bool = False,
@@ -93,7 +111,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     options = options or Options(max_tp=gpus_per_node)
     say = progress or (lambda _: None)
     ev = Evaluator(plan_path, overrides, world_size)
-    cands = candidates(ev.base, world_size, options)
+    blocks = find_blocks(ev.model)
+    cands = candidates(ev.base, world_size, options, blocks and f"{blocks}.*")
     say(f"{len(cands)} candidates")
     dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
@@ -146,10 +165,12 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
             if level == 1:
-                split = (c.pp, c.tp, *c.sets[1:])  # all but the data-parallel split
-                if split in floors and needed(floors[split]) > device.memory:
+                split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
+                if split in floors and \
+                        needed(floors[split] + sharded_state(r, ev.fsdp_units(r))) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
-                         "split changes is too large (traced for another split)", c)
+                         "split changes (traced for another split) and its own sharded "
+                         "state are too large", c)
                     continue
                 ev.memory(r)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})

@@ -10,11 +10,13 @@ run. A cache entry is keyed by everything its trace reads that can differ betwee
 candidates of one plan (they differ only in the mesh, activation checkpointing, the
 micro-batch and the pipeline section); docs/search.md says why each key is complete.
 
-- Resolution (patterns, checks, the stage split): keyed by tp, pp, whether there is data
-  parallelism, the checkpointing mode and period, and the pipeline's stages per rank and
-  placement; the candidate's own mesh degrees are put back in.
+- Resolution (patterns, checks, the stage split): keyed by tp, pp, cp, ep, whether there is
+  data parallelism, and the pipeline's stages per rank and placement; resolved without
+  checkpointing, whose blocks (and their errors) each candidate matches itself; the
+  candidate's own mesh degrees are put back in.
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
-  stage): keyed by tp, dp_shard, whether dp_replicate and pp are above 1, seq_len,
+  stage): keyed by tp, dp_shard, cp (and its method), ep, whether dp_replicate and pp are
+  above 1, seq_len,
   micro-batch, the micro-batches the trace runs (``min(accumulation, 3)``), dtypes,
   checkpointing mode and period, the stage's ends and structure and what it receives.
   The schedule and its number of micro-batches are not in it: they are combined afterwards
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
@@ -36,11 +39,12 @@ from ..api import Plan
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.mesh import ParallelDims
+from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
 from ..plan.pipeline import SCHEDULES
 from ..plan.sections import require_model
-from ..plan.specs import PlanSpec
+from ..plan.specs import ACSpec, PlanSpec
 from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
@@ -65,9 +69,12 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
                  for m in module.modules() if id(m) not in skipped)
 
 
-def _mesh_key(mesh) -> tuple:
-    size = dict(zip(mesh.mesh_dim_names, mesh.shape))
-    return (size["tp"], size["dp_shard"], size["dp_replicate"] > 1, size.get("pp", 1) > 1)
+def _mesh_key(dims: ParallelDims, spec: PlanSpec) -> tuple:
+    """What a memory trace reads of the mesh: every degree but dp_replicate's size (no
+    storage depends on it), and the context-parallel method where there is cp."""
+    cp = spec.context_parallel
+    return (dims.tp, dims.dp_shard, dims.dp_replicate > 1, dims.pp > 1, dims.cp, dims.ep,
+            (cp.method, cp.load_balance) if dims.cp > 1 else None)
 
 
 class Evaluator:
@@ -93,6 +100,8 @@ class Evaluator:
         self.units: dict[tuple, list] = {}
         self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
+        self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
+        self.params = {n for n, _ in self.model.named_parameters()}
         self._last: ParallelDims | None = None
 
     def check(self, sets: Sequence[str]) -> DryRun:
@@ -120,9 +129,19 @@ class Evaluator:
         key = _resolution_key(spec, dims)
         res = self.resolutions.get(key)
         if res is None:
-            res = self.resolutions[key] = Plan(spec, None).resolve(self.model, self.world_size)
+            # Checkpointing adds only its blocks (and their errors) to a resolution: resolved
+            # once without it for every mode, each candidate's own blocks matched below.
+            bare = replace(spec, activation_checkpointing=ACSpec())
+            res = self.resolutions[key] = Plan(bare, None).resolve(self.model, self.world_size)
             self.traces["resolutions"] += 1
-        return _with_dims(res, dims)
+        out = _with_dims(res, dims)
+        ac = spec.activation_checkpointing
+        if ac.enabled:
+            errs = ErrorList(res.errors)
+            out.ac_blocks = match_modules(ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc,
+                                          self.modules, self.params, False, errs)
+            out.errors = errs
+        return out
 
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
@@ -146,13 +165,22 @@ class Evaluator:
         :func:`tpplan.analysis.stagecomm.pipeline_comm` in :attr:`stages`."""
         dims = result.resolution.dims
         result.mesh = self._mesh(dims)
-        if result.plan.spec.pipeline is None:
-            key = (_resolution_key(result.plan.spec, dims), dims.dp_shard)
-            if key not in self.units:
-                self.units[key] = result.fsdp_units
-            result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
+        self.fsdp_units(result)
         run_analysis(result, "comm_per_step",
                      lambda r: analyze_comm(r, self._tp, self.stages, minimum=False))
+
+    def fsdp_units(self, result: DryRun) -> list | None:
+        """A whole model's FSDP2 units (``result.fsdp_units``), cached by the resolution's key
+        and dp_shard (all that :func:`unit_sizes` reads); None under a pipeline, whose units
+        are its stages' (:mod:`tpplan.analysis.stagecomm`)."""
+        if result.plan.spec.pipeline is not None:
+            return None
+        dims = result.resolution.dims
+        key = (_resolution_key(result.plan.spec, dims), dims.dp_shard)
+        if key not in self.units:
+            self.units[key] = result.fsdp_units
+        result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
+        return self.units[key]
 
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
@@ -160,7 +188,8 @@ class Evaluator:
         ac = spec.activation_checkpointing
         module = build()
         stage = io and (io.first, io.last, io.received, _signature(module))
-        common = (_mesh_key(mesh), shape.seq_len, shape.micro_batch, min(shape.grad_accum, 3),
+        common = (_mesh_key(self._last, spec), shape.seq_len, shape.micro_batch,
+                  min(shape.grad_accum, 3),
                   shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
         key = (*common, n_blocks, stage)
         if key not in self.memories:
@@ -199,8 +228,8 @@ class Evaluator:
 
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
-    ac, pipe = spec.activation_checkpointing, spec.pipeline
-    return (dims.tp, dims.pp, dims.ep, dims.dp if spec.fsdp is None else dims.dp > 1, ac.mode, ac.every,
+    pipe = spec.pipeline
+    return (dims.tp, dims.pp, dims.ep, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
             pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 

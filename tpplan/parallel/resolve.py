@@ -25,8 +25,9 @@ from .tied import tied_groups
 from .mesh import ParallelDims
 from .pipeline import PipelineSplit, split_stages
 
-__all__ = ["Resolution", "resolve", "SHARD_DIMS", "shard_dims"]
+__all__ = ["Resolution", "resolve", "match_modules", "AC_BLOCKS", "SHARD_DIMS", "shard_dims"]
 
+AC_BLOCKS = "activation checkpointing blocks"  # what checkpointing's patterns are called
 # (style, module type) -> {parameter: the dimension the style splits}
 SHARD_DIMS: dict[tuple[str, type], dict[str, int]] = {
     ("colwise", nn.Linear): {"weight": 0, "bias": 0},
@@ -191,23 +192,30 @@ def _no_forward(pattern: str, paths: list[str], modules: dict, what: str) -> str
             f"write '{pattern}.*' for each child")
 
 
+def match_modules(pattern: str, what: str, kind: str, loc, modules: dict, params: set[str],
+                  stage: bool, errs: ErrorList) -> list[str]:
+    """What ``pattern`` matches; no match (off a stage) or a forward-less container: at ``loc``."""
+    paths = list(modules)
+    hits = _match(pattern, paths)
+    if not hits and not stage:
+        errs.add(_no_match(pattern, kind, paths, params), loc)
+    if bare := _no_forward(pattern, hits, modules, what):
+        errs.add(bare, loc)
+    return hits
+
+
 NO_FORWARD = {"FSDP unit pattern": "FSDP2 cannot shard it",
-              "activation checkpointing blocks": "checkpointing it would never run",
+              AC_BLOCKS: "checkpointing it would never run",
               "compile blocks": "compiling it would never run"}
 
 
-def _resolve_units(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict,
-                   params: set[str]) -> None:
+def _resolve_units(plan: PlanSpec, res: Resolution, modules: dict, params: set[str]) -> None:
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.fsdp.units):
         hits: list[str] = []
         for pattern in unit.patterns:
-            got = _match(pattern, paths)
-            if not got and not res.stage:
-                res.errors.add(_no_match(pattern, "FSDP unit pattern", paths, params), unit.loc)
-            bare = _no_forward(pattern, got, modules, "FSDP unit pattern")
-            if bare:
-                res.errors.add(bare, unit.loc)
+            got = match_modules(pattern, "FSDP unit pattern", "FSDP unit pattern", unit.loc,
+                                modules, params, res.stage, res.errors)
             hits += [p for p in got if p not in hits]
         for path in hits:
             if path in owner:
@@ -240,23 +248,15 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     _resolve_rules(plan, res, paths, modules, params, tp)
     _resolve_attrs(plan, res, paths, modules, params, tp)
     if plan.fsdp is not None:
-        _resolve_units(plan, res, paths, modules, params)
+        _resolve_units(plan, res, modules, params)
     elif dims is not None and dims.dp > 1:
         errs.add(f"the mesh has {dims.dp} data-parallel ranks but the plan has no 'fsdp' section, "
                  "so gradients would never be averaged; add 'fsdp: {units: [...]}' (or 'fsdp: {}' "
                  "to shard at the root only)", plan.mesh.loc)
-    for blocks, target, what in (
-            (plan.activation_checkpointing, res.ac_blocks, "activation checkpointing blocks"),
-            (plan.compile, res.compile_blocks, "compile blocks")):
-        if not blocks.enabled:
-            continue
-        hits = _match(blocks.blocks, paths)
-        if not hits and not stage:
-            errs.add(_no_match(blocks.blocks, "blocks pattern", paths, params), blocks.loc)
-        bare = _no_forward(blocks.blocks, hits, modules, what)
-        if bare:
-            errs.add(bare, blocks.loc)
-        target += hits
+    for blocks, target, what in ((plan.activation_checkpointing, res.ac_blocks, AC_BLOCKS),
+                                 (plan.compile, res.compile_blocks, "compile blocks")):
+        target += match_modules(blocks.blocks, what, "blocks pattern", blocks.loc, modules,
+                                params, stage, errs) if blocks.enabled else []
     check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
         check_context_parallel(plan, model, tp, errs)
