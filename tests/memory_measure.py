@@ -202,13 +202,16 @@ class _Collectives:
 
     KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
              "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter"}
+             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
+    # The autograd all-to-all (Ulysses) reaches the mode as its own op, not the inner one.
+    NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
     def __init__(self, accum: int):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         rows = self.rows = []
-        kinds = self.KINDS
+        kinds, namespaces = self.KINDS, self.NAMESPACES
         # Where the step is: after the last micro-batch's backward and before the
         # optimizer step the trainer clips gradients (a norm per group of them).
         state = self.state = {"in_backward": False, "backwards": 0, "optimizer": False}
@@ -228,7 +231,7 @@ class _Collectives:
                     state["backwards"] += 1
                 out = func(*args, **(kwargs or {}))
                 name = func._overloadpacket.__name__
-                if name in kinds and func.namespace in ("_c10d_functional", "c10d"):
+                if name in kinds and func.namespace in namespaces:
                     if func.namespace == "c10d":  # FSDP2: (output, input, process group, ...)
                         pg = next(a for a in args if isinstance(a, torch.ScriptObject))
                         group = dist.ProcessGroup.unbox(pg).group_name

@@ -155,13 +155,14 @@ def test_document_positions_restart_after_each_separator():
     assert document_positions(tokens, None) is None  # bytes: no boundaries
 
 
-def test_dry_run_cp_communication_is_what_tpplan_train_issues(tmp_path):
-    """The dry run's count and bytes of every collective per step, ring's included, equal
-    those ``tpplan train`` issues on gloo (two micro-batches per step), beside TP 2 + SP and
-    FSDP2 over dp_shard × cp. (Ulysses is not compared here: the real run's recorder does
-    not see the autograd all-to-all; and a cp group spanning the world would be the default
-    group, which it cannot tell from FSDP2's.)"""
-    overrides = ["mesh.cp=2"]
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_dry_run_cp_communication_is_what_tpplan_train_issues(method, tmp_path):
+    """The dry run's count and bytes of every collective per step, the method's own
+    included, equal those ``tpplan train`` issues on gloo (two micro-batches per step),
+    beside TP 2 + SP and FSDP2 over dp_shard × cp; and the method's collectives are its
+    minimum (docs/long-context.md): ring, K and V gathered once per layer forward and their
+    gradients reduce-scattered once back; Ulysses, four all-to-alls each way."""
+    overrides = ["mesh.cp=2", f"context_parallel={method}"]
     import json
     from collections import Counter
 
