@@ -114,6 +114,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
 
     import tpplan
     from tpplan.models import build_model, init_weights, materialize
+    from tpplan.parallel.context import shard_batch
     from tpplan.parallel.mesh import dp_rank
 
     warnings.simplefilter("ignore")
@@ -150,11 +151,13 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
                         saved[st._cdata] = weakref.ref(st)
                     return tensor
 
+                # under cp, this rank's part of the sequence (the trainer's shard_batch)
+                inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
                 with plan.loss_context():
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                        held["logits"] = model(x[:, :-1])
+                        held["logits"] = model(inputs, **kwargs)
                         held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                                       x[:, 1:].flatten()) / accum
+                                                       targets.flatten()) / accum
                     if mt is not None:
                         figures["end_forward"].append(_plain(mt.get_tracker_snapshot()))
                         figures["saved"].append(_saved_bytes(saved, held["logits"]))

@@ -191,5 +191,62 @@ def test_dry_run_cp_communication_is_what_tpplan_train_issues(method, tmp_path):
         real_bytes[(dim, kind)] += nbytes
     rows = predicted.extra["comm_per_step"]["collectives"]
     assert any(r["source"] == "cp" for r in rows)
+    assert predicted.extra["cp_minimum"]["at_minimum"], predicted.extra["cp_minimum"]
     assert {(r["mesh_dim"], r["kind"]): r["count"] for r in rows} == real_count
     assert {(r["mesh_dim"], r["kind"]): r["bytes"] for r in rows} == real_bytes
+
+
+@pytest.mark.parametrize("plan_path, overrides", [
+    (TP_SP, ["activation_checkpointing=full"]),
+    (TP_SP, ["context_parallel=ulysses", "activation_checkpointing=full"]),
+    (TP_SP, ["context_parallel={method: ring, load_balance: false}",
+             "activation_checkpointing={mode: selective, every: 3}", "model.kwargs={n_layers: 5}"]),
+    (FSDP, ["context_parallel=ulysses", "fsdp.mixed_precision={param_dtype: bfloat16}",
+            "train.micro_batch_size=2", "train.global_batch_size=8"]),
+    (HF_LLAMA, []),
+    (QWEN3, []),
+])
+def test_cp_traffic_is_the_methods_minimum(plan_path, overrides, root, monkeypatch):
+    """The traced cp collectives per step equal the formula of docs/long-context.md (the
+    real run's equal the traced ones: the test above): under checkpointing (a recomputed
+    block gathers again), gradient accumulation, bf16, tp's head split, HF attention."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+
+    monkeypatch.chdir(root)
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    result = dry_run(plan_path, 4, ["mesh.cp=2", "train.seq_len=64", *overrides], comm)
+    verdict = result.extra["cp_minimum"]
+    assert verdict["at_minimum"], verdict
+    traced = [r for r in result.extra["comm_per_step"]["collectives"] if r["mesh_dim"] == "cp"]
+    assert sum(r["count"] for r in traced) == sum(r["count"] for r in verdict["collectives"]) > 0
+
+
+def test_cp4_memory_is_what_the_dry_run_says_and_under_035x_of_cp1(tmp_path):
+    """The debug Llama of plans/llama-long.yaml at 2,048 tokens, no checkpointing, one step
+    measured for real (FSDPMemTracker, tests/memory_measure.py) on 4 gloo ranks and on one:
+    the dry run's activations and peak per rank within 5% at cp 4, and cp 4's activations
+    at most 0.35× cp 1's (scripts/cp_memory.py prints the same at 16,384 tokens)."""
+    import json
+
+    from helpers import PLANS
+    from memory_measure import measure_worker
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    plan = str(PLANS / "llama-long.yaml")
+    measured = {}
+    for cp in (4, 1):
+        sets = [f"mesh.cp={cp}", "train.seq_len=2048", "activation_checkpointing=null"]
+        (tmp_path / str(cp)).mkdir()
+        spawn(measure_worker, cp, plan, sets, str(tmp_path / str(cp)))
+        measured[cp] = json.loads((tmp_path / str(cp) / "measured.json").read_text())
+        if cp == 4:
+            predicted = dry_run(plan, cp, sets, memory).extra["memory_per_rank"]
+    activations = {cp: max(s["Activation"] for s in m["end_forward"]) for cp, m in measured.items()}
+    assert abs(predicted["activations"] / activations[4] - 1) <= 0.05, (predicted, activations)
+    assert abs(predicted["peak"] / measured[4]["peak"]["Total"] - 1) <= 0.05, predicted
+    assert activations[4] <= 0.35 * activations[1], activations
