@@ -250,3 +250,24 @@ def test_cp4_memory_is_what_the_dry_run_says_and_under_035x_of_cp1(tmp_path):
     assert abs(predicted["activations"] / activations[4] - 1) <= 0.05, (predicted, activations)
     assert abs(predicted["peak"] / measured[4]["peak"]["Total"] - 1) <= 0.05, predicted
     assert activations[4] <= 0.35 * activations[1], activations
+
+
+def test_fit_proposes_the_smallest_cp_that_fits(root, monkeypatch):
+    """``--device`` fit on a sequence that does not fit one rank: ``mesh.cp`` doubled and
+    each degree dry-run again, the first that fits proposed (here cp 4: cp 2 falls short)."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.fit import fit, needed
+    from tpplan.plan.devices import GiB, Device
+
+    monkeypatch.chdir(root)
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    sets = ["mesh.cp=1", "train.seq_len=16384", "train.local_batch_size=1"]
+    peaks = {cp: dry_run("plans/llama-long.yaml", 4, [*sets, f"mesh.cp={cp}"], memory)
+             .extra["memory_per_rank"]["peak"] for cp in (1, 2, 4)}
+    device = Device("small", (needed(peaks[2]) + needed(peaks[4])) // 2)  # cp 4 fits, 2 not
+    result = dry_run("plans/llama-long.yaml", 4, sets, memory)
+    out = fit(result, device, "plans/llama-long.yaml", sets)
+    assert not out["fits"] and out["fitting"]["set"] == ["mesh.cp=4"], out["changes"]
+    assert out["fitting"]["peak"] == peaks[4] and "cp 4 (context parallelism" in out["fitting"]["change"]
+    assert device.memory < 2 * GiB
