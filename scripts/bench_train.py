@@ -1,19 +1,22 @@
 """Step time of ``tpplan train`` against the same torch calls written out by hand.
 
-One run, 4 CPU processes (gloo), two rows, each side by side:
+One run, 4 CPU processes (gloo), three rows, each side by side:
 
 - ``train``: a 2×2 mesh (dp_shard 2 × tp 2), the debug Llama of ``plans/llama.yaml``
   (TP + SP + loss parallel + FSDP2);
 - ``pipeline``: pp 2 × tp 2, the same model as ``plans/llama-3d.yaml`` cuts it (2 blocks
   per stage, 1F1B over 4 micro-batches, selective AC every 2nd block, FSDP2 units on the
   stage's dp_shard of 1), against ``PipelineStage`` + ``Schedule1F1B`` + the same
-  ``parallelize_module``/``checkpoint``/``fully_shard`` calls written by hand.
+  ``parallelize_module``/``checkpoint``/``fully_shard`` calls written by hand;
+- ``cp``: dp_shard 2 × cp 2, ``plans/llama-fsdp.yaml`` with ring context parallelism (load
+  balanced) at 2,048 tokens, against the same attention written with ``torch.distributed``
+  by hand (K/V all-gathered with autograd, SDPA under the global causal mask).
 
 Rounds alternate the hand-written loop and ``tpplan.train.train`` inside the same processes
 and process group (which goes first alternates too), so both see the same machine load; the
 median step time of each (first steps of each round dropped) and their ratio are printed.
 
-    OMP_NUM_THREADS=1 python scripts/bench_train.py [--rows train,pipeline] [--steps 12]
+    OMP_NUM_THREADS=1 python scripts/bench_train.py [--rows train,pipeline,cp] [--steps 12]
 
 The hand-written side is what a user would write without tpplan: ``init_device_mesh``,
 ``parallelize_module`` with the styles spelled out, ``fully_shard`` per block and root,
@@ -39,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PLAN = str(ROOT / "plans" / "llama.yaml")
 PLAN_3D = str(ROOT / "plans" / "llama-3d.yaml")
+PLAN_FSDP = str(ROOT / "plans" / "llama-fsdp.yaml")
 MICROBATCHES = 4
 
 
@@ -255,6 +259,67 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
     return times
 
 
+def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
+    """dp_shard 2 × cp 2 by hand: each cp rank the head and tail chunk of every sequence
+    (rotary positions its global ones), K and V all-gathered over cp with autograd
+    (``torch.distributed.nn.functional.all_gather``), SDPA under the causal mask of the
+    global indices, FSDP2 over the four ranks."""
+    import torch.distributed.nn.functional as dist_nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tpplan.models.llama import build
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    group, r = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+    c = seq_len // 4  # 2·cp chunks: rank r holds chunks r and 3 - r
+
+    def chunks(rank):
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((3 - rank) * c, (4 - rank) * c)])
+
+    index, every = chunks(r), torch.cat([chunks(0), chunks(1)])
+    mask = index[:, None] >= every[None, :]  # keys in rank order, as all_gather returns them
+
+    def attend(q, k, v, positions=None):
+        k = torch.cat(dist_nn.all_gather(k.contiguous(), group=group), dim=2)
+        v = torch.cat(dist_nn.all_gather(v.contiguous(), group=group), dim=2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    with torch.device("meta"):
+        model = build("debug")
+    for block in model.layers:
+        block.attention.attend = attend
+    world = mesh._flatten("dp_cp")
+    for part in [model.tok_embeddings, *model.layers]:
+        fully_shard(part, mesh=world)
+    fully_shard([model.norm, model.output], mesh=world)
+    fully_shard(model, mesh=world)
+    _materialize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
+        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][dp_rank * per:(dp_rank + 1) * per]
+        logits = model(x[:, :-1][:, index], positions=index.expand(per, -1))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:][:, index].flatten())
+        loss.backward()
+        _clip(list(model.parameters()), 1.0, None)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def worker(rank: int, world: int, port: int, args, out: str) -> None:
     from tpplan.parallel.runtime import as_spawned_rank
 
@@ -281,6 +346,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
                                "pipeline.split=auto", "activation_checkpointing.mode=selective",
                                "activation_checkpointing.every=2"],
                      lambda: hand_pipeline(args.steps, args.seq_len, args.batch, args.lr, tokens)),
+        "cp": (PLAN_FSDP, [*sets, "mesh.cp=2", "context_parallel={method: ring, load_balance: true}",
+                           f"train.seq_len={args.cp_seq_len}", f"train.global_batch_size={args.cp_batch}"],
+               lambda: hand_cp(args.steps, args.cp_seq_len, args.cp_batch, args.lr, tokens)),
     }
     skip = 3  # first steps warm allocators and caches
     for row in args.rows.split(","):
@@ -305,8 +373,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="train,pipeline",
-                   help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2)")
+    p.add_argument("--rows", default="train,pipeline,cp",
+                   help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2), "
+                        "cp (dp_shard 2 × cp 2, ring)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--naive-clip", action="store_true",
@@ -314,6 +383,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--cp-seq-len", type=int, default=2048, help="the cp row's sequence")
+    p.add_argument("--cp-batch", type=int, default=4, help="the cp row's global batch")
     args = p.parse_args()
     from tpplan.parallel.runtime import spawn
 
