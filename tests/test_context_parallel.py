@@ -153,6 +153,11 @@ def test_document_positions_restart_after_each_separator():
     assert document_positions(tokens, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
                                                       [0, 1, 2, 3, 4, 5, 6, 7, 8]]
     assert document_positions(tokens, None) is None  # bytes: no boundaries
+    # cp's attention builds no mask where every row is one document
+    from tpplan.parallel.context_attention import one_document_per_row
+
+    assert not one_document_per_row(document_positions(tokens, 0))
+    assert one_document_per_row(torch.arange(9).expand(2, -1))
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses"])

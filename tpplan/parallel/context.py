@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..plan.errors import ErrorList
 from ..plan.context import ContextParallelSpec
 from ..plan.specs import PlanSpec
-from .context_attention import (additive, document_ids, ring_attention, ring_causal,
+from .context_attention import (additive, one_document_per_row, ring_attention, ring_causal,
                                 sequence_mask, ulysses_attention, ulysses_causal)
 
 __all__ = ["ContextParallel", "sequence_index", "apply_context_parallel", "shard_batch",
@@ -226,21 +226,12 @@ def shard_batch(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
             raise ValueError(f"{type(model).__name__} takes no per-token positions, so packed "
                              "documents cannot be masked from each other")
         return inputs, targets, {name: positions}
-    one_document = positions is None or _one_document(positions)
+    one_document = positions is None or one_document_per_row(positions)
     if positions is None:
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
     local = ctx.shard(positions)
     ctx._causal = local if one_document else None
     return ctx.shard(inputs), ctx.shard(targets), {ctx.position_kwarg: local}
-
-
-def _one_document(positions: torch.Tensor) -> bool:
-    """Every row one document (no boundary to mask): plain causal attention serves."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(positions, FakeTensor):
-        return False  # its values are unknown: the dry run masks as a real run with documents
-    return bool((document_ids(positions)[:, -1] == 0).all())
 
 
 def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: ErrorList) -> None:
