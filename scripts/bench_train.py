@@ -199,10 +199,47 @@ def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch
     return times
 
 
+def _sharded(model, mesh, lr: float, steps: int):
+    """``fully_shard`` per block, the embedding, norm + head, the root; materialized; AdamW
+    with warmup then cosine: (optimizer, scheduler)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for part in [model.tok_embeddings, *model.layers]:
+        fully_shard(part, mesh=mesh)
+    fully_shard([model.norm, model.output], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _materialize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    return opt, sched
+
+
+def _timed(steps: int, opt, sched, tokens: torch.Tensor, seq_len: int, batch: int, first: int,
+           per: int, forward_backward) -> list:
+    """Each step: ``batch`` random windows of ``seq_len + 1`` tokens (the same on every rank),
+    rows ``first`` to ``first + per`` to ``forward_backward`` (-> the loss, gradients
+    clipped), AdamW and the schedule, one loss all-reduce for logging. Its wall times."""
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
+        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][first:first + per]
+        loss = forward_backward(x)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor,
                  naive_clip: bool = False) -> list:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -224,22 +261,10 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
     })
     for block in model.layers:
         _tp_block(block, mesh["tp"])
-    fully_shard(model.tok_embeddings, mesh=mesh["dp"])
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard([model.norm, model.output], mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    _materialize(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    opt, sched = _sharded(model, mesh["dp"], lr, steps)
     dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
-    g = torch.Generator().manual_seed(1)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
-        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][dp_rank * per:(dp_rank + 1) * per]
+
+    def forward_backward(x):
         with loss_parallel():
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
             loss.backward()
@@ -249,14 +274,9 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
         else:
             _clip(list(model.parameters()), 1.0, None)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.full_tensor().detach()
-        dist.all_reduce(loss)
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    return times
+        return loss.full_tensor()
+
+    return _timed(steps, opt, sched, tokens, seq_len, batch, dp_rank * per, per, forward_backward)
 
 
 def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
@@ -266,7 +286,6 @@ def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tenso
     global indices, FSDP2 over the four ranks."""
     import torch.distributed.nn.functional as dist_nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from tpplan.models.llama import build
 
@@ -290,34 +309,17 @@ def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tenso
         model = build("debug")
     for block in model.layers:
         block.attention.attend = attend
-    world = mesh._flatten("dp_cp")
-    for part in [model.tok_embeddings, *model.layers]:
-        fully_shard(part, mesh=world)
-    fully_shard([model.norm, model.output], mesh=world)
-    fully_shard(model, mesh=world)
-    _materialize(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    opt, sched = _sharded(model, mesh._flatten("dp_cp"), lr, steps)
     dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
-    g = torch.Generator().manual_seed(1)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
-        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][dp_rank * per:(dp_rank + 1) * per]
+
+    def forward_backward(x):
         logits = model(x[:, :-1][:, index], positions=index.expand(per, -1))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:][:, index].flatten())
         loss.backward()
         _clip(list(model.parameters()), 1.0, None)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    return times
+        return loss
+
+    return _timed(steps, opt, sched, tokens, seq_len, batch, dp_rank * per, per, forward_backward)
 
 
 def worker(rank: int, world: int, port: int, args, out: str) -> None:

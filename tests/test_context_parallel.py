@@ -24,6 +24,8 @@ SMALL = ["model.kwargs={n_layers: 2}"]
 CASES = [
     (FSDP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
     (FSDP, [*SMALL, "mesh.cp=4"], {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+    (FSDP, [*SMALL, "mesh.cp=2", "activation_checkpointing=full"],  # ring's blocks recomputed
+     {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
     (FSDP, [*SMALL, "mesh.cp=4", "context_parallel={method: ulysses, load_balance: false}"],
      {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
     (TP_SP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
