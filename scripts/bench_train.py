@@ -282,9 +282,10 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
 def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
     """dp_shard 2 × cp 2 by hand: each cp rank the head and tail chunk of every sequence
     (rotary positions its global ones), K and V all-gathered over cp with autograd
-    (``torch.distributed.nn.functional.all_gather``), SDPA under the causal mask of the
-    global indices, FSDP2 over the four ranks."""
-    import torch.distributed.nn.functional as dist_nn
+    (``all_gather_tensor_autograd``; ``torch.distributed.nn.functional.all_gather``'s backward
+    fails on a gloo subgroup in torch 2.13), SDPA under the causal mask of the global
+    indices, FSDP2 over the four ranks."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
     from torch.distributed.device_mesh import init_device_mesh
 
     from tpplan.models.llama import build
@@ -301,8 +302,8 @@ def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tenso
     mask = index[:, None] >= every[None, :]  # keys in rank order, as all_gather returns them
 
     def attend(q, k, v, positions=None):
-        k = torch.cat(dist_nn.all_gather(k.contiguous(), group=group), dim=2)
-        v = torch.cat(dist_nn.all_gather(v.contiguous(), group=group), dim=2)
+        k = all_gather_tensor_autograd(k.contiguous(), 2, group)
+        v = all_gather_tensor_autograd(v.contiguous(), 2, group)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
     with torch.device("meta"):
