@@ -1,22 +1,25 @@
 """Step time of ``tpplan train`` against the same torch calls written out by hand.
 
-One run, 4 CPU processes (gloo), two rows, each side by side:
+One run, 4 CPU processes (gloo), four rows, each side by side:
 
 - ``train``: a 2×2 mesh (dp_shard 2 × tp 2), the debug Llama of ``plans/llama.yaml``
   (TP + SP + loss parallel + FSDP2);
-- ``ep`` (``--rows ep``; ``scripts/bench_ep.py``): a MoE layer at ep 4, tpplan's
+- ``ep`` (``scripts/bench_ep.py``): a MoE layer at ep 4, tpplan's
   ``expert_parallel`` against the same all-to-all dispatch by hand, and the bytes each rank
   sends against the minimum;
 - ``pipeline``: pp 2 × tp 2, the same model as ``plans/llama-3d.yaml`` cuts it (2 blocks
   per stage, 1F1B over 4 micro-batches, selective AC every 2nd block, FSDP2 units on the
   stage's dp_shard of 1), against ``PipelineStage`` + ``Schedule1F1B`` + the same
-  ``parallelize_module``/``checkpoint``/``fully_shard`` calls written by hand.
+  ``parallelize_module``/``checkpoint``/``fully_shard`` calls written by hand;
+- ``cp``: dp_shard 2 × cp 2, ``plans/llama-fsdp.yaml`` with ring context parallelism (load
+  balanced) at 2,048 tokens, against the same attention written with ``torch.distributed``
+  by hand (K/V all-gathered with autograd, SDPA under the global causal mask).
 
 Rounds alternate the hand-written loop and ``tpplan.train.train`` inside the same processes
 and process group (which goes first alternates too), so both see the same machine load; the
 median step time of each (first steps of each round dropped) and their ratio are printed.
 
-    OMP_NUM_THREADS=1 python scripts/bench_train.py [--rows train,pipeline] [--steps 12]
+    OMP_NUM_THREADS=1 python scripts/bench_train.py [--rows train,pipeline,ep,cp] [--steps 12]
 
 The hand-written side is what a user would write without tpplan: ``init_device_mesh``,
 ``parallelize_module`` with the styles spelled out, ``fully_shard`` per block and root,
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PLAN = str(ROOT / "plans" / "llama.yaml")
 PLAN_3D = str(ROOT / "plans" / "llama-3d.yaml")
+PLAN_FSDP = str(ROOT / "plans" / "llama-fsdp.yaml")
 MICROBATCHES = 4
 
 
@@ -198,10 +202,47 @@ def hand_pipeline(steps: int, seq_len: int, batch: int, lr: float, tokens: torch
     return times
 
 
+def _sharded(model, mesh, lr: float, steps: int):
+    """``fully_shard`` per block, the embedding, norm + head, the root; materialized; AdamW
+    with warmup then cosine: (optimizer, scheduler)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for part in [model.tok_embeddings, *model.layers]:
+        fully_shard(part, mesh=mesh)
+    fully_shard([model.norm, model.output], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _materialize(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    return opt, sched
+
+
+def _timed(steps: int, opt, sched, tokens: torch.Tensor, seq_len: int, batch: int, first: int,
+           per: int, forward_backward) -> list:
+    """Each step: ``batch`` random windows of ``seq_len + 1`` tokens (the same on every rank),
+    rows ``first`` to ``first + per`` to ``forward_backward`` (-> the loss, gradients
+    clipped), AdamW and the schedule, one loss all-reduce for logging. Its wall times."""
+    g = torch.Generator().manual_seed(1)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
+        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][first:first + per]
+        loss = forward_backward(x)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        loss.item()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor,
                  naive_clip: bool = False) -> list:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -223,22 +264,10 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
     })
     for block in model.layers:
         _tp_block(block, mesh["tp"])
-    fully_shard(model.tok_embeddings, mesh=mesh["dp"])
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard([model.norm, model.output], mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    _materialize(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / 10, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    opt, sched = _sharded(model, mesh["dp"], lr, steps)
     dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
-    g = torch.Generator().manual_seed(1)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        starts = torch.randint(0, tokens.numel() - seq_len - 1, (batch,), generator=g)
-        x = tokens[starts[:, None] + torch.arange(seq_len + 1)][dp_rank * per:(dp_rank + 1) * per]
+
+    def forward_backward(x):
         with loss_parallel():
             loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1).float(), x[:, 1:].flatten())
             loss.backward()
@@ -248,14 +277,53 @@ def hand_written(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
         else:
             _clip(list(model.parameters()), 1.0, None)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.full_tensor().detach()
-        dist.all_reduce(loss)
-        loss.item()
-        times.append(time.perf_counter() - t0)
-    return times
+        return loss.full_tensor()
+
+    return _timed(steps, opt, sched, tokens, seq_len, batch, dp_rank * per, per, forward_backward)
+
+
+def hand_cp(steps: int, seq_len: int, batch: int, lr: float, tokens: torch.Tensor) -> list:
+    """dp_shard 2 × cp 2 by hand: each cp rank the head and tail chunk of every sequence
+    (rotary positions its global ones), K and V all-gathered over cp with autograd
+    (``all_gather_tensor_autograd``; ``torch.distributed.nn.functional.all_gather``'s backward
+    fails on a gloo subgroup in torch 2.13), SDPA under the causal mask of the global
+    indices, FSDP2 over the four ranks."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpplan.models.llama import build
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    group, r = mesh["cp"].get_group(), mesh["cp"].get_local_rank()
+    c = seq_len // 4  # 2·cp chunks: rank r holds chunks r and 3 - r
+
+    def chunks(rank):
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                          torch.arange((3 - rank) * c, (4 - rank) * c)])
+
+    index, every = chunks(r), torch.cat([chunks(0), chunks(1)])
+    mask = index[:, None] >= every[None, :]  # keys in rank order, as all_gather returns them
+
+    def attend(q, k, v, positions=None):
+        k = all_gather_tensor_autograd(k.contiguous(), 2, group)
+        v = all_gather_tensor_autograd(v.contiguous(), 2, group)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    with torch.device("meta"):
+        model = build("debug")
+    for block in model.layers:
+        block.attention.attend = attend
+    opt, sched = _sharded(model, mesh._flatten("dp_cp"), lr, steps)
+    dp_rank, per = mesh["dp"].get_local_rank(), batch // 2
+
+    def forward_backward(x):
+        logits = model(x[:, :-1][:, index], positions=index.expand(per, -1))
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:][:, index].flatten())
+        loss.backward()
+        _clip(list(model.parameters()), 1.0, None)
+        return loss
+
+    return _timed(steps, opt, sched, tokens, seq_len, batch, dp_rank * per, per, forward_backward)
 
 
 def worker(rank: int, world: int, port: int, args, out: str) -> None:
@@ -284,6 +352,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
                                "pipeline.split=auto", "activation_checkpointing.mode=selective",
                                "activation_checkpointing.every=2"],
                      lambda: hand_pipeline(args.steps, args.seq_len, args.batch, args.lr, tokens)),
+        "cp": (PLAN_FSDP, [*sets, "mesh.cp=2", "context_parallel={method: ring, load_balance: true}",
+                           f"train.seq_len={args.cp_seq_len}", f"train.global_batch_size={args.cp_batch}"],
+               lambda: hand_cp(args.steps, args.cp_seq_len, args.cp_batch, args.lr, tokens)),
     }
     skip = 3  # first steps warm allocators and caches
     for row in args.rows.split(","):
@@ -313,9 +384,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="train,pipeline",
+    p.add_argument("--rows", default="train,pipeline,ep,cp",
                    help="comma-separated: train (dp_shard 2 × tp 2), pipeline (pp 2 × tp 2), "
-                        "ep (a MoE layer at ep 4: scripts/bench_ep.py)")
+                        "ep (a MoE layer at ep 4: scripts/bench_ep.py), cp (dp_shard 2 × cp 2, ring)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--naive-clip", action="store_true",
@@ -323,6 +394,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--cp-seq-len", type=int, default=2048, help="the cp row's sequence")
+    p.add_argument("--cp-batch", type=int, default=4, help="the cp row's global batch")
     args = p.parse_args()
     from tpplan.parallel.runtime import spawn
 

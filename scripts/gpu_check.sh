@@ -4,6 +4,7 @@
 #   1. the Quickstart on CUDA + NCCL: one process, then every GPU under torchrun;
 #   2. bf16 (FSDP2 mixed precision) and torch.compile through `tpplan train`, each against
 #      the fp32 eager run's first loss;
+#      context parallelism (cp 2, ring and Ulysses) against one GPU's first loss;
 #   3. --profile on CUDA: a trace per rank, the collective table, the memory snapshot;
 #   4. the 1b Llama shape on every GPU: measured MFU and peak memory against
 #      `tpplan validate --device` of the same plan, the peak within the dry run's tolerance;
@@ -22,7 +23,7 @@ BENCH=docs/benchmarks.md
 APPEND=1
 
 usage() {
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [[ $# -gt 0 ]]; do
@@ -134,6 +135,24 @@ step "torch.compile of every block on all GPUs"
     || fail "compiled run exited $?"
 check_run "$OUT/compile" "$NGPU"
 same_first_loss "$OUT/compile" "$OUT/all" 1e-3 "torch.compile"
+
+# Context parallelism on CUDA: attention takes the mask path there (the mask-free causal
+# blocks use CPU's flash kernel; docs/long-context.md), ring and Ulysses, against one GPU.
+if (( NGPU >= 2 )); then
+    for method in ring ulysses; do
+        step "context parallelism on 2 GPUs: cp 2, $method, 4,096 tokens (NCCL)"
+        "$PY" -m tpplan train --plan plans/llama-long.yaml --nproc 2 --set mesh.cp=2 \
+            --set "context_parallel=$method" --set train.seq_len=4096 \
+            --set "metrics.run_dir=$OUT/cp-$method" "${COMMON[@]}" \
+            || fail "cp 2 ($method) exited $?"
+        check_run "$OUT/cp-$method" 2
+    done
+    "$PY" -m tpplan train --plan plans/llama-long.yaml --set mesh.cp=1 --set train.seq_len=4096 \
+        --set "metrics.run_dir=$OUT/cp-1" "${COMMON[@]}" \
+        || fail "cp 1 exited $?"
+    same_first_loss "$OUT/cp-ring" "$OUT/cp-1" 1e-3 "cp 2 ring"
+    same_first_loss "$OUT/cp-ulysses" "$OUT/cp-1" 1e-3 "cp 2 ulysses"
+fi
 
 # ---- 3. --profile on CUDA ---------------------------------------------------------------------
 step "--profile 3:4 on all GPUs: traces, the collective table, the memory snapshot"

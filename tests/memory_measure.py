@@ -120,6 +120,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
 
     import tpplan
     from tpplan.models import build_model, init_weights, materialize
+    from tpplan.parallel.context import shard_batch
     from tpplan.parallel.mesh import dp_rank
 
     warnings.simplefilter("ignore")
@@ -156,11 +157,13 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
                         saved[st._cdata] = weakref.ref(st)
                     return tensor
 
+                # under cp, this rank's part of the sequence (the trainer's shard_batch)
+                inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
                 with plan.loss_context():
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                        held["logits"] = model(x[:, :-1])
+                        held["logits"] = model(inputs, **kwargs)
                         held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                                       x[:, 1:].flatten()) / accum
+                                                       targets.flatten()) / accum
                     if mt is not None:
                         figures["end_forward"].append(_plain(mt.get_tracker_snapshot()))
                         figures["saved"].append(_saved_bytes(saved, held["logits"]))
@@ -246,13 +249,16 @@ class _Collectives:
 
     KINDS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce",
              "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter"}
+             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
+    # The autograd all-to-all (Ulysses) reaches the mode as its own op, not the inner one.
+    NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
 
     def __init__(self, accum: int):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         rows = self.rows = []
-        kinds = self.KINDS
+        kinds, namespaces = self.KINDS, self.NAMESPACES
         # Where the step is: after the last micro-batch's backward and before the
         # optimizer step the trainer clips gradients (a norm per group of them).
         state = self.state = {"in_backward": False, "backwards": 0, "optimizer": False}
@@ -272,7 +278,7 @@ class _Collectives:
                     state["backwards"] += 1
                 out = func(*args, **(kwargs or {}))
                 name = func._overloadpacket.__name__
-                if name in kinds and func.namespace in ("_c10d_functional", "c10d"):
+                if name in kinds and func.namespace in namespaces:
                     if func.namespace == "c10d":  # FSDP2: (output, input, process group, ...)
                         pg = next(a for a in args if isinstance(a, torch.ScriptObject))
                         group = dist.ProcessGroup.unbox(pg).group_name

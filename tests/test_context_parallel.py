@@ -24,6 +24,8 @@ SMALL = ["model.kwargs={n_layers: 2}"]
 CASES = [
     (FSDP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
     (FSDP, [*SMALL, "mesh.cp=4"], {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+    (FSDP, [*SMALL, "mesh.cp=2", "activation_checkpointing=full"],  # ring's blocks recomputed
+     {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
     (FSDP, [*SMALL, "mesh.cp=4", "context_parallel={method: ulysses, load_balance: false}"],
      {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
     (TP_SP, [*SMALL, "mesh.cp=2"], {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
@@ -153,15 +155,21 @@ def test_document_positions_restart_after_each_separator():
     assert document_positions(tokens, 0).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 0],
                                                       [0, 1, 2, 3, 4, 5, 6, 7, 8]]
     assert document_positions(tokens, None) is None  # bytes: no boundaries
+    # cp's attention builds no mask where every row is one document
+    from tpplan.parallel.context_attention import one_document_per_row
+
+    assert not one_document_per_row(document_positions(tokens, 0))
+    assert one_document_per_row(torch.arange(9).expand(2, -1))
 
 
-def test_dry_run_cp_communication_is_what_tpplan_train_issues(tmp_path):
-    """The dry run's count and bytes of every collective per step, ring's included, equal
-    those ``tpplan train`` issues on gloo (two micro-batches per step), beside TP 2 + SP and
-    FSDP2 over dp_shard × cp. (Ulysses is not compared here: the real run's recorder does
-    not see the autograd all-to-all; and a cp group spanning the world would be the default
-    group, which it cannot tell from FSDP2's.)"""
-    overrides = ["mesh.cp=2"]
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_dry_run_cp_communication_is_what_tpplan_train_issues(method, tmp_path):
+    """The dry run's count and bytes of every collective per step, the method's own
+    included, equal those ``tpplan train`` issues on gloo (two micro-batches per step),
+    beside TP 2 + SP and FSDP2 over dp_shard × cp; and the method's collectives are its
+    minimum (docs/long-context.md): ring, K and V gathered once per layer forward and their
+    gradients reduce-scattered once back; Ulysses, four all-to-alls each way."""
+    overrides = ["mesh.cp=2", f"context_parallel={method}"]
     import json
     from collections import Counter
 
@@ -190,5 +198,83 @@ def test_dry_run_cp_communication_is_what_tpplan_train_issues(tmp_path):
         real_bytes[(dim, kind)] += nbytes
     rows = predicted.extra["comm_per_step"]["collectives"]
     assert any(r["source"] == "cp" for r in rows)
+    assert predicted.extra["cp_minimum"]["at_minimum"], predicted.extra["cp_minimum"]
     assert {(r["mesh_dim"], r["kind"]): r["count"] for r in rows} == real_count
     assert {(r["mesh_dim"], r["kind"]): r["bytes"] for r in rows} == real_bytes
+
+
+@pytest.mark.parametrize("plan_path, overrides", [
+    (TP_SP, ["activation_checkpointing=full"]),
+    (TP_SP, ["context_parallel=ulysses", "activation_checkpointing=full"]),
+    (TP_SP, ["context_parallel={method: ring, load_balance: false}",
+             "activation_checkpointing={mode: selective, every: 3}", "model.kwargs={n_layers: 5}"]),
+    (FSDP, ["context_parallel=ulysses", "fsdp.mixed_precision={param_dtype: bfloat16}",
+            "train.micro_batch_size=2", "train.global_batch_size=8"]),
+    (HF_LLAMA, []),
+    (QWEN3, []),
+])
+def test_cp_traffic_is_the_methods_minimum(plan_path, overrides, root, monkeypatch):
+    """The traced cp collectives per step equal the formula of docs/long-context.md (the
+    real run's equal the traced ones: the test above): under checkpointing (a recomputed
+    block gathers again), gradient accumulation, bf16, tp's head split, HF attention."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+
+    monkeypatch.chdir(root)
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    result = dry_run(plan_path, 4, ["mesh.cp=2", "train.seq_len=64", *overrides], comm)
+    verdict = result.extra["cp_minimum"]
+    assert verdict["at_minimum"], verdict
+    traced = [r for r in result.extra["comm_per_step"]["collectives"] if r["mesh_dim"] == "cp"]
+    assert sum(r["count"] for r in traced) == sum(r["count"] for r in verdict["collectives"]) > 0
+
+
+def test_cp4_memory_is_what_the_dry_run_says_and_under_035x_of_cp1(tmp_path):
+    """The debug Llama of plans/llama-long.yaml at 2,048 tokens, no checkpointing, one step
+    measured for real (FSDPMemTracker, tests/memory_measure.py) on 4 gloo ranks and on one:
+    the dry run's activations and peak per rank within 5% at cp 4, and cp 4's activations
+    at most 0.35× cp 1's (scripts/cp_memory.py prints the same at 16,384 tokens)."""
+    import json
+
+    from helpers import PLANS
+    from memory_measure import measure_worker
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    plan = str(PLANS / "llama-long.yaml")
+    measured = {}
+    for cp in (4, 1):
+        sets = [f"mesh.cp={cp}", "train.seq_len=2048", "activation_checkpointing=null"]
+        (tmp_path / str(cp)).mkdir()
+        spawn(measure_worker, cp, plan, sets, str(tmp_path / str(cp)))
+        measured[cp] = json.loads((tmp_path / str(cp) / "measured.json").read_text())
+        if cp == 4:
+            predicted = dry_run(plan, cp, sets, memory).extra["memory_per_rank"]
+    activations = {cp: max(s["Activation"] for s in m["end_forward"]) for cp, m in measured.items()}
+    assert abs(predicted["activations"] / activations[4] - 1) <= 0.05, (predicted, activations)
+    assert abs(predicted["peak"] / measured[4]["peak"]["Total"] - 1) <= 0.05, predicted
+    assert activations[4] <= 0.35 * activations[1], activations
+
+
+def test_fit_proposes_the_smallest_cp_that_fits(root, monkeypatch):
+    """``--device`` fit on a sequence that does not fit one rank: ``mesh.cp`` doubled and
+    each degree dry-run again, the first that fits proposed (here cp 4: cp 2 falls short)."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.fit import fit, needed
+    from tpplan.plan.devices import GiB, Device
+
+    monkeypatch.chdir(root)
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    sets = ["mesh.cp=1", "train.seq_len=16384", "train.local_batch_size=1"]
+    peaks = {cp: dry_run("plans/llama-long.yaml", 4, [*sets, f"mesh.cp={cp}"], memory)
+             .extra["memory_per_rank"]["peak"] for cp in (1, 2, 4)}
+    device = Device("small", (needed(peaks[2]) + needed(peaks[4])) // 2)  # cp 4 fits, 2 not
+    result = dry_run("plans/llama-long.yaml", 4, sets, memory)
+    out = fit(result, device, "plans/llama-long.yaml", sets)
+    assert not out["fits"] and out["fitting"]["set"] == ["mesh.cp=4"], out["changes"]
+    assert out["fitting"]["peak"] == peaks[4] and "cp 4 (context parallelism" in out["fitting"]["change"]
+    assert device.memory < 2 * GiB

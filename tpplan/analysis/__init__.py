@@ -123,6 +123,8 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
             result.extra["comm_minimum"]["ep"] = dict(
                 mesh_dim="ep", wire_bytes=a2a["minimum_wire_bytes"],
                 measured_wire_bytes=a2a["hidden_wire_bytes"], ratio=a2a["over_minimum"])
+    if minimum and dims.cp > 1 and spec.pipeline is None:
+        result.extra["cp_minimum"] = _cp_minimum(result, trace, step, param.itemsize)
 
 
 def _ep_bounds(result: DryRun, e: int) -> dict[str, Any]:
@@ -195,6 +197,21 @@ def _minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int,
                 else "tensor parallel", collectives=minimum, wire_bytes=wire,
                 measured_wire_bytes=wire_measured, at_minimum=not extra, verdict=verdict,
                 extra=extra, reasons=_reasons(parts, spec) if extra else [])
+
+
+def _cp_minimum(result: DryRun, trace: TPTrace, step: Accumulation, e: int) -> dict[str, Any]:
+    """Context parallelism's traced collectives per step beside its method's minimum."""
+    from .cpcomm import cp_verdict
+
+    counts: Counter = Counter()
+    nbytes: Counter = Counter()
+    for (kind, dim, bw, b, module), n in trace.counts.items():
+        if dim == "cp":
+            counts[(kind, bw)] += n * step.count(module)
+            nbytes[(kind, bw)] += n * step.count(module) * step.nbytes(module, b)
+    spec = result.plan.spec  # a model as built: applying divides its head counts by tp
+    return cp_verdict(build_model(spec.model, "meta"), spec, result.step, result.resolved.dims,
+                      counts, nbytes, e)
 
 
 def _reasons(parts: list, spec) -> list[dict[str, Any]]:

@@ -114,6 +114,36 @@ def _ep_candidates(result: DryRun) -> list[tuple[str, list[str]]]:
             for ep in chosen]
 
 
+def _cp_change(result: DryRun, plan_path: str, base: list[str], capacity: int
+               ) -> dict[str, Any] | None:
+    """Context parallelism for a sequence that does not fit: ``mesh.cp`` doubled until it
+    fits (each degree checked; the ranks come from dp_shard), or the largest the world and
+    the sequence allow; None when the model's attention cannot be split (no seam) or no
+    degree is possible. docs/long-context.md."""
+    from ..parallel.context import position_kwarg
+
+    spec, shape, dims = result.plan.spec, result.step, result.resolution.dims
+    if result.model is None or position_kwarg(result.model) is None or spec.fsdp is None:
+        return None
+    chunks = spec.context_parallel.chunks
+    tried = None
+    cp = dims.cp * 2
+    while dims.dp_shard % (cp // dims.cp) == 0 and shape.seq_len % chunks(cp) == 0:
+        sets = [f"mesh.cp={cp}"]
+        if spec.mesh.dp_shard != -1:  # the plan fixes dp_shard: cp takes its ranks
+            sets.append(f"mesh.dp_shard={dims.dp_shard * dims.cp // cp}")
+        what = (f"cp {cp} (context parallelism: each rank holds {shape.seq_len // cp:,} of the "
+                f"{shape.seq_len:,} tokens, {spec.context_parallel.method} attention)")
+        checked = _check(plan_path, result.world_size, base + sets, capacity)
+        if checked["error"] is not None:
+            return tried  # the plan cannot take this cp (the error says why)
+        tried = {"change": what, "set": sets, **checked}
+        if checked["fits"]:
+            break
+        cp *= 2
+    return tried
+
+
 LORA_RANK = 16  # the rank a proposed LoRA assumes (alpha twice it, as is common)
 
 
@@ -167,6 +197,10 @@ def fit(result: DryRun, device: Device, plan_path: str, overrides: Sequence[str]
     for what, sets in candidates:
         out["changes"].append({"change": what, "set": sets,
                                **_check(plan_path, result.world_size, base + sets, device.memory)})
+    cp = _cp_change(result, plan_path, base, device.memory)
+    if cp is not None:  # checked degree by degree: the smallest cp that fits, or the largest
+        out["changes"].append(cp)
+        candidates.append((cp["change"], cp["set"]))
     fitting = [c for c in out["changes"] if c["fits"]]
     if fitting:
         out["fitting"] = min(fitting, key=lambda c: c["needed"])

@@ -104,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
+    if "cp_minimum" in result.extra:  # docs/long-context.md: the method's minimum
+        cp = result.extra["cp_minimum"]
+        verdict = "at its minimum" if cp["at_minimum"] else \
+            f"above its minimum by {cp['extra']}"
+        out.print(f"cp ({cp['method']}): {sum(r['count'] for r in cp['collectives'])} "
+                  f"collectives per step, {verdict}", highlight=False)
     if "fit" in result.extra:
         render_fit(out, result.extra["fit"])
     if "step_time" in result.extra:

@@ -29,10 +29,11 @@ import torch.nn.functional as F
 from ..plan.errors import ErrorList
 from ..plan.context import ContextParallelSpec
 from ..plan.specs import PlanSpec
-from .context_attention import ring_attention, sequence_mask, ulysses_attention
+from .context_attention import (additive, one_document_per_row, ring_attention, ring_causal,
+                                sequence_mask, ulysses_attention, ulysses_causal)
 
 __all__ = ["ContextParallel", "sequence_index", "apply_context_parallel", "shard_batch",
-           "position_kwarg", "check_context_parallel", "HF_ATTENTION"]
+           "position_kwarg", "check_context_parallel", "attention_shape", "HF_ATTENTION"]
 
 HF_ATTENTION = "tpplan_context_parallel"  # the name registered with transformers
 
@@ -47,8 +48,8 @@ def sequence_index(seq_len: int, cp: int, rank: int, load_balance: bool) -> torc
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
 
-def _sdpa(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def _sdpa(q, k, v, mask, scale=None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=scale)
 
 
 class ContextParallel:
@@ -61,7 +62,8 @@ class ContextParallel:
         self.mesh, self.method, self.load_balance = mesh, spec.method, spec.load_balance
         self.group, self.cp, self.rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.position_kwarg = position_kwarg
-        self._mask_for: tuple[Any, torch.Tensor] | None = None
+        self._mask_for: tuple[Any, dict] | None = None
+        self._causal: torch.Tensor | None = None  # positions shard_batch found undivided
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layout(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +91,23 @@ class ContextParallel:
         out.index_copy_(dim, all_index.to(t.device), torch.cat(parts, dim))
         return out
 
+    def chunks(self, local: int) -> tuple[tuple[int, int, int], ...]:
+        """This rank's runs of tokens as (local start, global start, length)."""
+        if not self.load_balance:
+            return ((0, self.rank * local, local),)
+        size = local // 2  # chunks r and 2·cp - 1 - r, as sequence_index cuts them
+        return ((0, self.rank * size, size), (size, (2 * self.cp - 1 - self.rank) * size, size))
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor | None, kernel=_sdpa) -> torch.Tensor:
-        """(bs, h, s, hd) queries of this rank's tokens against the whole sequence."""
+               positions: torch.Tensor | None, kernel=None, scale: float | None = None
+               ) -> torch.Tensor:
+        """(bs, h, s, hd) queries of this rank's tokens against the whole sequence.
+
+        Without packed documents (the positions :func:`shard_batch` made, or given ones
+        with no boundary) the built-in attention builds no mask: causal attention in
+        blocks (:func:`.context_attention.ring_causal`, ``ulysses_causal``). With
+        documents, or a model's own ``kernel(q, k, v, mask)``, one mask per forward, shared
+        by every layer. ``kernel`` None: softmax attention (SDPA), scores times ``scale``."""
         from torch.distributed.tensor import DTensor
 
         if positions is None:
@@ -102,12 +118,23 @@ class ContextParallel:
                                "q/k/v projections use_local_output: true (the default)")
         index, all_index = self.layout(q.shape[2])
         index, all_index = index.to(q.device), all_index.to(q.device)
+        if kernel is None and positions is self._causal and q.device.type in ("cpu", "meta"):
+            order = torch.empty_like(all_index)
+            order[all_index] = torch.arange(all_index.numel(), device=q.device)
+            if self.method == "ring":
+                return ring_causal(q, k, v, self.group, order, self.chunks(q.shape[2]), scale)
+            return ulysses_causal(q, k, v, self.group, self.cp, order, all_index, scale)
+        if kernel is None:
+            kernel = functools.partial(_sdpa, scale=scale)
         if self._mask_for is None or self._mask_for[0] is not positions:
             queries = "local" if self.method == "ring" else "all"
             mask = sequence_mask(index, all_index, positions, self.group, self.cp, self.rank,
                                  queries)
-            self._mask_for = (positions, mask)
-        mask = self._mask_for[1]
+            self._mask_for = (positions, {"bool": mask})
+        masks = self._mask_for[1]
+        if q.dtype not in masks:  # SDPA would turn a boolean mask to this per call, and keep it
+            masks[q.dtype] = additive(masks["bool"], q.dtype)
+        mask = masks[q.dtype]
         if self.method == "ring":
             return ring_attention(q, k, v, mask, self.group, kernel)
         return ulysses_attention(q, k, v, mask, self.group, self.cp, kernel)
@@ -132,6 +159,7 @@ def position_kwarg(model: nn.Module) -> str | None:
 
 
 _HF_CONTEXTS: dict[int, tuple[Any, ContextParallel, str]] = {}
+_PLAIN = {"dropout", "scaling", "use_cache", "cache_position"}  # keywords that change nothing
 
 
 def _hf_attention(module, query, key, value, attention_mask, **kwargs):
@@ -144,13 +172,16 @@ def _hf_attention(module, query, key, value, attention_mask, **kwargs):
     inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager_attention_forward)
     positions = kwargs.pop("position_ids", None)
 
-    def kernel(q, k, v, mask):
-        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~mask, torch.finfo(q.dtype).min)
-        out, _ = inner(module, q, k, v, additive, **kwargs)
+    def kernel(q, k, v, mask):  # mask: additive, as transformers' kernels take it
+        out, _ = inner(module, q, k, v, mask, **kwargs)
         return out.transpose(1, 2)  # transformers returns (bs, s, h, hd)
 
-    out = ctx.attend(query, key, value, positions, kernel)
+    # transformers' sdpa with nothing but a scale (no window, soft cap, sinks) is softmax
+    # attention: ours serves, without a mask
+    given = {k for k, v in kwargs.items() if v is not None}  # sliding_window=None: no window
+    plain = inner_name == "sdpa" and not kwargs.get("dropout") and not given - _PLAIN
+    out = ctx.attend(query, key, value, positions, None if plain else kernel,
+                     kwargs.get("scaling"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -195,9 +226,12 @@ def shard_batch(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
             raise ValueError(f"{type(model).__name__} takes no per-token positions, so packed "
                              "documents cannot be masked from each other")
         return inputs, targets, {name: positions}
+    one_document = positions is None or one_document_per_row(positions)
     if positions is None:
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
-    return ctx.shard(inputs), ctx.shard(targets), {ctx.position_kwarg: ctx.shard(positions)}
+    local = ctx.shard(positions)
+    ctx._causal = local if one_document else None
+    return ctx.shard(inputs), ctx.shard(targets), {ctx.position_kwarg: local}
 
 
 def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: ErrorList) -> None:
@@ -239,6 +273,18 @@ def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: Erro
                          f"(tp={tp}), which cp does not divide (each cp rank takes a slice of "
                          "the heads); use method: ring, or a cp that divides it",
                          spec.locs.get("method") or where)
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int, int]:
+    """(attention layers, query heads, KV heads, head dim) of a model cp can wrap, before
+    tensor parallelism divides the heads."""
+    config = _hf_config(model)
+    (_, h), (_, kv) = _heads(model, config)
+    if config is not None:
+        d = getattr(config, "head_dim", None) or config.hidden_size // h
+        return config.num_hidden_layers, h, kv, d
+    seams = _seams(model)
+    return len(seams), h, kv, seams[0].head_dim
 
 
 def _heads(model: nn.Module, config) -> list[tuple[str, int]]:

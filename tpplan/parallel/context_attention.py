@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["document_ids", "attention_mask", "sequence_mask", "ring_attention",
-           "ulysses_attention"]
+__all__ = ["document_ids", "one_document_per_row", "attention_mask", "sequence_mask", "additive", "ring_attention",
+           "ulysses_attention", "causal_blocks", "ring_causal", "ulysses_causal"]
 
 Kernel = Callable[..., torch.Tensor]  # (q, k, v, mask) -> (bs, h, s, hd)
 
@@ -33,6 +33,15 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
     ``find_packed_sequence_indices`` uses, so both models read packing the same way)."""
     starts = positions[:, 1:] != positions[:, :-1] + 1
     return torch.cat([torch.zeros_like(positions[:, :1]), starts.long()], dim=1).cumsum(1)
+
+
+def one_document_per_row(positions: torch.Tensor) -> bool:
+    """Every row one document (no boundary to mask): causal attention serves, no mask."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(positions, FakeTensor):
+        return False  # values unknown: masked, as a real run with documents would be
+    return bool((document_ids(positions)[:, -1] == 0).all())
 
 
 def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
@@ -75,6 +84,14 @@ def sequence_mask(index: torch.Tensor, all_index: torch.Tensor, positions: torch
     return attention_mask(index, all_index, docs[:, rank * s:(rank + 1) * s], docs)
 
 
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the float one SDPA adds to the scores (0 kept, -inf masked). Made
+    once per forward and handed to every layer: SDPA turns a boolean mask into this itself,
+    a new one per call, and saves each for backward (one ``sq × sk`` float per layer)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
+
+
 def ring_attention(q, k, v, mask, group, kernel: Kernel) -> torch.Tensor:
     """This rank's queries against every rank's keys and values (all-gathered over cp on
     the sequence dimension; their gradients reduce-scattered back in backward)."""
@@ -111,3 +128,91 @@ def ulysses_attention(q, k, v, mask, group, cp: int, kernel: Kernel) -> torch.Te
     out = kernel(_to_heads(q, cp, group), _to_heads(k, cp, group), _to_heads(v, cp, group),
                  mask)
     return _to_sequence(out, cp, group)
+
+
+def _flash(q, k, v, causal: bool, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                       scale=scale)
+
+
+def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+class _CausalBlocks(torch.autograd.Function):
+    """Causal attention of query chunks on keys in global order, with no mask: each chunk
+    against the keys before it (unmasked) and its own chunk's (causal, the square kernel's
+    diagonal), the two merged by log-sum-exp. Backward runs the kernel's own backward on
+    each piece with the merged output and log-sum-exp, as flash attention does per block
+    (and torch's ring attention per ring step), so the gradients are the one softmax's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks, scale):
+        out, lse = torch.empty_like(q), None
+        for start, first, n in chunks:  # local start, global start, length
+            qc = q[:, :, start:start + n]
+            o, m = _flash(qc, k[:, :, first:first + n], v[:, :, first:first + n], True, scale)
+            if first:
+                o2, m2 = _flash(qc, k[:, :, :first], v[:, :, :first], False, scale)
+                merged = torch.logaddexp(m, m2)
+                o = (o.to(m.dtype) * (m - merged).exp()[..., None]
+                     + o2.to(m.dtype) * (m2 - merged).exp()[..., None])
+                m = merged
+            if lse is None:  # the kernel's accumulation type (float32 for half types)
+                lse = m.new_empty(q.shape[:3])
+            out[:, :, start:start + n] = o
+            lse[:, :, start:start + n] = m
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks, ctx.scale = chunks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for start, first, n in ctx.chunks:
+            here = slice(start, start + n)
+            g, qc, oc, mc = grad[:, :, here], q[:, :, here], out[:, :, here], lse[:, :, here]
+            own = slice(first, first + n)
+            a, b, c = _flash_backward(g, qc, k[:, :, own], v[:, :, own], oc, mc, True,
+                                      ctx.scale)
+            dq[:, :, here] += a
+            dk[:, :, own] += b
+            dv[:, :, own] += c
+            if first:
+                a, b, c = _flash_backward(g, qc, k[:, :, :first], v[:, :, :first], oc, mc,
+                                          False, ctx.scale)
+                dq[:, :, here] += a
+                dk[:, :, :first] += b
+                dv[:, :, :first] += c
+        return dq, dk, dv, None, None
+
+
+def causal_blocks(q, k, v, chunks: tuple[tuple[int, int, int], ...],
+                  scale: float | None = None) -> torch.Tensor:
+    """Causal attention of (bs, h, s, hd) local queries on (bs, kv, S, hd) keys and values of
+    the whole sequence in global order, no mask built: ``chunks`` (local start, global
+    start, length) place each run of local queries in the sequence. CPU's flash kernel,
+    which returns the log-sum-exp the merge needs."""
+    return _CausalBlocks.apply(q, k, v, chunks, scale)
+
+
+def ring_causal(q, k, v, group, order: torch.Tensor, chunks, scale=None) -> torch.Tensor:
+    """Ring attention without documents: K and V all-gathered and put in global order
+    (``order``: the rank-order place of each global index), then :func:`causal_blocks`."""
+    k, v = _gather(k, 2, group).index_select(2, order), _gather(v, 2, group).index_select(2, order)
+    return causal_blocks(q, k, v, chunks, scale)
+
+
+def ulysses_causal(q, k, v, group, cp: int, order: torch.Tensor,
+                   all_index: torch.Tensor, scale=None) -> torch.Tensor:
+    """Ulysses without documents: the head shards put in global order, causal attention on
+    the square (no mask), back to rank order."""
+    import torch.nn.functional as F
+
+    q, k, v = (_to_heads(t, cp, group).index_select(2, order) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                         scale=scale)
+    return _to_sequence(out.index_select(2, all_index), cp, group)
