@@ -145,7 +145,9 @@ def _train(run_dir: Path, folder: Path, nproc: int, *sets: str):
     for s in [f"model.pretrained={folder}", f"data.tokenizer={folder}",
               f"data.path={folder / 'chat.jsonl'}", "eval=null", "train.steps=3",
               "train.global_batch_size=4", "train.seq_len=32", f"metrics.run_dir={run_dir}",
-              *sets]:
+              # the model's own loss, its load-balancing term included (per micro-batch:
+              # the same sequences in each forward on every mesh)
+              "model.config.output_router_logits=true", "train.micro_batch_size=1", *sets]:
         args += ["--set", s]
     return tpplan_cli(*args, timeout=240)
 
@@ -185,4 +187,47 @@ def test_moe_finetune_with_ep_follows_one_process_and_exports_in_the_layout_load
         hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
         torch.testing.assert_close(logits(hf, tokens), logits(ours, tokens), rtol=1e-5,
                                    atol=1e-5)
-    assert json.loads((out / "config.json").read_text())["num_experts"] == 8
+        assert hf.config.num_experts == 8
+
+
+def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path, capsys):
+    """Configs that set ``output_router_logits``: the loss is the model's own (cross-entropy
+    + router_aux_loss_coef × the load-balancing loss of each forward's batch), and with ep 4,
+    ep 2 over expert FSDP 2, and ep 2 beside tp 2 + SP its value and every gradient -- the
+    router's, which the aux loss pulls on directly -- equal one device's."""
+    import sys
+
+    from helpers import ROOT, run_main
+
+    from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep_hf
+
+    plans = []
+    for family, fields in (("qwen3_moe", {}), ("mixtral", {"num_local_experts": 8})):
+        config = tmp_path / f"{family}.json"
+        config.write_text(json.dumps(sweep_hf.tiny_config(
+            family, output_router_logits=True, router_aux_loss_coef=0.5, **fields)))
+        for mesh in ("{ep: 4, dp_shard: -1}", "{ep: 2, dp_shard: 4}"):
+            path = tmp_path / f"{family}-{len(plans)}.yaml"
+            path.write_text(EP_PLAN.format(mesh=mesh, rules=EP_RULE, folder="x").replace(
+                "{pretrained: x}", f"{{hf_config: {config}}}"))
+            plans.append(str(path))
+        sp = tmp_path / f"{family}-sp.yaml"
+        rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2",
+                           "-o", sp)
+        assert rc == 0, out
+        plans.append(str(sp))
+    steps = [verify_step(p, 4, shrink=False) for p in plans]
+    jobs = [(p, s.overrides, s.tokens, 0) for p, s in zip(plans, steps)]
+    for path, step, par in zip(plans, steps, parallel_steps(jobs, 4)):
+        assert not isinstance(par, str), f"{path}: {par}"
+        ref = reference_step(step.plan, step.tokens, 0)
+        cmp = compare(ref, par)
+        assert cmp.ok, (path, cmp.failures)
+        ce = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1),
+                                               step.tokens[:, 1:].flatten()).item()
+        assert ref.loss - ce > 0.1, (path, ref.loss, ce)  # 0.5 × aux (about top-k) in it
+        for name in [n for n in ref.grads if n.endswith("mlp.gate.weight")]:
+            assert par.grads[name].abs().sum() > 0, (path, name)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
+from ..models.moe_loss import aux_loss, with_aux_loss
 from ..plan.packing import packed_params
 from ..parallel.context import shard_batch
 from ..parallel.freeze import apply_freeze
@@ -65,9 +66,24 @@ def reference_step(plan: Plan, tokens: torch.Tensor, seed: int,
     _, _, kwargs = shard_batch(model, tokens, tokens, None if positions is None else positions[:, :-1])
     logits = model(tokens[:, :-1], **kwargs)
     loss = _loss(logits, tokens[:, 1:])
+    aux = aux_loss(model)
+    micro = plan.spec.train.micro_batch_size or len(tokens)
+    if aux is not None and micro < len(tokens):
+        # a MoE's aux loss is per forward, as each data-parallel rank's is: the mean over
+        # the global batch's micro-batches, each through the model on its own
+        chunks = tokens.split(micro)
+        where = positions.split(micro) if positions is not None else [None] * len(chunks)
+        aux = sum(_aux_of(model, t, p) for t, p in zip(chunks, where)) / len(chunks)
+    loss = with_aux_loss(loss, aux)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return StepResult(logits.detach(), loss.item(), grads)
+
+
+def _aux_of(model, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    _, _, kwargs = shard_batch(model, tokens, tokens, None if positions is None else positions[:, :-1])
+    model(tokens[:, :-1], **kwargs)
+    return aux_loss(model)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -109,7 +125,7 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
         logits = model(inputs, **kwargs)
-        loss = _loss(logits, targets)
+        loss = with_aux_loss(_loss(logits, targets), aux_loss(model))
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
     grads = _grads([model], model.named_parameters())

@@ -20,6 +20,7 @@ from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 from ..plan.yamlio import not_a_file
 from .hf_stages import mark_stageable
+from .moe_loss import keep_aux_loss
 
 __all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
            "require_transformers"]
@@ -60,6 +61,7 @@ def _init_std_for(model: nn.Module, std: float):
 
 
 def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
+    keep_aux_loss(module, output)  # a MoE's load-balancing loss, for the trainer (moe_loss)
     return output.logits if hasattr(output, "logits") else output
 
 
