@@ -231,3 +231,46 @@ def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path,
         assert ref.loss - ce > 0.1, (path, ref.loss, ce)  # 0.5 × aux (about top-k) in it
         for name in [n for n in ref.grads if n.endswith("mlp.gate.weight")]:
             assert par.grads[name].abs().sum() > 0, (path, name)
+
+
+def test_aux_loss_where_it_would_be_wrong_is_a_located_error(tmp_path, capsys):
+    import sys
+
+    from helpers import ROOT, run_main
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep_hf
+
+    config = tmp_path / "qwen3_moe.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("qwen3_moe")))
+    plan = tmp_path / "pp.yaml"
+    plan.write_text(f"mesh: {{pp: 2, dp_shard: -1}}\nmodel:\n  hf_config: {config}\n"
+                    "  config: {output_router_logits: true}\npipeline: {microbatches: 2}\n"
+                    'fsdp: {units: ["model.layers.*"]}\n')
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1 and "Traceback" not in out, out
+    assert f"{plan}:4:" in out and "with pipeline stages (pp=2)" in out, out
+
+
+def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path, capsys):
+    import shutil
+
+    from helpers import run_main
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_hf("qwen3_moe"), folder)
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if tensors.pop("model.layers.1.mlp.experts.5.up_proj.weight", None) is not None:
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    index.write_text(index.read_text().replace(
+        '"model.layers.1.mlp.experts.5.up_proj.weight"', '"unused"'))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(EP_PLAN.format(mesh="{ep: 4, dp_shard: -1}", folder=folder, rules=EP_RULE))
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1 and "Traceback" not in out, out
+    assert f"{plan}:2:" in out, out
+    assert ("model.layers.1.mlp.experts.gate_up_proj cannot be made from the checkpoint's "
+            "per-expert tensors: part 2 of 2 has experts [0, 1, 2, 3, 4, 6, 7]") in out, out

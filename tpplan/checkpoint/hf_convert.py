@@ -120,6 +120,7 @@ class Conversion:
     renamed: dict[str, str] = field(default_factory=dict)
     fused: dict[str, Fused] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    failed: dict[str, set[str]] = field(default_factory=dict)  # model name -> its sources
 
     @property
     def per_expert(self) -> bool:
@@ -132,6 +133,7 @@ class Conversion:
         """``found`` (checkpoint names) under the model's names, per-expert tensors as the
         fused tensor they make (shape and dtype): what ``mismatches`` holds the model to."""
         used = {n for f in self.fused.values() for names in f.parts for n in names}
+        used |= {n for names in self.failed.values() for n in names}  # said in problems
         back = {v: k for k, v in self.renamed.items()}
         out = {back.get(n, n): info for n, info in found.items() if n not in used}
         for name, f in self.fused.items():
@@ -223,6 +225,7 @@ def conversion(model: nn.Module, found: dict[str, TensorInfo]) -> Conversion:
         if not bad and len({len(p) for p in parts}) > 1:
             bad.append(f"its parts hold {', '.join(str(len(p)) for p in parts)} experts")
         if bad:
+            out.failed[target] = {n for experts in g["parts"].values() for n in experts.values()}
             out.problems.append(f"{target} cannot be made from the checkpoint's per-expert "
                                 f"tensors: {'; '.join(bad)}")
             continue

@@ -40,7 +40,7 @@ from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
 
-__all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
+__all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count", "local_expert_params",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
 CALL = ("hidden_states", "top_k_index", "top_k_weights")  # what the forward is given
@@ -265,3 +265,25 @@ class ExpertParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return "ExpertParallel()"
+
+
+def check_aux_loss(plan, model: nn.Module, errs: ErrorList) -> None:
+    """A model that computes an auxiliary (load-balancing) loss -- its config sets
+    ``output_router_logits`` -- on a mesh where it would be wrong: under pipeline stages the
+    routers run on every stage but the loss is taken on the last; under context parallelism
+    each rank's router sees a part of each sequence, and the loss is not additive over parts.
+    Errors at the config field (or the model)."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or \
+            not getattr(model, "router_aux_loss_coef", 0):
+        return
+    spec = plan.model
+    loc = spec.locs.get("config.output_router_logits", spec.loc) if spec else None
+    for degree, name, why in ((plan.mesh.pp, "pipeline stages (pp", "the loss is taken on "
+                               "the last stage, the routers run on every stage"),
+                              (plan.mesh.cp, "context parallelism (cp", "each rank's routers "
+                               "see part of each sequence")):
+        if degree > 1:
+            errs.add(f"the model computes its load-balancing loss (output_router_logits: true); "
+                     f"with {name}={degree}) tpplan does not add it yet ({why}); set "
+                     "model.config.output_router_logits: false, or drop the parallelism", loc)
