@@ -249,7 +249,7 @@ def test_aux_loss_where_it_would_be_wrong_is_a_located_error(tmp_path, capsys):
                     'fsdp: {units: ["model.layers.*"]}\n')
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
-    assert f"{plan}:4:" in out and "with pipeline stages (pp=2)" in out, out
+    assert f"{plan}:1:" in out and "mesh pp=2: the model computes its load-balancing" in out
 
 
 def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path, capsys):

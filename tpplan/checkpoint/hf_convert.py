@@ -15,8 +15,8 @@ then reads into each rank's shards only the per-expert slices they hold (under e
 the rank owns; under expert FSDP, its share of them; under expert TP, its rows of each);
 :meth:`Fused.piece` cuts a fused tensor back for ``export --format hf``.
 
-A conversion other than these (a ``Transpose``, say: Qwen3-VL-MoE's experts) is named as
-unsupported; a fused checkpoint (names equal to the model's) needs none.
+Other conversions (a ``Transpose``: Qwen3-VL-MoE's experts) are named as unsupported; a fused
+checkpoint (names equal to the model's) needs none.
 """
 
 from __future__ import annotations
@@ -121,10 +121,6 @@ class Conversion:
     fused: dict[str, Fused] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     failed: dict[str, set[str]] = field(default_factory=dict)  # model name -> its sources
-
-    @property
-    def per_expert(self) -> bool:
-        return bool(self.fused)
 
     def checkpoint_name(self, model_name: str) -> str:
         return self.renamed.get(model_name, model_name)

@@ -11,12 +11,12 @@ config asks for. It is per forward, i.e. per micro-batch: see docs/moe.md ("Auxi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["aux_loss", "keep_aux_loss", "with_aux_loss"]
+__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss"]
 
 _KEPT = "_tpplan_aux_loss"
 
@@ -32,6 +32,23 @@ def keep_aux_loss(module: nn.Module, output: Any) -> None:
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The auxiliary loss term of ``model``'s last forward (taken: a second call gives None)."""
     return model.__dict__.pop(_KEPT, None)
+
+
+def micro_batch_aux(model: nn.Module, forward: Callable, tokens: torch.Tensor,
+                    positions: torch.Tensor | None, micro: int | None) -> torch.Tensor | None:
+    """The aux term of a one-device reference that has just run ``model`` on the whole
+    batch, as data-parallel ranks compute it: the mean over ``forward(model, tokens,
+    positions)`` of every ``micro`` sequences (the batch's own when ``micro`` is None or all)."""
+    whole = aux_loss(model)
+    if whole is None or not micro or micro >= len(tokens):
+        return whole
+    chunks = tokens.split(micro)
+    where = positions.split(micro) if positions is not None else [None] * len(chunks)
+    terms = []
+    for t, p in zip(chunks, where):
+        forward(model, t, p)
+        terms.append(aux_loss(model))
+    return sum(terms) / len(terms)
 
 
 def with_aux_loss(loss: torch.Tensor, aux: torch.Tensor | None, scale: float = 1.0):

@@ -112,6 +112,7 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
     spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
     errs = res.errors
+    check_aux_loss(mesh, modules.get(""), errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
             check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
@@ -267,23 +268,23 @@ class ExpertParallel(ParallelStyle):
         return "ExpertParallel()"
 
 
-def check_aux_loss(plan, model: nn.Module, errs: ErrorList) -> None:
+def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:
     """A model that computes an auxiliary (load-balancing) loss -- its config sets
-    ``output_router_logits`` -- on a mesh where it would be wrong: under pipeline stages the
-    routers run on every stage but the loss is taken on the last; under context parallelism
-    each rank's router sees a part of each sequence, and the loss is not additive over parts.
-    Errors at the config field (or the model)."""
+    ``output_router_logits`` -- on a mesh where tpplan would get it wrong: under pipeline
+    stages the routers run on every stage but the loss is taken on the last; under context
+    parallelism each rank's routers see part of each sequence, and the loss is not additive
+    over parts. Errors at ``mesh.pp`` / ``mesh.cp``."""
     config = getattr(model, "config", None)
     if not getattr(config, "output_router_logits", False) or \
             not getattr(model, "router_aux_loss_coef", 0):
         return
-    spec = plan.model
-    loc = spec.locs.get("config.output_router_logits", spec.loc) if spec else None
-    for degree, name, why in ((plan.mesh.pp, "pipeline stages (pp", "the loss is taken on "
-                               "the last stage, the routers run on every stage"),
-                              (plan.mesh.cp, "context parallelism (cp", "each rank's routers "
-                               "see part of each sequence")):
+    for key, name, why in (("pp", "pipeline stages", "the loss is taken on the last stage, "
+                            "the routers run on every stage"),
+                           ("cp", "context parallelism", "each rank's routers see part of "
+                            "each sequence")):
+        degree = getattr(mesh, key)
         if degree > 1:
-            errs.add(f"the model computes its load-balancing loss (output_router_logits: true); "
-                     f"with {name}={degree}) tpplan does not add it yet ({why}); set "
-                     "model.config.output_router_logits: false, or drop the parallelism", loc)
+            errs.add(f"mesh {key}={degree}: the model computes its load-balancing loss "
+                     f"(output_router_logits: true), which tpplan does not add under {name} "
+                     f"yet ({why}); set model.config.output_router_logits: false, or drop "
+                     f"{key}", mesh.locs.get(key, mesh.loc))

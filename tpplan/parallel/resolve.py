@@ -14,7 +14,7 @@ from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
 from .context import check_context_parallel
-from .expert_parallel import check_aux_loss, check_experts
+from .expert_parallel import check_experts
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_tied
 from .freeze import check_freeze
 from .head_params import check_head_params
@@ -260,7 +260,6 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     check_lora(plan.lora, modules, res.rule_of, stage, errs)
     if not stage:  # whole-model checks: a stage holds part of what they look at
         check_context_parallel(plan, model, tp, errs)
-        check_aux_loss(plan, model, errs)
         check_tied(res, model, modules)
         check_freeze(plan.freeze, model, errs)
     if plan.pipeline is not None and not stage:
