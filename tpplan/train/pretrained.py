@@ -45,7 +45,7 @@ class Pretrained:
     conversion: Conversion | None = None  # tensors held renamed or per expert (hf_convert)
 
     def describe(self) -> str:
-        experts = ", experts per expert" if self.conversion and self.conversion.fused else ""
+        experts = ", experts one tensor each" if self.conversion and self.conversion.fused else ""
         return f"pretrained {self.folder} ({len(self.names)} tensors, {self.dtypes}{experts})"
 
 
