@@ -211,26 +211,34 @@ def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path,
         assert ref.loss - ce > 0.1, (path, ref.loss, ce)  # 0.5 × aux (about top-k) in it
 
 
-def test_aux_loss_where_it_would_be_wrong_is_a_located_error(tmp_path, capsys):
+def test_validate_with_the_aux_loss_on_and_where_it_would_be_wrong(tmp_path, capsys):
+    """The dry run (every analysis) runs with the aux loss on; under pipeline stages it is
+    a located error at mesh.pp."""
     from helpers import run_main
     from test_expert_parallel import sweep_hf
 
     config = tmp_path / "qwen3_moe.json"
-    config.write_text(json.dumps(sweep_hf.tiny_config("qwen3_moe")))
+    config.write_text(json.dumps(sweep_hf.tiny_config("qwen3_moe", output_router_logits=True)))
+    ep = tmp_path / "ep.yaml"
+    ep.write_text(EP_PLAN.format(mesh="{ep: 4}", rules=EP_RULE, folder="x").replace(
+        "{pretrained: x}", f"{{hf_config: {config}}}"))
+    rc, out = run_main(capsys, "validate", "--plan", ep, "--world-size", "4")
+    assert rc == 0 and "could not" not in out and "experts' all-to-all: 10 per step" in out, out
     plan = tmp_path / "pp.yaml"
     plan.write_text(f"mesh: {{pp: 2, dp_shard: -1}}\nmodel:\n  hf_config: {config}\n"
-                    "  config: {output_router_logits: true}\npipeline: {microbatches: 2}\n"
+                    "pipeline: {microbatches: 2}\n"
                     'fsdp: {units: ["model.layers.*"]}\n')
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
     assert f"{plan}:1:" in out and "mesh pp=2: the model computes its load-balancing" in out
 
 
-def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path, capsys):
+def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path):
     import shutil
 
-    from helpers import run_main
     from safetensors.torch import load_file, save_file
+
+    from tpplan.train.pretrained import plan_problems
 
     folder = tmp_path / "broken"
     shutil.copytree(tiny_hf("qwen3_moe"), folder)
@@ -243,8 +251,8 @@ def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_p
         '"model.layers.1.mlp.experts.5.up_proj.weight"', '"unused"'))
     plan = tmp_path / "plan.yaml"
     plan.write_text(EP_PLAN.format(mesh="{ep: 4, dp_shard: -1}", folder=folder, rules=EP_RULE))
-    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
-    assert rc == 1 and "Traceback" not in out, out
-    assert f"{plan}:2:" in out, out
-    assert ("model.layers.1.mlp.experts.gate_up_proj cannot be made from the checkpoint's "
-            "per-expert tensors: part 2 of 2 has experts [0, 1, 2, 3, 4, 6, 7]") in out, out
+    errors = plan_problems(str(plan), [])  # what validate and train report, before launch
+    assert [str(e.loc).rsplit(":", 1)[0] for e in errors] == [f"{plan}:2"], errors
+    assert str(errors[0]).endswith(
+        "model.layers.1.mlp.experts.gate_up_proj cannot be made from the checkpoint's "
+        "per-expert tensors: part 2 of 2 has experts [0, 1, 2, 3, 4, 6, 7], not 0..7 each once")

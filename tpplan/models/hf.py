@@ -76,6 +76,9 @@ def _meta_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
         b, s = ids.shape
         kwargs = {**kwargs, "attention_mask": torch.ones(b, 1, s, s, dtype=torch.bool,
                                                          device="meta")}
+        if getattr(getattr(module, "config", None), "output_router_logits", False):
+            # a MoE's aux loss (a few scalars) would read this mask as a per-token one
+            kwargs["output_router_logits"] = False
     return args, kwargs
 
 
