@@ -138,8 +138,10 @@ class Conversion:
         return out
 
 
-def _transforms(model: nn.Module):
-    """transformers' weight conversions for ``model`` (renamings, converters), or none."""
+def _transforms(model: nn.Module, legacy: bool = True):
+    """transformers' weight conversions for ``model`` (renamings, converters), or none:
+    ``from_pretrained``'s (``legacy``: old names too, such as ``LayerNorm.gamma``) or
+    ``save_pretrained``'s."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -148,7 +150,7 @@ def _transforms(model: nn.Module):
         return [], []
     if not isinstance(model, PreTrainedModel):
         return [], []
-    transforms = get_model_conversion_mapping(model, add_legacy=False)
+    transforms = get_model_conversion_mapping(model, add_legacy=legacy)
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
             [t for t in transforms if isinstance(t, WeightConverter)])
 
@@ -235,7 +237,7 @@ def saved_names(model: nn.Module) -> Conversion:
     ``export --format hf`` writes for a model loaded that way."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    renamings, converters = _transforms(model)
+    renamings, converters = _transforms(model, legacy=False)
     if not converters:
         return Conversion()
     state = {k: torch.empty(v.shape, device="meta") for k, v in model.state_dict().items()}
