@@ -255,4 +255,5 @@ def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_p
     assert [str(e.loc).rsplit(":", 1)[0] for e in errors] == [f"{plan}:2"], errors
     assert str(errors[0]).endswith(
         "model.layers.1.mlp.experts.gate_up_proj cannot be made from the checkpoint's "
-        "per-expert tensors: part 2 of 2 has experts [0, 1, 2, 3, 4, 6, 7], not 0..7 each once")
+        "per-expert tensors: 'mlp.experts.*.up_proj.weight' has experts [0, 1, 2, 3, 4, 6, 7], "
+        "not every one of 0..7")

@@ -201,17 +201,16 @@ def conversion(model: nn.Module, found: dict[str, TensorInfo]) -> Conversion:
             out.problems.append(f"{name} maps to {target} by a conversion tpplan cannot read "
                                 f"slice by slice ({how if isinstance(how, str) else pattern})")
             continue
-        g = groups.setdefault(target, {"how": how, "n": len(conv.source_patterns), "parts": {}})
+        g = groups.setdefault(target, {"how": how, "sources": conv.source_patterns, "parts": {}})
         g["parts"].setdefault(conv.source_patterns.index(pattern), {})[e] = name
     for target, g in groups.items():
         parts, shapes, bad = [], [], []
-        for j in range(g["n"]):
+        for j, source in enumerate(g["sources"]):
             experts = g["parts"].get(j, {})
             names = [experts.get(e) for e in range(max(experts, default=-1) + 1)]
             if not experts or None in names:
-                have = sorted(experts)
-                bad.append(f"part {j + 1} of {g['n']} has experts {have or 'none'}, not 0.."
-                           f"{max(have, default=0)} each once")
+                bad.append(f"'{source.strip('.')}' has experts {sorted(experts) or 'none'}, "
+                           f"not every one of 0..{len(names) - 1}")
                 continue
             kinds = {(found[n].shape, found[n].dtype) for n in names}
             if len(kinds) > 1:
