@@ -96,12 +96,16 @@ def _sizes(folder: Path) -> dict[str, int]:
 
 
 def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
-        tiny_hf, fused_qwen3_moe, tmp_path):
+        tiny_hf, fused_qwen3_moe, tmp_path, capsys):
+    from test_expert_parallel import _sp_plan
+
     from tpplan.parallel.runtime import spawn
 
     qwen, mixtral = tiny_hf("qwen3_moe"), tiny_hf("mixtral")
     cases = {  # name: (folder, mesh, rule, experts of a layer each rank reads from)
         "qwen-ep4": (qwen, "{ep: 4, dp_shard: -1}", EP_RULE, 2),
+        # import-hf's tp 2 + SP plan with ep 2: the experts whole on each tp rank (read twice)
+        "qwen-tp2-ep2": (qwen, None, None, 4),
         "qwen-ep2-efsdp2": (qwen, "{ep: 2, dp_shard: 4}", EP_RULE, 2),
         # expert TP: half of each expert's rows on each tp rank, half the experts on each
         # dp rank (FSDP)
@@ -112,7 +116,9 @@ def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
     jobs = []
     for name, (folder, mesh, rule, _) in cases.items():
         path = tmp_path / f"{name}.yaml"
-        path.write_text(EP_PLAN.format(mesh=mesh, folder=folder, rules=rule))
+        path.write_text(EP_PLAN.format(mesh=mesh, folder=folder, rules=rule) if mesh else
+                        f"extends: {_sp_plan(capsys, tmp_path, 'qwen3_moe', folder / 'config.json')}\n"
+                        f"model: {{hf_config: null, pretrained: {folder}}}\n")
         jobs.append((name, str(path)))
     tokens = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
     spawn(_reads_worker, 4, jobs, tokens, str(tmp_path))
@@ -128,13 +134,16 @@ def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
         experts = {n for n in sizes if ".experts." in n}
         per_expert = folder != fused_qwen3_moe
         assert len(experts) == (2 * 8 * 3 if per_expert else 2 * 2), name
-        # every element of every expert tensor read by exactly one rank (the one holding
-        # it), a quarter of them on each: no rank reads a full copy, nor what it does not hold
+        # every element of every expert tensor read by exactly the ranks holding it (one;
+        # the two tp ranks beside ep), a quarter of them on each (a half beside tp): no rank
+        # reads a full copy, nor what it does not hold
+        copies = 2 if "tp2" in name and "etp" not in name else 1
         total = sum(sizes[n] for n in experts)
         for n in experts:
-            assert sum(r["reads"].get(n, 0) for r in ranks) == sizes[n], (name, n)
+            assert sum(r["reads"].get(n, 0) for r in ranks) == copies * sizes[n], (name, n)
         for r in ranks:
-            assert sum(v for n, v in r["reads"].items() if n in experts) == total // 4, name
+            mine = sum(v for n, v in r["reads"].items() if n in experts)
+            assert mine == copies * total // 4, name
             if held is not None:
                 ids = {n.split(".experts.")[1].split(".")[0] for n in r["reads"] if n in experts}
                 assert len(ids) == held, (name, ids)
