@@ -2,6 +2,7 @@
 
     python scripts/make_tiny_hf.py --family llama --out tiny-llama
     python scripts/make_tiny_hf.py --family qwen2 --out tiny-qwen2
+    python scripts/make_tiny_hf.py --family qwen3_moe --out tiny-qwen3-moe
     python scripts/make_tiny_hf.py --family llama --size 1b --dtype bfloat16 --no-data --out llama-1b
 
 writes what ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
@@ -15,7 +16,8 @@ that module's own docstring -- so chat fine-tuning has real text to learn.
 
 Sizes: ``tiny`` (width 64, 2 layers, 8 query heads, 4 KV heads: tp up to 4, vocabulary 512; a few hundred
 KB) or ``1b`` (the Llama 3.2 1B shape of tpplan's built-in ``llama3`` ``1b`` config, random
-weights; for load benchmarks).
+weights; for load benchmarks). ``--family qwen3_moe`` / ``mixtral``: tiny, 8 experts, top-2,
+the experts saved one tensor per expert as ``save_pretrained`` writes them (``MOE`` below).
 """
 
 from __future__ import annotations
@@ -53,6 +55,15 @@ SIZES = {
                max_position_embeddings=8192, rope_theta=500000.0),
 }
 
+# Mixtures of experts (tiny only): 8 experts, top-2. ``save_pretrained`` writes their experts
+# one tensor per expert (``experts.N.gate_proj.weight``; Mixtral's ``experts.N.w1.weight``),
+# as the Hub's MoE checkpoints hold them, not transformers' fused [experts, ...] parameters.
+MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=8),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+}
+CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3_moe": "Qwen3MoeConfig",
+           "mixtral": "MixtralConfig"}
 
 SKIP = {"test", "tests", "site-packages", "dist-packages", "idlelib", "__pycache__"}
 
@@ -124,7 +135,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    ap.add_argument("--family", choices=list(CONFIGS), default="llama")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--out", required=True, help="folder to write (created)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -142,9 +153,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = dict(SIZES[args.size])
+    if args.family in MOE:
+        if args.size != "tiny":
+            ap.error(f"--family {args.family} comes in --size tiny only")
+        sizes.update(MOE[args.family])
     files = stdlib_sources()
     tok = train_tokenizer(sizes["vocab_size"] if args.size == "tiny" else 4096, files)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[args.family]
+    config_cls = getattr(transformers, CONFIGS[args.family])
     config = config_cls(**sizes, rms_norm_eps=1e-5, tie_word_embeddings=args.tie_word_embeddings,
                         eos_token_id=tok.token_to_id("<|im_end|>"),
                         pad_token_id=tok.token_to_id("<|endoftext|>"),

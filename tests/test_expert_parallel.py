@@ -69,18 +69,28 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
                        "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
     plans.append(_plan(tmp_path, "qwen3_moe-ep4-ac", configs["qwen3_moe"], "{ep: 4}",
                        extra=FSDP + '\nactivation_checkpointing: {mode: full, blocks: "model.layers.*"}'))
+    for path, _, ref, _ in match_one_device(plans):
+        routers = [n for n in ref.grads if n.endswith("mlp.gate.weight")]
+        experts = [n for n in ref.grads if n.endswith("mlp.experts.down_proj")]
+        assert len(routers) == len(experts) == 2, path  # two MoE blocks, each compared
+
+
+def match_one_device(plans: list[str]) -> list:
+    """Each plan's step on 4 gloo processes (one spawn for all) against one device: logits,
+    loss and every gradient equal, each router's gradient non-zero (the router learns
+    through the dispatch). (plan, its VerifyStep, the reference, the parallel result) each."""
     steps = [verify_step(p, 4, shrink=False) for p in plans]
     jobs = [(p, s.overrides, s.tokens, 0) for p, s in zip(plans, steps)]
+    out = []
     for path, step, par in zip(plans, steps, parallel_steps(jobs, 4)):
         assert not isinstance(par, str), f"{path}: {par}"
         ref = reference_step(step.plan, step.tokens, 0)
         cmp = compare(ref, par)
         assert cmp.ok, (path, cmp.failures)
-        routers = [n for n in ref.grads if n.endswith("mlp.gate.weight")]
-        experts = [n for n in ref.grads if n.endswith("mlp.experts.down_proj")]
-        assert len(routers) == len(experts) == 2  # two MoE blocks, each compared
-        for name in routers:  # the router learns through the dispatch: its gradient flows
+        for name in [n for n in ref.grads if n.endswith("mlp.gate.weight")]:
             assert par.grads[name].abs().sum() > 0, (path, name)
+        out.append((path, step, ref, par))
+    return out
 
 
 def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys, monkeypatch):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..api import Plan, load
 from ..models import build_model
+from ..models.moe_loss import aux_loss, micro_batch_aux, with_aux_loss
 from ..plan.packing import packed_params
 from ..parallel.context import shard_batch
 from ..parallel.freeze import apply_freeze
@@ -31,8 +32,7 @@ from ..parallel.runtime import as_spawned_rank, spawn
 from .comparison import Comparison, compare, rel_err
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
-           "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep",
-           "verify_step"]
+           "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep", "verify_step"]
 
 
 @dataclass
@@ -62,12 +62,17 @@ def reference_step(plan: Plan, tokens: torch.Tensor, seed: int,
         apply_lora(plan.spec.lora, model, None, {}, plan.spec.train.seed)
         freeze_base(plan.spec.lora, model)
     apply_freeze(plan.freeze, model)  # what the plan freezes has no gradient on either side
-    _, _, kwargs = shard_batch(model, tokens, tokens, None if positions is None else positions[:, :-1])
-    logits = model(tokens[:, :-1], **kwargs)
-    loss = _loss(logits, tokens[:, 1:])
+    logits = _forward(model, tokens, positions)
+    aux = micro_batch_aux(model, _forward, tokens, positions, plan.spec.train.micro_batch_size)
+    loss = with_aux_loss(_loss(logits, tokens[:, 1:]), aux)  # a MoE's aux: per micro-batch
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return StepResult(logits.detach(), loss.item(), grads)
+
+
+def _forward(model, tokens: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    pos = None if positions is None else positions[:, :-1]
+    return model(tokens[:, :-1], **shard_batch(model, tokens, tokens, pos)[2])
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,7 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
         logits = model(inputs, **kwargs)
-        loss = _loss(logits, targets)
+        loss = with_aux_loss(_loss(logits, targets), aux_loss(model))
         loss.backward()
     logits, loss = _full(logits.detach()), _full(loss.detach())
     grads = _grads([model], model.named_parameters())

@@ -11,7 +11,11 @@ dropped, so the process holds one tensor at a time whatever the model's size.
 Names: an HF model's state-dict names are HF's own. The built-in Llama's are mapped with
 :mod:`tpplan.models.hf_llama`; trained from scratch (``rope_layout: interleaved``) its q/k
 rows are permuted within each head (:func:`~tpplan.models.hf_llama.interleaved_to_half`),
-so HF's rotate-half RoPE computes the same logits.
+so HF's rotate-half RoPE computes the same logits. A mixture of experts' fused ``[E, ...]``
+experts are written in the layout the run's ``model.pretrained`` folder holds them -- one
+tensor per expert (``experts.N.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.N.w1``)
+or fused -- and without such a folder as transformers' own ``save_pretrained`` writes them
+(per expert): :mod:`tpplan.checkpoint.hf_convert`, one fused tensor held at a time.
 
 Atomic: everything is written into a temporary folder beside ``out``, renamed to ``out`` at
 the end; a failure removes it. ``out`` must be new or empty, so nothing the export reads (the
@@ -31,12 +35,14 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import load
+from ..checkpoint import hf_weights
+from ..checkpoint.hf_convert import Conversion, conversion, saved_names
 from ..checkpoint.stream import ModelTensors
 from ..models import build_model
 from ..models.hf import causal_lm_for, hf_config
 from ..models.hf_llama import hf_config_dict, interleaved_to_half, is_rotary
 from ..models.introspect import vocab_size
-from ..models.pretrained import expected_tensors
+from ..models.pretrained import expected_tensors, pretrained_dir
 from ..plan.errors import CommandError
 from ..plan.specs import torch_dtype
 from .export import checked_checkpoint, find_plan, read_failure
@@ -48,9 +54,10 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "export_hf"]
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
-def _entries(model, tensors: ModelTensors, dtype: torch.dtype | None):
-    """(Entry in HF's name, the checkpoint's name, permute q/k rows) for every tensor the
-    model holds; a tensor the checkpoint lacks or holds in another shape is an error."""
+def _entries(model, tensors: ModelTensors, dtype: torch.dtype | None, layout: Conversion):
+    """(Entry in HF's name, the checkpoint's name, permute q/k rows, the fused tensor it is
+    a piece of) for every tensor the model holds -- per expert where ``layout`` says so; a
+    tensor the checkpoint lacks or holds in another shape is an error."""
     interleaved = getattr(getattr(model, "config", None), "rope_layout", None) == "interleaved"
     out, missing, wrong = [], [], []
     for hf_name, (name, shape) in expected_tensors(model).items():
@@ -62,13 +69,32 @@ def _entries(model, tensors: ModelTensors, dtype: torch.dtype | None):
             continue
         stored = tensors.dtype(name)
         target = dtype if dtype is not None and stored.is_floating_point else stored
-        out.append((Entry(hf_name, shape, target), name, interleaved and is_rotary(name)))
+        fused = layout.fused.get(hf_name)
+        if fused is None:
+            out.append((Entry(layout.checkpoint_name(hf_name), shape, target), name,
+                        interleaved and is_rotary(name), None))
+            continue
+        for names, part_shape in zip(fused.parts, fused.part_shapes):
+            out += [(Entry(n, part_shape, target), name, False, fused) for n in names]
     if missing or wrong:
         what = (f"lacks {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
                 f"{', ...' if len(missing) > 3 else ''})" if missing else
                 f"holds tensors of other shapes: {'; '.join(wrong[:3])}")
         raise CommandError(f"checkpoint {tensors.path} does not fit the plan's model: {what}")
     return out
+
+
+def _expert_layout(spec, model) -> Conversion:
+    """How to write a MoE's experts: as ``model.pretrained``'s folder holds them (per expert
+    or fused), else as transformers' ``save_pretrained`` writes them (per expert, for the
+    families its conversion mapping fuses on load). Other models: their own names."""
+    if not spec.is_hf:
+        return Conversion()
+    if spec.pretrained:
+        found, _ = hf_weights.read_index(pretrained_dir(spec))
+        if found:
+            return conversion(model, found)
+    return saved_names(model)
 
 
 def _config_json(spec, model, dtype_name: str) -> str:
@@ -136,8 +162,9 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
         tensors = ModelTensors(checkpoint)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - one line, as export says
         raise read_failure(checkpoint, e) from None
-    entries = _entries(model, tensors, torch_dtype(dtype) if dtype else None)
-    floats = [e.dtype for e, _, _ in entries if e.dtype.is_floating_point]
+    entries = _entries(model, tensors, torch_dtype(dtype) if dtype else None,
+                       _expert_layout(spec, model))
+    floats = [e.dtype for e, *_ in entries if e.dtype.is_floating_point]
     dtype_name = str(floats[0] if floats else torch.float32).removeprefix("torch.")
     source = Path(tokenizer) if tokenizer else plan_tokenizer(plan, plan_file)
     if source is not None:
@@ -145,21 +172,26 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     out = Path(out)
     _out_folder(out)
     head_dim = getattr(getattr(model, "config", None), "head_dim", None)
-    by_entry = {e.name: (name, permute) for e, name, permute in entries}
+    by_entry = {e.name: rest for e, *rest in entries}
+    held: dict[str, torch.Tensor] = {}  # the one fused tensor its experts are being cut from
 
     def fetch(entry: Entry) -> torch.Tensor:
-        name, permute = by_entry[entry.name]
+        name, permute, fused = by_entry[entry.name]
         try:
-            t = tensors.read(name)
+            t = held[name] if name in held else tensors.read(name)
         except (Exception, CheckpointException) as e:  # noqa: BLE001
             raise read_failure(checkpoint, e) from None
+        if fused is not None:
+            held.clear()
+            held[name] = t
+            t = fused.piece(t, entry.name)
         if permute:
             t = interleaved_to_half(t, head_dim)
         return t.to(entry.dtype)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
-        files = write_sharded(tmp, [e for e, _, _ in entries], fetch, max_bytes)
+        files = write_sharded(tmp, [e for e, *_ in entries], fetch, max_bytes)
         (tmp / "config.json").write_text(_config_json(spec, model, dtype_name))
         copied = copy_tokenizer_files(source, tmp) if source is not None else []
         os.chmod(tmp, 0o777 & ~_umask())  # as mkdir would make it, not mkdtemp's 0700
@@ -172,7 +204,7 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"checkpoint": str(checkpoint), "out": str(out), "tensors": len(entries),
-            "parameters": sum(_numel(e.shape) for e, _, _ in entries), "files": files,
+            "parameters": sum(_numel(e.shape) for e, *_ in entries), "files": files,
             "dtype": dtype_name, "tokenizer": str(source) if source else None,
             "tokenizer_files": copied}
 

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from ..plan.packing import packed_params
-from .packed_io import PackedLoadPlanner
 
 __all__ = ["INDEX", "TensorInfo", "compress_names", "load", "mismatches", "read_index"]
 
@@ -137,23 +136,30 @@ def mismatches(expected: dict[str, tuple[str, tuple[int, ...]]], found: dict[str
 
 
 def load(folder: Path, model: nn.Module, to_hf, names: set[str],
-         aliases: dict[str, str] | None = None) -> int:
+         aliases: dict[str, str] | None = None, conversion=None) -> int:
     """Read the checkpoint in ``folder`` into ``model`` (materialized, parallelized or not):
     the tensors whose checkpoint names (``to_hf`` of the model's) are in ``names`` -- a tied
     tensor once. ``aliases``: model tensors (by checkpoint name) read from another checkpoint
-    tensor. Returns the number of tensors read."""
+    tensor. ``conversion`` (:class:`~tpplan.checkpoint.hf_convert.Conversion`): model tensors
+    the checkpoint holds renamed or per expert. Returns the number of tensors read."""
+    from .hf_convert import Conversion, ConvertingLoadPlanner
+
     aliases = aliases or {}
+    conversion = conversion or Conversion()
     state = get_model_state_dict(model)
     by_hf: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         hf = to_hf(name)
         if hf in names:
             by_hf[hf] = t
-    direct = {k: v for k, v in by_hf.items() if k not in aliases}
+    # under the checkpoint's names; per-expert ones stay under the model's (hf_convert)
+    name = conversion.checkpoint_name
+    direct = {name(k): v for k, v in by_hf.items() if k not in aliases}
     reader = HuggingFaceStorageReader(str(folder))
     # packed parameters: each rank reads its slice of every part (packed_io)
-    packed = {to_hf(n): p for n, p in packed_params(model).items()}
-    dcp.load(direct, storage_reader=reader, planner=PackedLoadPlanner(packed))
+    packed = {name(to_hf(n)): p for n, p in packed_params(model).items()}
+    dcp.load(direct, storage_reader=reader,
+             planner=ConvertingLoadPlanner(packed, conversion.fused))
     for target, source in aliases.items():
         if target in by_hf:
             dcp.load({source: by_hf[target]}, storage_reader=HuggingFaceStorageReader(str(folder)))

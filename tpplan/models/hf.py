@@ -21,6 +21,7 @@ from ..plan.specs import ModelSpec
 from ..plan.yamlio import not_a_file
 from .hf_experts import register_shapes_only
 from .hf_stages import mark_stageable
+from .moe_loss import keep_aux_loss
 
 __all__ = ["TOKENIZER_FILES", "build_hf", "causal_lm_class", "causal_lm_for", "hf_config", "hf_config_path",
            "require_transformers"]
@@ -61,6 +62,7 @@ def _init_std_for(model: nn.Module, std: float):
 
 
 def _logits_only(module: nn.Module, args: Any, output: Any) -> Any:
+    keep_aux_loss(module, output)  # a MoE's load-balancing loss, for the trainer (moe_loss)
     return output.logits if hasattr(output, "logits") else output
 
 
@@ -75,6 +77,9 @@ def _meta_mask(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dic
         b, s = ids.shape
         kwargs = {**kwargs, "attention_mask": torch.ones(b, 1, s, s, dtype=torch.bool,
                                                          device="meta")}
+        if getattr(getattr(module, "config", None), "output_router_logits", False):
+            # a MoE's aux loss (a few scalars) would read this mask as a per-token one
+            kwargs["output_router_logits"] = False
     return args, kwargs
 
 

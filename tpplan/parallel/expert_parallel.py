@@ -46,8 +46,8 @@ from ..plan.styles import EP_STYLES
 from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
                            experts_for_ep)
 
-__all__ = ["ExpertParallel", "check_expert_parallel", "expert_count", "local_expert_params",
-           "call_form", "experts_for_ep", "expert_tp_inside_ep",
+__all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
+           "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
 # Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
@@ -117,6 +117,7 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
     spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
     errs = res.errors
+    check_aux_loss(mesh, modules.get(""), errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
             check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
@@ -243,3 +244,25 @@ class ExpertParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return "ExpertParallel()"
+
+
+def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:
+    """A model that computes an auxiliary (load-balancing) loss -- its config sets
+    ``output_router_logits`` -- on a mesh where tpplan would get it wrong: under pipeline
+    stages the routers run on every stage but the loss is taken on the last; under context
+    parallelism each rank's routers see part of each sequence, and the loss is not additive
+    over parts. Errors at ``mesh.pp`` / ``mesh.cp``."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or \
+            not getattr(model, "router_aux_loss_coef", 0):
+        return
+    for key, name, why in (("pp", "pipeline stages", "the loss is taken on the last stage, "
+                            "the routers run on every stage"),
+                           ("cp", "context parallelism", "each rank's routers see part of "
+                            "each sequence")):
+        degree = getattr(mesh, key)
+        if degree > 1:
+            errs.add(f"mesh {key}={degree}: the model computes its load-balancing loss "
+                     f"(output_router_logits: true), which tpplan does not add under {name} "
+                     f"yet ({why}); set model.config.output_router_logits: false, or drop "
+                     f"{key}", mesh.locs.get(key, mesh.loc))

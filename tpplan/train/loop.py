@@ -123,7 +123,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
     # FSDP2 averages over dp_shard × cp: each rank's loss is its tokens' part of the sum
     dp_scale = dims.dp * dims.cp if plan.fsdp is not None else 1
-    stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale)
+    stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale, dims.dp)
     parts = stepper.parts  # the model, or this rank's pipeline stages
     for part in parts:
         materialize(part, device)

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import load as load_plan
 from ..checkpoint import hf_weights
+from ..checkpoint.hf_convert import Conversion, conversion
 from ..models import build_model, materialize
 from ..models.pretrained import expected_tensors, hf_name_map, pretrained_dir
 from ..parallel.mesh import dp_rank
@@ -41,9 +42,11 @@ class Pretrained:
     names: set[str]  # checkpoint names to read
     aliases: dict[str, str] = field(default_factory=dict)  # model tensor <- checkpoint tensor
     dtypes: str = ""  # the checkpoint's dtypes, e.g. "bfloat16"
+    conversion: Conversion | None = None  # tensors held renamed or per expert (hf_convert)
 
     def describe(self) -> str:
-        return f"pretrained {self.folder} ({len(self.names)} tensors, {self.dtypes})"
+        experts = ", experts one tensor each" if self.conversion and self.conversion.fused else ""
+        return f"pretrained {self.folder} ({len(self.names)} tensors, {self.dtypes}{experts})"
 
 
 def _tied(folder: Path) -> bool:
@@ -64,7 +67,10 @@ def check(spec: ModelSpec, model: nn.Module) -> Pretrained:
                  f"and *.safetensors)", loc)
         errs.raise_if_any()
     found, problems = hf_weights.read_index(folder)
-    expected = expected_tensors(model)
+    converted = conversion(model, found)  # per-expert MoE tensors, as transformers maps them
+    problems += converted.problems
+    found = converted.as_model(found)
+    expected = {k: v for k, v in expected_tensors(model).items() if k not in converted.failed}
     to_hf = hf_name_map(model)
     everything = {to_hf(n) for n in model.state_dict()} - {None}
     aliases = {}
@@ -75,12 +81,13 @@ def check(spec: ModelSpec, model: nn.Module) -> Pretrained:
         errs.add(f"model.pretrained: {p}", loc)
     errs.raise_if_any()
     kinds = Counter(DTYPES.get(found[n].dtype, found[n].dtype) for n in expected if n in found)
-    return Pretrained(folder, set(expected), aliases, ", ".join(sorted(kinds)))
+    return Pretrained(folder, set(expected), aliases, ", ".join(sorted(kinds)), converted)
 
 
 def load(source: Pretrained, model: nn.Module) -> str:
     """Read the checkpoint into the parallelized, materialized model; the header's word for it."""
-    hf_weights.load(source.folder, model, hf_name_map(model), source.names, source.aliases)
+    hf_weights.load(source.folder, model, hf_name_map(model), source.names, source.aliases,
+                    source.conversion)
     return source.describe()
 
 

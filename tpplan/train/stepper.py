@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.context import position_kwarg, shard_batch
+from ..models.moe_loss import aux_loss, with_aux_loss
 from .evaluate import IGNORE_INDEX, plain_loss, target_loss
 
 __all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
@@ -21,9 +22,12 @@ __all__ = ["PipelineStepper", "PlainStepper", "make_stepper"]
 class PlainStepper:
     """The whole model on this rank: micro-batches accumulate gradients one after another."""
 
-    def __init__(self, plan, model: nn.Module, micro: int, accum: int, dp_scale: int):
+    def __init__(self, plan, model: nn.Module, micro: int, accum: int, dp_scale: int,
+                 micro_batches: int = 1):
         self.plan, self.model, self.micro, self.accum, self.dp_scale = \
             plan, model, micro, accum, dp_scale
+        # a MoE's aux loss is per forward: the step's is their mean over the global batch's
+        self.micro_batches = micro_batches
         self.parts = [model]
         self.can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
         # a model that takes no positions (a user's own) trains on packed data unmasked
@@ -45,6 +49,7 @@ class PlainStepper:
             inputs, targets, kwargs = shard_batch(self.model, inputs, targets, pos)
             with self.plan.loss_context():
                 loss = target_loss(self.model(inputs, **kwargs), targets) / count
+                loss = with_aux_loss(loss, aux_loss(self.model), 1 / self.micro_batches)
                 (loss * self.dp_scale).backward()
             loss_sum += plain_loss(loss.detach())
         return loss_sum
@@ -90,8 +95,9 @@ class PipelineStepper:
 
 
 def make_stepper(plan, model: nn.Module, mesh, device: torch.device, micro: int, accum: int,
-                 dp_scale: int):
-    """The stepper for the plan: parallelizes ``model`` (meta) via the public API."""
+                 dp_scale: int, dp: int = 1):
+    """The stepper for the plan: parallelizes ``model`` (meta) via the public API. ``dp``:
+    the data-parallel ranks (a step's micro-batches are ``accum × dp``)."""
     if plan.pipeline is not None:
         return PipelineStepper(plan, model, mesh, device, dp_scale)
-    return PlainStepper(plan, plan.apply(model, mesh), micro, accum, dp_scale)
+    return PlainStepper(plan, plan.apply(model, mesh), micro, accum, dp_scale, accum * dp)

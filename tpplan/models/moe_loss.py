@@ -1,0 +1,64 @@
+"""The auxiliary loss a mixture of experts' own forward computes, kept for the trainer.
+
+transformers' MoE causal LMs (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss, ...) whose config
+sets ``output_router_logits`` return ``aux_loss`` -- Switch Transformer's load-balancing loss
+over the batch the forward saw -- and their own ``loss`` adds ``router_aux_loss_coef ×
+aux_loss`` to the cross-entropy. tpplan's models return logits only (``models/hf.py``'s hook),
+so the hook keeps that term on the model and :func:`aux_loss` hands it to whoever computes
+the loss (the trainer's step, verify's both sides): the model's own loss, with the term its
+config asks for. It is per forward, i.e. per micro-batch: see docs/moe.md ("Auxiliary loss").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss"]
+
+_KEPT = "_tpplan_aux_loss"
+
+
+def keep_aux_loss(module: nn.Module, output: Any) -> None:
+    """Keep ``router_aux_loss_coef × output.aux_loss`` of this forward on ``module`` (or
+    nothing: no aux loss asked for, or a coefficient of 0)."""
+    aux = getattr(output, "aux_loss", None)
+    coef = getattr(module, "router_aux_loss_coef", None)
+    module.__dict__[_KEPT] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The auxiliary loss term of ``model``'s last forward (taken: a second call gives None)."""
+    return model.__dict__.pop(_KEPT, None)
+
+
+def micro_batch_aux(model: nn.Module, forward: Callable, tokens: torch.Tensor,
+                    positions: torch.Tensor | None, micro: int | None) -> torch.Tensor | None:
+    """The aux term of a one-device reference that has just run ``model`` on the whole
+    batch, as data-parallel ranks compute it: the mean over ``forward(model, tokens,
+    positions)`` of every ``micro`` sequences (the batch's own when ``micro`` is None or all)."""
+    whole = aux_loss(model)
+    if whole is None or not micro or micro >= len(tokens):
+        return whole
+    chunks = tokens.split(micro)
+    where = positions.split(micro) if positions is not None else [None] * len(chunks)
+    terms = []
+    for t, p in zip(chunks, where):
+        forward(model, t, p)
+        terms.append(aux_loss(model))
+    return sum(terms) / len(terms)
+
+
+def with_aux_loss(loss: torch.Tensor, aux: torch.Tensor | None, scale: float = 1.0):
+    """``loss + scale × aux``; under loss parallelism (a replicated DTensor loss) the aux
+    term, the same on every tp rank (the router saw the same tokens), joins it replicated."""
+    if aux is None:
+        return loss
+    from torch.distributed.tensor import DTensor
+
+    aux = aux * scale
+    if isinstance(loss, DTensor) and not isinstance(aux, DTensor):
+        aux = DTensor.from_local(aux.to(loss.dtype), loss.device_mesh, loss.placements)
+    return loss + aux
