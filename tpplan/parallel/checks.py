@@ -88,16 +88,16 @@ def check_norms_beside_colwise(res: Any, modules: dict) -> None:
     numbers, no error): it needs ``{style: sequence_parallel, sequence_dim: 2,
     use_local_output: true}`` if it normalizes each head, or the projections gathered."""
     seen: set[str] = set()
+    # Only inside a sub-layer: a parent holding a rowwise linear too (attention, MLP),
+    # not the model's root, whose final norm feeds the head its whole input.
+    with_rowwise = {p.rpartition(".")[0] for p, r in res.rule_of.items()
+                    if r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)}
     for path, rule in res.rule_of.items():
         if rule.style.name != "colwise" or _gathered(rule) or \
                 not isinstance(modules[path], nn.Linear):
             continue
         parent = path.rpartition(".")[0]
-        # Only inside a sub-layer: a parent holding a rowwise linear too (attention, MLP),
-        # not the model's root, whose final norm feeds the head its whole input.
-        if not parent or not any(
-                r.style.name == "rowwise" and isinstance(modules[p], nn.Linear)
-                and p.rpartition(".")[0] == parent for p, r in res.rule_of.items()):
+        if not parent or parent not in with_rowwise:
             continue
         split = head_params_of(res.rule_of.get(parent))
         own = [n for n, p in modules[parent].named_parameters(recurse=False)
