@@ -35,7 +35,7 @@ from tpplan.plan.devices import DEVICES  # noqa: E402
 # fit; the rows' ratios at either end are in docs/search.md.
 H100_NVL_BF16 = 835e12
 TORCHTITAN_H100 = dataclasses.replace(
-    DEVICES["h100"], name="h100-500w", memory=96 * 2**30,
+    DEVICES["h100"], name="h100-500w", memory=96 * 10**9,
     bf16_flops=(H100_NVL_BF16 + DEVICES["h100"].bf16_flops) / 2,
     description="torchtitan's H100 96GB HBM2e at 500 W: peak between NVL and SXM")
 DEVICE_OF = {**DEVICES, TORCHTITAN_H100.name: TORCHTITAN_H100}
@@ -174,7 +174,7 @@ def main() -> int:
                  f"{rows[-1]['source_v']['ratio']:.3f}" if source_v else "")
               + f" ({rows[-1]['seconds']:.0f} s)", file=sys.stderr)
         if args.search:
-            rows[-1]["search"] = searched(args.plan, DEVICES[dev], world, sets, constants)
+            rows[-1]["search"] = searched(args.plan, DEVICE_OF[dev], world, sets, constants)
             first = rows[-1]["search"]
             print(f"  search ranks first: {' '.join(first['sets'])}: {first['step']:.3f} s "
                   f"({first['step'] / est.step_time:.2f} of the authors' layout's estimate; "
