@@ -29,10 +29,11 @@ from tpplan.analysis.dryrun import dry_run  # noqa: E402
 from tpplan.analysis.schedule import schedule_facts  # noqa: E402
 from tpplan.plan.devices import DEVICES  # noqa: E402
 
-# torchtitan's benchmark H100s, as its pages describe them: "96GB HBM2e ... limited to lower
-# TDP (500 W) ... The actual peak TFLOPs should be between SXM and NVL, and we don't know its
-# exact value." The middle of that range (NVL: 835 dense bf16 TFLOP/s; SXM: 989.4), not a
-# fit; the rows' ratios at either end are in docs/search.md.
+# torchtitan's benchmark H100s, as its pages describe them (asyncTP page): "The H100 GPUs used
+# for the benchmark were non-standard. They have HBM2e and are limited to a lower TDP. The
+# actual peak TFLOPs should be between SXM and NVL, and we don't know the exact value." (the
+# 2024-12 page: "96GB HBM2e ... 500W"). The middle of that range (NVL: 835 dense bf16 TFLOP/s;
+# SXM: 989.4), not a fit; the rows' ratios at either end are in docs/search.md.
 H100_NVL_BF16 = 835e12
 TORCHTITAN_H100 = dataclasses.replace(
     DEVICES["h100"], name="h100-500w", memory=96 * 10**9,
