@@ -4,6 +4,7 @@ generated plan (``suggest``, ``import-hf``) then validating it right away."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import gc
 import os
@@ -19,16 +20,22 @@ __all__ = ["add_plan_args", "console", "emit", "fewer_collections", "print_error
 @contextlib.contextmanager
 def fewer_collections(allocations: int = 100_000):
     """Python's cyclic garbage collector run every ``allocations`` net allocations instead of
-    its default 700, inside the block. A dry run allocates millions of objects that live on
-    (``import torch``'s modules, fake tensors, DTensor specs, a 405B model's modules), and at
-    the default pace the collector walks them again and again: ~10% of `validate`'s time at
-    405B (docs/benchmarks.md). Nothing is left uncollected; it is collected less often."""
+    its default 700, inside the block, and not over what is still alive when the interpreter
+    exits. A dry run allocates millions of objects that live on (``import torch``'s modules,
+    fake tensors, DTensor specs, a 405B model's modules): at the default pace the collector
+    walks them again and again, and the interpreter's last collection at exit walks them all
+    once more (together ~1 s of `validate` at 405B, docs/benchmarks.md). Nothing is left
+    uncollected while the process runs; at its exit, what is alive is frozen (``gc.freeze``
+    in an ``atexit`` hook: the other hooks still run, and every object is still freed as the
+    modules are cleared; only the last walk over them is skipped)."""
     before = gc.get_threshold()
     gc.set_threshold(allocations, *before[1:])
     try:
         yield
     finally:
         gc.set_threshold(*before)
+        atexit.unregister(gc.freeze)  # once, however many runs
+        atexit.register(gc.freeze)
 
 
 def print_errors(errors: PlanErrors | list[PlanError], stream: TextIO | None = None) -> None:
