@@ -26,8 +26,8 @@ def fewer_collections(allocations: int = 100_000):
     walks them again and again, and the interpreter's last collection at exit walks them all
     once more (together ~1 s of `validate` at 405B, docs/benchmarks.md). Nothing is left
     uncollected while the process runs; at its exit, what is alive is frozen (``gc.freeze``
-    in an ``atexit`` hook: the other hooks still run, and every object is still freed as the
-    modules are cleared; only the last walk over them is skipped)."""
+    in an ``atexit`` hook: the other hooks still run and the modules are still cleared, which
+    frees what is not in a reference cycle; the cycles are left to the operating system)."""
     before = gc.get_threshold()
     gc.set_threshold(allocations, *before[1:])
     try:
