@@ -17,6 +17,9 @@ from ..plan.errors import UNKNOWN, Loc, PlanError, PlanErrors
 __all__ = ["add_plan_args", "console", "emit", "fewer_collections", "print_errors", "size"]
 
 
+_FROZEN_AT_EXIT: list = []
+
+
 @contextlib.contextmanager
 def fewer_collections(allocations: int = 100_000):
     """Python's cyclic garbage collector run every ``allocations`` net allocations instead of
@@ -34,8 +37,8 @@ def fewer_collections(allocations: int = 100_000):
         yield
     finally:
         gc.set_threshold(*before)
-        atexit.unregister(gc.freeze)  # once, however many runs
-        atexit.register(gc.freeze)
+        if not _FROZEN_AT_EXIT:  # once, however many runs
+            _FROZEN_AT_EXIT.append(atexit.register(gc.freeze))
 
 
 def print_errors(errors: PlanErrors | list[PlanError], stream: TextIO | None = None) -> None:
