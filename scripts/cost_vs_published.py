@@ -15,6 +15,7 @@ ranks first beside the one the authors ran, each with tpplan's estimate.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from tpplan.analysis import ANALYSES  # noqa: E402
 from tpplan.analysis.cost import DEFAULT_CONSTANTS, estimate_step  # noqa: E402
 from tpplan.analysis.dryrun import dry_run  # noqa: E402
+from tpplan.analysis.schedule import schedule_facts  # noqa: E402
 from tpplan.plan.devices import DEVICES  # noqa: E402
+
+# torchtitan's benchmark H100s, as its pages describe them (asyncTP page): "The H100 GPUs used
+# for the benchmark were non-standard. They have HBM2e and are limited to a lower TDP. The
+# actual peak TFLOPs should be between SXM and NVL, and we don't know the exact value." (the
+# 2024-12 page: "96GB HBM2e ... 500W"). The middle of that range (NVL: 835 dense bf16 TFLOP/s;
+# SXM: 989.4), not a fit; the rows' ratios at either end are in docs/search.md.
+H100_NVL_BF16 = 835e12
+TORCHTITAN_H100 = dataclasses.replace(
+    DEVICES["h100"], name="h100-500w", memory=96 * 10**9,
+    bf16_flops=(H100_NVL_BF16 + DEVICES["h100"].bf16_flops) / 2,
+    description="torchtitan's H100 96GB HBM2e at 500 W: peak between NVL and SXM")
+DEVICE_OF = {**DEVICES, TORCHTITAN_H100.name: TORCHTITAN_H100}
 
 BF16 = "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"
 FLAT = "mesh.dp_replicate=1"
@@ -52,19 +66,19 @@ def pipe(schedule: str, m: int, v: int = 1) -> str:
 # ("tflops", model TFLOP/s per GPU, converted with tpplan's FLOP count) | ("seconds", step)
 CONFIGS = [
     ("torchtitan 8B, 8 GPUs", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP, no compile)",
-     "h100", 8, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
+     "h100-500w", 8, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
                  "train.global_batch_size=16", "activation_checkpointing={mode: selective, every: 2}"],
      ("tps", 5762)),
     ("torchtitan 8B, 128 GPUs", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (FSDP, no compile)",
-     "h100", 128, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
+     "h100-500w", 128, [llama("8b"), FLAT, "mesh.tp=1", BF16, "train.seq_len=8192",
                    "train.global_batch_size=256", "activation_checkpointing={mode: selective, every: 2}"],
      ("tps", 5605)),
     ("torchtitan 8B, 64 GPUs, TP 8", ASYNC_TP,
-     "h100", 64, [llama("8b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
+     "h100-500w", 64, [llama("8b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
                   "train.global_batch_size=96", "activation_checkpointing={mode: selective, every: 2}"],
      ("tps", 4378)),
     ("torchtitan 70B, 256 GPUs, TP 8", ASYNC_TP,
-     "h100", 256, [llama("70b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
+     "h100-500w", 256, [llama("70b"), FLAT, "mesh.tp=8", BF16, "train.seq_len=8192",
                    "train.global_batch_size=512", "activation_checkpointing={mode: full}"],
      ("tps", 597.3)),
     ("Megatron-LM GPT-3 175B, 1024 A100", "Megatron-LM README (2022), 'GPT-3 Example'; examples/pretrain_gpt3_175B.sh",
@@ -72,13 +86,19 @@ CONFIGS = [
                          "train.global_batch_size=1536", "train.micro_batch_size=1",
                          "activation_checkpointing={mode: full}", pipe("1f1b", 192)],
      ("seconds", 32.0)),
-    *[(f"Llama 3 405B, {gpus:,} H100 (v={v})", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
+    # The paper's v: "we reduce one Transformer layer each from the first and the last stages
+    # ... the first model chunk on the first stage has only the embedding": one layer a chunk,
+    # 126 + 2 = 128 chunks on 16 ranks, v = 8. tpplan's split gives every stage a block, so
+    # 126 blocks take at most v = 7; v = 4 puts the same 8 blocks on the busiest rank as the
+    # paper's v = 8 (7 on the ends), and SOURCE_V's bubble is printed beside it.
+    *[(f"Llama 3 405B, {gpus:,} H100 (v=4)", "Llama 3 paper Table 4 (as transcribed from Balaji, SC'24)",
        "h100", gpus, [llama("405b"), FLAT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=8192",
                       "train.global_batch_size=2048", "train.micro_batch_size=1",
-                      "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", m, v)],
+                      "fsdp.reshard_after_forward=false", pipe("interleaved_1f1b", m, 4)],
        ("tflops", tflops))
-      for gpus, m, tflops in ((8192, 32, 430), (16384, 16, 400)) for v in (2, 4)],
+      for gpus, m, tflops in ((8192, 32, 430), (16384, 16, 400))],
 ]
+SOURCE_V = {"Llama 3 405B": 8}  # the v the source implies, where tpplan lays out another
 
 
 def measured_seconds(kind: str, value: float, est, world: int) -> float:
@@ -88,6 +108,17 @@ def measured_seconds(kind: str, value: float, est, world: int) -> float:
         return est.tokens_per_step / (value * world)
     flops = est.details["model_flops_per_step"]
     return flops / (value * 1e12 * world)
+
+
+def with_bubble_of(result, est, v: int, measured: float) -> dict:
+    """``est`` with its bubble term recomputed for ``v`` stages per rank (the cost model's
+    own ``bubble_fraction × (compute + recompute + tp)``, the fraction simulated from
+    torch's schedule at that v); every other term as laid out."""
+    pipe = result.plan.spec.pipeline
+    fraction, _ = schedule_facts(pipe.schedule, result.resolution.dims.pp, v, pipe.microbatches)
+    t = est.terms
+    step = est.step_time - t["bubble"] + fraction * (t["compute"] + t["recompute"] + t["tp"])
+    return dict(bubble_fraction=fraction, step=step, ratio=step / measured)
 
 
 LAYOUT = ("mesh", "activation_checkpointing", "train.micro_batch_size", "pipeline")
@@ -126,7 +157,7 @@ def main() -> int:
             why = r.errors[0].message if r.errors else r.analysis_errors[0].message
             print(f"{name}: dry run failed: {why}", file=sys.stderr)
             continue
-        est = estimate_step(r, DEVICES[dev], 8, constants)
+        est = estimate_step(r, DEVICE_OF[dev], 8, constants)
         measured = measured_seconds(kind, value, est, world)
         rows.append(dict(name=name, source=source, world=world, mesh=r.resolution.dims.as_dict(),
                          measured_step=measured, estimated_step=est.step_time,
@@ -134,12 +165,17 @@ def main() -> int:
                          measured_tps=est.tokens_per_step / measured / world,
                          estimated_tps=est.tokens_per_s_per_device, mfu=est.mfu,
                          terms=est.terms, seconds=time.perf_counter() - t0))
+        source_v = next((v for k, v in SOURCE_V.items() if name.startswith(k)), None)
+        if source_v:  # the same estimate with the bubble of the source's v
+            rows[-1]["source_v"] = dict(v=source_v, **with_bubble_of(r, est, source_v, measured))
         print(f"{name}: measured {measured:.3f} s, estimated {est.step_time:.3f} s, "
               f"ratio {est.step_time / measured:.3f}, "
               + ", ".join(f"{k} {v:.3f}" for k, v in est.terms.items() if v)
+              + (f"; with v={source_v}'s bubble {rows[-1]['source_v']['step']:.3f} s, ratio "
+                 f"{rows[-1]['source_v']['ratio']:.3f}" if source_v else "")
               + f" ({rows[-1]['seconds']:.0f} s)", file=sys.stderr)
         if args.search:
-            rows[-1]["search"] = searched(args.plan, DEVICES[dev], world, sets, constants)
+            rows[-1]["search"] = searched(args.plan, DEVICE_OF[dev], world, sets, constants)
             first = rows[-1]["search"]
             print(f"  search ranks first: {' '.join(first['sets'])}: {first['step']:.3f} s "
                   f"({first['step'] / est.step_time:.2f} of the authors' layout's estimate; "

@@ -154,3 +154,50 @@ def test_compile_section(root):
     assert (plan.compile.enabled, plan.compile.blocks, plan.compile.fullgraph) == (True, "layers.*", True)
     assert not tpplan.load(root / "plans/llama.yaml", ["compile=false"]).compile.enabled
     assert tpplan.load(root / "plans/llama.yaml", ["compile=true"]).compile.enabled
+
+
+def test_a_meta_build_runs_no_initializer_and_keeps_every_shape():
+    """On meta there are no values to write: building the plan's model runs none of
+    ``nn.init``'s kernels (which take their tensor as a keyword, ``tensor=``), and builds the
+    same parameters, shapes and buffers as a build on the CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpplan.plan.specs import ModelSpec
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    spec = ModelSpec(name="llama3", config="debug")
+    with Ops() as ops:
+        meta = build_model(spec, "meta")
+    inits = [n for n in ops.names if n.split(".")[0] in ("uniform_", "normal_", "fill_", "zero_")]
+    assert not inits, inits
+    cpu = build_model(spec, "cpu")
+    assert [(n, p.shape) for n, p in meta.named_parameters()] == \
+        [(n, p.shape) for n, p in cpu.named_parameters()]
+    assert [(n, b.shape) for n, b in meta.named_buffers()] == \
+        [(n, b.shape) for n, b in cpu.named_buffers()]
+
+
+def test_validate_gives_the_collector_its_pace_back(root, capsys):
+    """`validate` collects cyclic garbage less often while it runs (docs/benchmarks.md); a
+    caller that runs it in its own process gets the collector back at the pace it had."""
+    import gc
+
+    from tpplan.cli import main
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(500, 9, 9)
+        assert main(["validate", "--plan", str(root / "plans/llama.yaml"), "--world-size", "8",
+                     "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ok"]
+        assert gc.get_threshold() == (500, 9, 9)
+    finally:
+        gc.set_threshold(*before)

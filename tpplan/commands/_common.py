@@ -4,6 +4,9 @@ generated plan (``suggest``, ``import-hf``) then validating it right away."""
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -11,7 +14,31 @@ from typing import TextIO
 
 from ..plan.errors import UNKNOWN, Loc, PlanError, PlanErrors
 
-__all__ = ["add_plan_args", "console", "emit", "print_errors", "size"]
+__all__ = ["add_plan_args", "console", "emit", "fewer_collections", "print_errors", "size"]
+
+
+_FROZEN_AT_EXIT: list = []
+
+
+@contextlib.contextmanager
+def fewer_collections(allocations: int = 100_000):
+    """Python's cyclic garbage collector run every ``allocations`` net allocations instead of
+    its default 700, inside the block, and not over what is still alive when the interpreter
+    exits. A dry run allocates millions of objects that live on (``import torch``'s modules,
+    fake tensors, DTensor specs, a 405B model's modules): at the default pace the collector
+    walks them again and again, and the interpreter's last collection at exit walks them all
+    once more (together ~1 s of `validate` at 405B, docs/benchmarks.md). Nothing is left
+    uncollected while the process runs; at its exit, what is alive is frozen (``gc.freeze``
+    in an ``atexit`` hook: the other hooks still run and the modules are still cleared, which
+    frees what is not in a reference cycle; the cycles are left to the operating system)."""
+    before = gc.get_threshold()
+    gc.set_threshold(allocations, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+        if not _FROZEN_AT_EXIT:  # once, however many runs
+            _FROZEN_AT_EXIT.append(atexit.register(gc.freeze))
 
 
 def print_errors(errors: PlanErrors | list[PlanError], stream: TextIO | None = None) -> None:

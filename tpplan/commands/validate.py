@@ -8,7 +8,8 @@ import sys
 from typing import Any
 
 from . import steptime
-from ._common import add_plan_args, bad_world_size, console, device_from_args, print_errors, size
+from ._common import (add_plan_args, bad_world_size, console, device_from_args, fewer_collections,
+                      print_errors, size)
 
 
 TITLES = {"memory_per_rank": "memory per rank", "comm_per_step": "communication per step"}
@@ -61,6 +62,11 @@ def _fit_status(result, args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    with fewer_collections():  # the imports below and the dry run
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..analysis import ANALYSES
     from ..analysis.dryrun import dry_run
 

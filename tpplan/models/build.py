@@ -168,11 +168,13 @@ class _SkipValueWritesOnMeta(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+        # ``nn.init``'s functions hand their tensor over as a keyword (``tensor=``).
+        target = args[0] if args else kwargs.get("tensor")
+        if isinstance(target, torch.Tensor) and target.is_meta:
             if getattr(func, "__module__", None) == "torch.nn.init" or (
-                    getattr(func, "__name__", None) in _VALUE_WRITES and
+                    args and getattr(func, "__name__", None) in _VALUE_WRITES and
                     not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))):
-                return args[0]
+                return target
         return func(*args, **kwargs)
 
 
