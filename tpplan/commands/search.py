@@ -7,7 +7,8 @@ import argparse
 import json
 import sys
 
-from ._common import add_plan_args, bad_world_size, console, device_from_args, size
+from ._common import (add_plan_args, bad_world_size, console, device_from_args,
+                      fewer_collections, size)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -40,6 +41,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with fewer_collections():  # as validate: millions of long-lived objects
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..analysis.candidates import Options
     from ..analysis.search import search
 
