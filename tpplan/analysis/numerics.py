@@ -104,8 +104,8 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     dp_rank = data_parallel_rank(mesh)
     model = plan.apply(model, mesh)
     local = tokens.chunk(dp)[dp_rank]
-    if positions is not None:  # below: under context parallelism, this rank's part of each sequence
-        positions = positions.chunk(dp)[dp_rank][:, :-1]
+    # below: under context parallelism, this rank's part of each sequence
+    positions = None if positions is None else positions.chunk(dp)[dp_rank][:, :-1]
     inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
         logits = model(inputs, **kwargs)
@@ -120,8 +120,7 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
 def _save_output(model, mesh, dp_rank: int, logits: torch.Tensor, loss: torch.Tensor,
                  out_dir: Path) -> None:
     """This rank's data-parallel slice of the logits and its loss, saved by the first tp rank
-    (under context parallelism, of cp rank 0: the whole sequence's logits, and the mean of
-    the cp ranks' equal-sized parts' means)."""
+    (under cp, of cp rank 0: the whole sequence's logits, the mean of the parts' means)."""
     cp = getattr(model, "context_parallel", None)
     if cp is not None:
         logits = cp.unshard(logits)
@@ -137,29 +136,24 @@ def _save_output(model, mesh, dp_rank: int, logits: torch.Tensor, loss: torch.Te
 def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,
                    positions: torch.Tensor | None = None) -> None:
     """The step through the plan's pipeline schedule: the loss on the last stage, each
-    stage's gradients saved by its first tp and dp (and cp) rank; the positions (packed
-    documents, context parallelism) given to every stage."""
+    stage's gradients saved by its first tp, dp and cp rank; positions to every stage."""
     dp_rank = data_parallel_rank(mesh)
     local = tokens.chunk(dp)[dp_rank]
-    if positions is not None:
-        positions = positions.chunk(dp)[dp_rank][:, :-1]
-    state: dict = {}
+    positions = None if positions is None else positions.chunk(dp)[dp_rank][:, :-1]
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Each micro-batch adds its share of the mean over this rank's tokens: no grad scaling.
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                               reduction="sum") / state["count"]
+                               reduction="sum") / count
 
     pipe = plan.apply_pipeline(model, mesh, loss_fn, device="cpu", scale_grads=False)
     inputs, targets, kwargs = shard_batch(pipe.modules[0], local[:, :-1], local[:, 1:], positions)
-    state["count"] = targets.numel()
-    losses: list[torch.Tensor] = []
+    count = targets.numel()  # this rank's tokens (its part of each sequence under cp)
     with plan.loss_context():
-        out = pipe.step(inputs, target=targets, losses=losses, **kwargs)
+        out = pipe.step(inputs, target=targets, losses=(losses := []), **kwargs)
     grads = _grads(pipe.modules, pipe.named_parameters())
     cp = getattr(pipe.modules[0], "context_parallel", None)
-    first = mesh["tp"].get_local_rank() == 0 and dp_rank == 0 and (cp is None or cp.rank == 0)
-    if first:
+    if mesh["tp"].get_local_rank() == 0 and dp_rank == 0 and (cp is None or cp.rank == 0):
         torch.save(grads, out_dir / f"grads{mesh['pp'].get_local_rank()}.pt")
     if pipe.is_last:
         loss = sum(_full(v.detach()) for v in losses)
