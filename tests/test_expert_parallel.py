@@ -219,7 +219,7 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
             assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
 
 
-def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
+def test_a_run_on_ep_4_resumes_on_pp_2_ep_2_then_ep_1_along_one_curve(tmp_path):
     """The shipped tiny EP plan trains; its checkpoints hold the whole model's experts under
     their own names, so it resumes on another ep and pp (ep 4 -> pp 2 × ep 2 -> ep 1) along
     the curve of one process run straight through."""
