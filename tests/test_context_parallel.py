@@ -1,8 +1,10 @@
 """Context parallelism (docs/long-context.md): a sequence split over ``cp`` ranks computes what
 one device computes — logits, loss and every gradient — for ring and Ulysses, at cp 2 and 4,
-beside FSDP2 (dp_shard × cp) and TP 2 + SP + loss parallel, on the built-in Llama and HF
-Llama and Qwen3; packed documents masked from each other equal one device with the same
-mask, and the mask is real (the unmasked loss differs). One spawn of 4 gloo processes."""
+beside FSDP2 (dp_shard × cp), TP 2 + SP + loss parallel and pipeline stages (pp 2 × cp 2:
+every stage gets its tokens' global positions), on the built-in Llama and HF Llama and
+Qwen3; packed documents masked from each other equal one device with the same mask, with
+and without cp and pipeline stages, and the mask is real (the unmasked loss differs). One
+spawn of 4 gloo processes."""
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ TP_SP = "plans/llama.yaml"  # TP 2 + SP + loss parallel + FSDP2
 HF_LLAMA = "tests/plans/hf/llama-cp.yaml"  # TP 2 + loss parallel + cp 2, ring
 QWEN3 = "tests/plans/hf/qwen3-cp.yaml"  # dp_shard 2 × cp 2, ulysses
 SMALL = ["model.kwargs={n_layers: 2}"]
+# pipeline stages: pp 2, two micro-batches (of 2 sequences), each stage given the positions
+PIPE = ["mesh.pp=2", "pipeline={schedule: 1f1b, microbatches: 2}"]
 
 # plan, overrides, the mesh it must resolve to at world 4
 CASES = [
@@ -34,6 +38,9 @@ CASES = [
     (HF_LLAMA, [], {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 2}),
     (QWEN3, [], {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 1}),
     (QWEN3, ["mesh.cp=4", "context_parallel=ring"], {"dp_replicate": 1, "dp_shard": 1, "cp": 4, "tp": 1}),
+    (FSDP, [*SMALL, "mesh.cp=2", *PIPE],
+     {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}),
+    (HF_LLAMA, ["mesh.tp=1", *PIPE], {"pp": 2, "dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}),
 ]
 # Packed documents: the same plans with positions restarting per document, and one plan
 # without cp (the mask on its own, under TP + SP).
@@ -45,6 +52,10 @@ MASKED = [
     (HF_LLAMA, []),
     (HF_LLAMA, ["mesh.cp=1"]),  # transformers reads the documents from the position ids
     (QWEN3, []),
+    (FSDP, [*SMALL, "mesh.cp=2", "context_parallel=ulysses", *PIPE]),
+    (FSDP, [*SMALL, *PIPE]),  # the positions cross the stages without cp too
+    (HF_LLAMA, ["mesh.tp=1", *PIPE]),
+    (HF_LLAMA, ["mesh.tp=1", "mesh.cp=1", *PIPE]),
 ]
 
 
@@ -114,8 +125,8 @@ def test_context_parallel_mistakes_are_located_errors(root, monkeypatch, write_p
     assert "context_parallel.method' must be one of ring, ulysses, got 'rign'" in \
         _errors(["mesh.cp=2", "context_parallel=rign"])
     assert "mesh cp=2 needs an 'fsdp' section" in _errors(["mesh.cp=2", "fsdp=null"])
-    assert "mesh cp=2 with pipeline stages (pp=2) is not supported yet" in _errors(
-        ["mesh.cp=2", "mesh.pp=2", "pipeline={microbatches: 2}", "train.global_batch_size=4"], world=8)
+    assert _errors(["mesh.cp=2", "mesh.pp=2", "pipeline={microbatches: 2}",
+                    "train.global_batch_size=4"], world=8) == ""  # pp × cp composes
     out = _errors(["mesh.cp=2"], plan="tests/plans/minigpt.yaml")
     assert "context parallelism cannot wrap" in out and "attend(q, k, v, positions)" in out
     out = _errors(["model.config={use_sliding_window: true, sliding_window: 8, max_window_layers: 0}"],

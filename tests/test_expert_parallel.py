@@ -2,10 +2,12 @@
 HF mixtures of experts (Qwen3-MoE: 4 experts, top-2; Mixtral: 8 experts, top-3) match one
 device on 4 gloo processes -- logits, loss and every gradient, the router's included -- at
 ep 4 (also under full activation checkpointing), ep 2 with the experts FSDP-sharded over the
-2 ranks left, ep 2 under HSDP, and ep 2 beside tp 2 with sequence parallelism; one spawn.
-Experts sharded without dispatch fail ``tpplan verify``; plan mistakes are located errors
-before any process starts; the dry run's all-to-all is what a real run issues; a run resumes
-on another ep."""
+2 ranks left, ep 2 under HSDP, ep 2 beside tp 2 with sequence parallelism, ep 2 under
+pipeline stages (pp 2: 1F1B, interleaved 1F1B), ep borrowing context-parallel ranks (ep 2
+and 4 over dp_shard 2 × cp 2, ring and Ulysses) and all three (pp 2 × cp 2 × ep 2); one
+spawn. Experts sharded without dispatch fail ``tpplan verify``; plan mistakes are located
+errors before any process starts; the dry run's all-to-all is what a real run issues; a run
+resumes on another ep and pp."""
 
 import json
 import sys
@@ -39,9 +41,11 @@ def configs(tmp_path_factory):
     return out
 
 
-def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = FSDP) -> str:
+def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = FSDP,
+          layers: int | None = None) -> str:
     path = folder / f"{name}.yaml"
-    path.write_text(f"mesh: {mesh}\nmodel: {{hf_config: {config}}}\n"
+    model = f"hf_config: {config}" + (f", config: {{num_hidden_layers: {layers}}}" if layers else "")
+    path.write_text(f"mesh: {mesh}\nmodel: {{{model}}}\n"
                     f"tensor_parallel:\n  {rules}\n{extra}\n")
     return str(path)
 
@@ -69,10 +73,26 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
                        "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
     plans.append(_plan(tmp_path, "qwen3_moe-ep4-ac", configs["qwen3_moe"], "{ep: 4}",
                        extra=FSDP + '\nactivation_checkpointing: {mode: full, blocks: "model.layers.*"}'))
-    for path, _, ref, _ in match_one_device(plans):
+    # pipeline stages: each stage's experts over the ep ranks of its pp slice
+    plans.append(_plan(tmp_path, "qwen3_moe-pp2-ep2", configs["qwen3_moe"],
+                       "{pp: 2, ep: 2, dp_shard: -1}", extra=FSDP + "\npipeline: {microbatches: 2}"))
+    plans.append(_plan(tmp_path, "mixtral-pp2-ep2-interleaved", configs["mixtral"],
+                       "{pp: 2, ep: 2, dp_shard: -1}", layers=4,
+                       extra=FSDP + "\npipeline: {schedule: interleaved_1f1b}"))
+    # ep borrowing context-parallel ranks (their tokens differ too), under a pipeline as well
+    plans.append(_plan(tmp_path, "qwen3_moe-cp2-ep2", configs["qwen3_moe"],
+                       "{cp: 2, ep: 2, dp_shard: -1}", extra=FSDP + "\ncontext_parallel: ring"))
+    plans.append(_plan(tmp_path, "mixtral-cp2-ep4", configs["mixtral"],
+                       "{cp: 2, ep: 4, dp_shard: -1}",
+                       extra=FSDP + "\ncontext_parallel: {method: ulysses, load_balance: false}"))
+    plans.append(_plan(tmp_path, "qwen3_moe-pp2-cp2-ep2", configs["qwen3_moe"],
+                       "{pp: 2, cp: 2, ep: 2, dp_shard: -1}",
+                       extra=FSDP + "\ncontext_parallel: ring\npipeline: {schedule: gpipe, microbatches: 2}"))
+    for path, step, ref, _ in match_one_device(plans):
         routers = [n for n in ref.grads if n.endswith("mlp.gate.weight")]
         experts = [n for n in ref.grads if n.endswith("mlp.experts.down_proj")]
-        assert len(routers) == len(experts) == 2, path  # two MoE blocks, each compared
+        layers = step.plan.spec.model.hf_kwargs.get("num_hidden_layers", 2)
+        assert len(routers) == len(experts) == layers, path  # every MoE block compared
 
 
 def match_one_device(plans: list[str]) -> list:
@@ -120,10 +140,9 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
      "is not an experts container"),
     ("{ep: 2, dp_shard: -1}", '"model.layers.*.self_attn": replicate', 1, 12,
      "no rule uses the 'expert_parallel' style"),
-    ("{ep: 2, pp: 2, dp_shard: -1}", RULE + "\npipeline: {microbatches: 2}", 1, 12,
-     "with pipeline stages (pp=2) is not supported"),
-    ("{ep: 2, cp: 2, dp_shard: -1}", RULE, 1, 12,
-     "does not yet compose with context parallelism"),
+    # under context parallelism ep borrows dp_shard × cp
+    ("{ep: 3, cp: 2, dp_shard: -1}", RULE, 1, 12,
+     "mesh ep=3 must divide the data-parallel ranks it borrows: dp_shard=2 × cp=2 = 4"),
     # expert TP inside EP: the experts stay whole on each tp rank, one rule per module
     ("{tp: 2, ep: 2, dp_shard: -1}", RULE + '\n  "model.layers.{0,1}.mlp.experts": '
      "experts_colwise_rowwise", 5, 3, "expert TP inside EP (the experts split over tp too) is "
@@ -268,10 +287,10 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
             assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
 
 
-def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
+def test_a_run_on_ep_4_resumes_on_pp_2_ep_2_then_ep_1_along_one_curve(tmp_path):
     """The shipped tiny EP plan trains; its checkpoints hold the whole model's experts under
-    their own names, so it resumes on another ep (4 -> 2 -> 1) along the curve of one
-    process run straight through."""
+    their own names, so it resumes on another ep and pp (ep 4 -> pp 2 × ep 2 -> ep 1) along
+    the curve of one process run straight through."""
     from trainrun import metrics, ok, tpplan_train
 
     from tpplan.checkpoint import latest, read_model_state
@@ -282,8 +301,9 @@ def test_a_run_on_ep_4_resumes_on_ep_2_then_ep_1_along_one_curve(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     ok(tpplan_train(whole, plan=plan, sets=[*sets, "mesh.ep=1"]))
     ok(tpplan_train(parts, nproc=4, plan=plan, sets=[*sets, "train.steps=1"]))
-    ok(tpplan_train(parts, "--resume", "latest", nproc=4, plan=plan,
-                    sets=[*sets, "train.steps=2", "mesh.ep=2"]))
+    ok(tpplan_train(parts, "--resume", "latest", nproc=4, plan=plan,  # ep 2 under pp 2
+                    sets=[*sets, "train.steps=2", "mesh.ep=2", "mesh.pp=2",
+                          "pipeline={microbatches: 2}"]))
     ok(tpplan_train(parts, "--resume", "latest", nproc=2, plan=plan, sets=[*sets, "mesh.ep=1"]))
     a, b = metrics(whole), metrics(parts)
     for step in (1, 2, 3):

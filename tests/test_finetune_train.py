@@ -83,9 +83,18 @@ def test_prompt_tokens_carry_no_loss_2x2_equals_one_device(chat_run):
     assistant tokens only -- and not the loss over every token (at a random init the two
     are close, but far apart at this tolerance)."""
     run_dir, sets, _ = chat_run
+    model, batch, logits = _same_step_one_device(sets, run_dir)
+    assert batch.mask is not None and 0 < batch.count < batch.mask.numel()
+    assert metrics(run_dir)[1]["loss_tokens"] == batch.count
+    every = summed_loss(logits, batch.tokens, None).item() / batch.tokens[:, 1:].numel()
+    assert metrics(run_dir)[1]["loss"] != pytest.approx(every, rel=1e-4)  # no prompt targets
+
+
+def _same_step_one_device(sets: list[str], run_dir: Path):
+    """Step 1 of the run on one device, packed chats masked from each other: its loss and
+    gradient norm are the run's. Returns the model, the batch and the logits."""
     _, model, data = _reference(sets, run_dir)
     batch = step_batch(data.train, SEED, 1, 4, 32, 0, 1)
-    assert batch.mask is not None and 0 < batch.count < batch.mask.numel()
     logits = model(batch.tokens[:, :-1], **_documents(batch.tokens, data.train))
     loss = summed_loss(logits, batch.tokens, batch.mask) / batch.count
     loss.backward()
@@ -93,9 +102,7 @@ def test_prompt_tokens_carry_no_loss_2x2_equals_one_device(chat_run):
     got = metrics(run_dir)[1]
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
     assert got["grad_norm"] == pytest.approx(norm.item(), rel=1e-4)
-    assert got["loss_tokens"] == batch.count
-    every = summed_loss(logits, batch.tokens, None).item() / batch.tokens[:, 1:].numel()
-    assert got["loss"] != pytest.approx(every, rel=1e-4)  # the prompts' targets are not in it
+    return model, batch, logits
 
 
 def test_eval_loss_2x2_equals_one_device_over_the_same_weights(chat_run):
@@ -135,3 +142,22 @@ def test_chat_data_errors_stop_every_rank_before_training(chat_run, tmp_path):
     out = fails(train([*sets, f"data.path={bad}", f"metrics.run_dir={tmp_path / 'run'}"], nproc=4),
                 f"error: {bad}:2: not a JSON object")
     assert out.count("error:") == 1, out
+
+
+def test_packed_chats_under_pp2_cp2_are_masked_as_on_one_device(tmp_path, tiny_llama):
+    """``tpplan train`` on pp 2 × cp 2: every stage gets each token's global position within
+    its document (the schedule hands the positions to every stage), so step 1's loss and
+    gradient norm equal one device's with the packed chats masked from each other -- and
+    not the unmasked loss."""
+    d = tmp_path / "pp2-cp2"
+    sets = [*chat_sets(tiny_llama, d), "train.steps=1", "eval=null", "mesh.tp=1", "mesh.pp=2",
+            "mesh.cp=2", "pipeline={microbatches: 2}", "train.micro_batch_size=null",
+            "checkpoint.enabled=false"]
+    proc = train(sets, nproc=4)
+    ok(proc)
+    assert "pp=2 × dp_replicate=1 × dp_shard=1 × cp=2 × tp=1" in proc.stdout
+    assert "not masked" not in proc.stdout
+    model, batch, _ = _same_step_one_device(sets, d)
+    with torch.no_grad():
+        unmasked = summed_loss(model(batch.tokens[:, :-1]), batch.tokens, batch.mask) / batch.count
+    assert metrics(d)[1]["loss"] != pytest.approx(unmasked.item(), rel=1e-4)  # the mask is real

@@ -72,6 +72,9 @@ class _Recorder:
         def dim(group) -> str:
             pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else \
                 _resolve_process_group(group)
+            desc = getattr(pg, "group_desc", "")
+            if desc in ("mesh_cp", "mesh_dp_shard_cp"):  # ranks alone cannot tell them apart
+                return desc.removeprefix("mesh_")
             ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
             return dims.get(ranks, str(ranks))
 
@@ -99,10 +102,12 @@ class _Recorder:
         self.mode = Mode()
 
 
-def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    """Two steps of the plan's schedule on real CPU tensors; in the second, every tensor the
-    schedule sends or receives, and the bytes saved for backward alive at once, at their
-    most (each storage once)."""
+def _worker(rank: int, world: int, port: int, overrides: list[str], out: str,
+            plan_path: str = PLAN) -> None:
+    """Two steps of the plan's schedule on real CPU tensors (under cp each rank's part of
+    the sequence, its positions to every stage, as the trainer gives them); in the second,
+    every tensor the schedule sends or receives, and the bytes saved for backward alive at
+    once, at their most (each storage once)."""
     as_spawned_rank(rank, world, port)
     import warnings
 
@@ -114,7 +119,9 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    plan = tpplan.load(PLAN, overrides)
+    from tpplan.parallel.context import shard_batch
+
+    plan = tpplan.load(plan_path, overrides)
     mesh = plan.build_mesh("cpu")
     p2p: list[tuple[str, int]] = []
 
@@ -152,14 +159,15 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str) ->
                          "get_bwd_recv_ops"):
                 setattr(stage, name, recording(getattr(stage, name)))
         tokens = torch.randint(0, 256, (plan.step_shape(world).global_batch // mesh[
-            "dp_shard"].size(), 33))
+            "dp_shard"].size(), plan.train.seq_len + 1))
+        inputs, targets, kwargs = shard_batch(pipe.modules[0], tokens[:, :-1], tokens[:, 1:])
         with plan.loss_context():  # the first step also builds the stages' buffers
-            pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
+            pipe.step(inputs, target=targets, losses=[], **kwargs)
         p2p.clear()
         rec = _Recorder(mesh)
         with rec.mode, plan.loss_context(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            pipe.step(tokens[:, :-1], target=tokens[:, 1:], losses=[])
+            pipe.step(inputs, target=targets, losses=[], **kwargs)
             # What the optimizer needs before it can use a gradient: its parameter's
             # placement (a sequence-parallel norm's partial gradient summed over tp). FSDP2
             # does this itself before its reduce-scatter; without FSDP2 it is done here.
@@ -196,16 +204,9 @@ def test_a_pipeline_dry_run_after_another_in_the_same_process():
 def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
     predicted = _dry_run(4, SMALL)
     spawn(_worker, 4, SMALL, str(tmp_path))
-    pipe = predicted["pipeline"]
     ranks = {r["pp_rank"]: r for r in predicted["memory_per_rank"]["pp_ranks"]}
-    for p2p in pipe["p2p"]:
+    for p2p in _assert_p2p(predicted, tmp_path):
         real = json.loads((tmp_path / f"pp{p2p['pp_rank']}.json").read_text())
-        sends = [b for op, b in real["p2p"] if op == "isend"]
-        recvs = [b for op, b in real["p2p"] if op == "irecv"]
-        assert len(sends) == p2p["send_forward"] + p2p["send_backward"]
-        assert len(recvs) == p2p["recv_forward"] + p2p["recv_backward"]
-        assert sum(sends) == len(sends) * p2p["bytes_each"]
-        assert sum(recvs) == len(recvs) * p2p["bytes_each"]
         # 1F1B: stage s keeps min(m, p - s) micro-batches' activations (Narayanan et al.)
         mine = ranks[p2p["pp_rank"]]
         assert mine["stages"][0]["in_flight"] == min(4, 2 - p2p["pp_rank"])
@@ -213,6 +214,40 @@ def test_p2p_traffic_and_1f1b_activations_match_a_real_gloo_run(tmp_path):
     comm = {(r["source"], r["kind"]): r for r in predicted["comm_per_step"]["collectives"]}
     assert comm[("pp", "send")]["count"] == 4
     _assert_collectives_per_rank(predicted, tmp_path)
+
+
+def _assert_p2p(predicted: dict, out: Path) -> list[dict]:
+    """Each pp rank's sends and receives in one real step: as many as the dry run predicts,
+    each of the predicted size (the activation a stage passes on); the predicted rows."""
+    rows = predicted["pipeline"]["p2p"]
+    for p2p in rows:
+        real = json.loads((out / f"pp{p2p['pp_rank']}.json").read_text())
+        sends = [b for op, b in real["p2p"] if op == "isend"]
+        recvs = [b for op, b in real["p2p"] if op == "irecv"]
+        assert len(sends) == p2p["send_forward"] + p2p["send_backward"]
+        assert len(recvs) == p2p["recv_forward"] + p2p["recv_backward"]
+        assert sum(sends) == len(sends) * p2p["bytes_each"]
+        assert sum(recvs) == len(recvs) * p2p["bytes_each"]
+    return rows
+
+
+def test_context_parallel_under_pipeline_stages_matches_a_real_gloo_run(tmp_path):
+    """pp 2 × cp 2 (ring, FSDP2 over dp_shard × cp): each stage passes on its rank's part of
+    the sequence (half the bytes of pp alone), and each pp rank's cp collectives (K/V
+    all-gathers, the positions' all-gather, dK/dV reduce-scatters) and FSDP2's equal the dry
+    run's, counts and bytes."""
+    plan = str(PLANS / "llama-fsdp.yaml")
+    overrides = ["model.kwargs={n_layers: 2}", "mesh.pp=2", "mesh.cp=2", "train.seq_len=32",
+                 "train.global_batch_size=4", "pipeline={schedule: 1f1b, microbatches: 2}"]
+    result = dry_run(plan, 4, overrides, ANALYSES)
+    assert result.ok, (result.errors, result.analysis_errors)
+    predicted = json.loads(json.dumps(result.extra))
+    spawn(_worker, 4, overrides, str(tmp_path), plan)
+    rows = _assert_p2p(predicted, tmp_path)
+    assert rows[0]["bytes_each"] == 2 * 16 * 128 * 4  # 2 sequences × 16 of 32 tokens × dim, fp32
+    _assert_collectives_per_rank(predicted, tmp_path)
+    for r in predicted["comm_per_step"]["pp_ranks"]:
+        assert {c["mesh_dim"] for c in r["collectives"]} == {"cp", "dp_shard_cp", "pp"}
 
 
 def _assert_collectives_per_rank(predicted: dict, out: Path) -> None:

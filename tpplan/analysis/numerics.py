@@ -93,7 +93,7 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
     mesh = plan.build_mesh("cpu")
     dp = plan.parallel_dims(world).dp
     if plan.pipeline is not None:
-        return _pipeline_step(plan, model, mesh, tokens, dp, out_dir)
+        return _pipeline_step(plan, model, mesh, tokens, dp, out_dir, positions)
     _plain_step(plan, model, mesh, tokens, dp, out_dir, positions)
 
 
@@ -109,17 +109,25 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     dp_rank = data_parallel_rank(mesh)
     model = plan.apply(model, mesh)
     local = tokens.chunk(dp)[dp_rank]
-    if positions is not None:  # below: under context parallelism, this rank's part of each sequence
-        positions = positions.chunk(dp)[dp_rank][:, :-1]
+    # below: under context parallelism, this rank's part of each sequence
+    positions = None if positions is None else positions.chunk(dp)[dp_rank][:, :-1]
     inputs, targets, kwargs = shard_batch(model, local[:, :-1], local[:, 1:], positions)
     with plan.loss_context():
         logits = model(inputs, **kwargs)
         loss = with_aux_loss(_loss(logits, targets), aux_loss(model))
         loss.backward()
-    logits, loss = _full(logits.detach()), _full(loss.detach())
     grads = _grads([model], model.named_parameters())
+    _save_output(model, mesh, dp_rank, _full(logits.detach()), _full(loss.detach()), out_dir)
+    if dist.get_rank() == 0:
+        torch.save(grads, out_dir / "grads0.pt")
+
+
+def _save_output(model, mesh, dp_rank: int, logits: torch.Tensor, loss: torch.Tensor,
+                 out_dir: Path) -> None:
+    """This rank's data-parallel slice of the logits and its loss, saved by the first tp rank
+    (under cp, of cp rank 0: the whole sequence's logits, the mean of the parts' means)."""
     cp = getattr(model, "context_parallel", None)
-    if cp is not None:  # the whole sequence's logits; the mean of equal-sized parts' means
+    if cp is not None:
         logits = cp.unshard(logits)
         dist.all_reduce(loss, group=cp.group)
         loss = loss / cp.cp
@@ -128,36 +136,33 @@ def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir:
     if mesh["tp"].get_local_rank() == 0:
         torch.save({"dp_rank": dp_rank, "logits": logits, "loss": loss.item()},
                    out_dir / f"rank{dist.get_rank()}.pt")
-    if dist.get_rank() == 0:
-        torch.save(grads, out_dir / "grads0.pt")
 
 
-def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path) -> None:
+def _pipeline_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,
+                   positions: torch.Tensor | None = None) -> None:
     """The step through the plan's pipeline schedule: the loss on the last stage, each
-    stage's gradients saved by its first tp and dp rank."""
+    stage's gradients saved by its first tp, dp and cp rank; positions to every stage."""
     dp_rank = data_parallel_rank(mesh)
     local = tokens.chunk(dp)[dp_rank]
-    count = local[:, 1:].numel()
+    positions = None if positions is None else positions.chunk(dp)[dp_rank][:, :-1]
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Each micro-batch adds its share of the rank's mean: no grad scaling needed.
+        # Each micro-batch adds its share of the mean over this rank's tokens: no grad scaling.
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                reduction="sum") / count
 
     pipe = plan.apply_pipeline(model, mesh, loss_fn, device="cpu", scale_grads=False)
-    losses: list[torch.Tensor] = []
+    inputs, targets, kwargs = shard_batch(pipe.modules[0], local[:, :-1], local[:, 1:], positions)
+    count = targets.numel()  # this rank's tokens (its part of each sequence under cp)
     with plan.loss_context():
-        out = pipe.step(local[:, :-1], target=local[:, 1:], losses=losses)
+        out = pipe.step(inputs, target=targets, losses=(losses := []), **kwargs)
     grads = _grads(pipe.modules, pipe.named_parameters())
-    first_in_slice = mesh["tp"].get_local_rank() == 0
-    if first_in_slice and dp_rank == 0:
+    cp = getattr(pipe.modules[0], "context_parallel", None)
+    if mesh["tp"].get_local_rank() == 0 and dp_rank == 0 and (cp is None or cp.rank == 0):
         torch.save(grads, out_dir / f"grads{mesh['pp'].get_local_rank()}.pt")
     if pipe.is_last:
-        logits = _full(out.detach())
         loss = sum(_full(v.detach()) for v in losses)
-        if first_in_slice:
-            torch.save({"dp_rank": dp_rank, "logits": logits, "loss": float(loss)},
-                       out_dir / f"rank{dist.get_rank()}.pt")
+        _save_output(pipe.modules[-1], mesh, dp_rank, _full(out.detach()), loss, out_dir)
 
 
 def _quiet() -> None:

@@ -58,7 +58,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     spec, dims, shape, mesh = result.plan.spec, result.resolution.dims, result.step, result.mesh
     ac, pipe = spec.activation_checkpointing, spec.pipeline
     key = (dims.tp, dims.pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape, ac.mode,
-           ac.every, dims.dp if spec.fsdp is None else dims.dp > 1)
+           ac.every, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep)
     if key not in cache:
         whole = build_model(spec.model, "meta")
         split = split_stages(whole, spec, dims.pp)
@@ -81,10 +81,10 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
                      received=boundary)
         tkey = (key, alike, shape.seq_len, shape.micro_batch, dtype)
         if tkey not in cache:
-            if dims.tp > 1:
+            if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # TP's, the experts' and cp's
                 # Alike stages of any length (any pp) share their shallow traces.
                 # (Not dp either: the trace applies TP only, with rules dp does not change.)
-                deep = ("shallow", key[0], *key[4:6], alike[:3] if isinstance(alike, tuple)
+                deep = ("shallow", key[0], *key[4:6], *key[7:], alike[:3] if isinstance(alike, tuple)
                         else (key, alike), shape.seq_len, shape.micro_batch, dtype)
                 trace = trace_tp(spec, res, mesh, lambda s=stage: stage_module(whole, s, split),
                                  shape.seq_len, shape.micro_batch, dtype, io=io,

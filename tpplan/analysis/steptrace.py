@@ -251,10 +251,9 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         optimizer.zero_grad(set_to_none=True)
 
     def forward(x: torch.Tensor) -> None:
-        targets, kwargs = x[:, 1:], {}
-        if io.first:  # the trainer's: under cp, this rank's part of the sequence
-            inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
-        else:  # what the previous stage sent (PipelineStage's receive buffer)
+        # the trainer's: under cp, this rank's part of the sequence, its positions to every stage
+        inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
+        if not io.first:  # what the previous stage sent (PipelineStage's receive buffer)
             inputs = torch.zeros(io.received[0], dtype=io.received[1], requires_grad=True)
         held["logits"] = model(inputs, **kwargs)
         if io.last:

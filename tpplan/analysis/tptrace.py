@@ -107,10 +107,9 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
     io = io or StageIO(True, True)
     with CollectiveRecorder() as rec, fused_attention_on_meta(), _naming_the_module(rec):
         with loss_context(plan):
-            targets, kwargs = tokens, {}
-            if io.first:  # under cp, this rank's part of the sequence and its positions
-                inputs, targets, kwargs = shard_batch(model, tokens, tokens)
-            else:  # what the previous stage sent (PipelineStage's receive buffer)
+            # under cp, this rank's part of the sequence; its positions go to every stage
+            inputs, targets, kwargs = shard_batch(model, tokens, tokens)
+            if not io.first:  # what the previous stage sent (PipelineStage's receive buffer)
                 inputs = torch.zeros(io.received[0], dtype=io.received[1], device="meta",
                                      requires_grad=True)
             logits = model(inputs, **kwargs)

@@ -117,10 +117,13 @@ def enable_stages(model: nn.Module) -> None:
     model.stage_forward = stage_forward
 
 
-def stage_forward(self: nn.Module, x: torch.Tensor, attention_mask=None) -> torch.Tensor:
+def stage_forward(self: nn.Module, x: torch.Tensor, attention_mask=None,
+                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One stage of a causal LM: token ids in on the first stage (``embed_tokens`` owned),
     the previous stage's hidden states elsewhere; the logits out of the last stage
-    (``lm_head`` owned), the hidden states out of the others."""
+    (``lm_head`` owned), the hidden states out of the others. ``position_ids`` (bs, s), given
+    to every stage alike: packed documents' restarting positions, or the global positions of
+    a context-parallel rank's tokens; None: ``0..s-1``."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     base = getattr(self, self.base_model_prefix)
@@ -130,7 +133,8 @@ def stage_forward(self: nn.Module, x: torch.Tensor, attention_mask=None) -> torc
     b, s = h.shape[:2]
     if attention_mask is None and h.device.type == "meta":  # as build_hf's meta pre-hook
         attention_mask = torch.ones(b, 1, s, s, dtype=torch.bool, device="meta")
-    position_ids = torch.arange(s, device=h.device).unsqueeze(0)
+    if position_ids is None:
+        position_ids = torch.arange(s, device=h.device).unsqueeze(0)
     types = _layer_types(base.config, base.config.num_hidden_layers)
     per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
     masks: dict[str, object] = {}

@@ -245,10 +245,6 @@ def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: Erro
         errs.add(f"mesh cp={cp} needs an 'fsdp' section: the cp ranks hold the same parameters "
                  "and their gradients must be reduced (FSDP2 shards over dp_shard × cp); add "
                  "'fsdp: {}' at least", plan.mesh.locs.get("cp") or plan.mesh.loc)
-    if plan.mesh.pp > 1:  # without positions a stage's rotary angles would be local: wrong
-        errs.add(f"mesh cp={cp} with pipeline stages (pp={plan.mesh.pp}) is not supported yet: "
-                 "a stage receives hidden states only, not each token's global position, which "
-                 "cp's rotary embedding and masks need", plan.mesh.locs.get("cp") or plan.mesh.loc)
     config = _hf_config(model)
     if config is None and not _seams(model):
         errs.add(f"context parallelism cannot wrap {type(model).__name__}'s attention: tpplan "

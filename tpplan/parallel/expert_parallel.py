@@ -128,9 +128,6 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
         errs.add(f"mesh ep={ep} but no rule uses the 'expert_parallel' style, so no experts "
                  "would be spread over it; add one for the experts modules (e.g. "
                  "'model.layers.*.mlp.experts': expert_parallel) or drop ep", loc)
-    if mesh.pp > 1:
-        errs.add(f"mesh ep={ep} with pipeline stages (pp={mesh.pp}) is not supported yet; "
-                 "use ep without pp", loc)
 
 
 def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:

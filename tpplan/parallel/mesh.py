@@ -35,8 +35,9 @@ EP_BORROWS = ("dp_shard", "cp")
 class ParallelDims:
     """Degrees of a ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh whose product is the world size.
 
-    ``ep`` adds no dimension of its own: it divides ``dp_shard`` (:data:`EP_BORROWS`), and
-    the experts' weights are FSDP-sharded over the ``efsdp = dp_shard / ep`` ranks left."""
+    ``ep`` adds no dimension of its own: it divides ``dp_shard × cp`` (:data:`EP_BORROWS`),
+    and the experts' weights are FSDP-sharded over the ``efsdp = dp_shard × cp / ep`` ranks
+    left."""
 
     dp_replicate: int
     dp_shard: int
@@ -92,26 +93,23 @@ class ParallelDims:
             raise PlanErrors([PlanError(str(e), mesh.locs.get("ep", mesh.loc))]) from None
 
     def with_ep(self, ep: int) -> "ParallelDims":
-        """These degrees with expert parallelism ``ep`` borrowing ``dp_shard``'s ranks;
-        ValueError if it does not divide them."""
+        """These degrees with expert parallelism ``ep`` borrowing ``dp_shard``'s ranks (and
+        ``cp``'s: they hold different tokens too); ValueError if it does not divide them."""
         if ep < 1:
             raise ValueError(f"mesh ep must be at least 1, got {ep}")
-        if ep > 1 and self.cp > 1:
-            # Not built yet: the experts' all-to-all over dp_shard × cp and their FSDP2 over
-            # what is left of it are untested together (docs/moe.md, "What composes").
-            raise ValueError(f"mesh ep={ep} with cp={self.cp}: expert parallelism does not yet "
-                             f"compose with context parallelism; use one of them")
-        if self.dp_shard % ep:
+        if self.fsdp_shard % ep:
             hint = (f"; tp={self.tp} ranks hold the same tokens, so ep does not borrow them"
-                    if self.tp > 1 and (self.dp_shard * self.tp) % ep == 0 else "")
+                    if self.tp > 1 and (self.fsdp_shard * self.tp) % ep == 0 else "")
+            borrowed = f"dp_shard={self.dp_shard}" + (
+                f" × cp={self.cp} = {self.fsdp_shard}" if self.cp > 1 else "")
             raise ValueError(f"mesh ep={ep} must divide the data-parallel ranks it borrows: "
-                             f"dp_shard={self.dp_shard} (world {self.world_size} = {self}){hint}")
+                             f"{borrowed} (world {self.world_size} = {self}){hint}")
         return replace(self, ep=ep)
 
     @property
     def efsdp(self) -> int:
-        """The ranks each expert's weights are FSDP-sharded over: ``dp_shard / ep``."""
-        return self.dp_shard // self.ep
+        """The ranks each expert's weights are FSDP-sharded over: ``dp_shard × cp / ep``."""
+        return self.fsdp_shard // self.ep
 
     @property
     def world_size(self) -> int:
@@ -198,7 +196,8 @@ def expert_meshes(mesh: "DeviceMesh", ep: int) -> tuple["DeviceMesh", "DeviceMes
     from torch.distributed.device_mesh import DeviceMesh
 
     borrowed = tuple(n for n in EP_BORROWS if n in (mesh.mesh_dim_names or ()))
-    base = mesh[borrowed]._flatten("_".join(borrowed)) if len(borrowed) > 1 else mesh[borrowed[0]]
+    # under cp, build_mesh's dp_shard × cp flattening (FSDP's dimension) is the same ranks
+    base = mesh[DP_SHARD_CP] if borrowed == EP_BORROWS else mesh[borrowed[0]]
     split = base._unflatten(0, (base.size() // ep, ep), ("efsdp", "ep"))
     efsdp = split["efsdp"]
     if mesh["dp_replicate"].size() > 1:

@@ -69,13 +69,19 @@ class Pipeline:
         for m in self.modules:
             yield from m.named_parameters()
 
-    def step(self, *inputs, target=None, losses: list | None = None):
+    def step(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """One forward and backward of every micro-batch: ``inputs`` on the first stage
         (pass nothing elsewhere), ``target`` on the last; each micro-batch's loss is appended
-        to ``losses`` on the last stage. Returns the last stage's merged output there."""
+        to ``losses`` on the last stage. Returns the last stage's merged output there.
+
+        ``kwargs`` (per-token tensors split into micro-batches along dim 0, like the inputs)
+        reach every stage's forward: the tokens' positions (``positions`` for the built-in
+        Llama, ``position_ids`` for HF), which a stage cannot derive from the hidden states
+        it receives -- global positions under context parallelism, restarting ones for
+        packed documents (:func:`tpplan.parallel.context.shard_batch` makes them)."""
         args = inputs if self.is_first else ()
         return self.schedule.step(*args, target=target if self.is_last else None,
-                                  losses=losses if self.is_last else None)
+                                  losses=losses if self.is_last else None, **kwargs)
 
 
 def build_schedule(plan: PlanSpec, stages: list, loss_fn: Callable | None,

@@ -158,9 +158,6 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         raise TrainError(problem)
     prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, eval_corpus=ev,
                     notes=list(corpora.notes), pretrained=source)
-    if plan.pipeline is not None and plan.data.document_mask and corpus.separator is not None:
-        prep.notes.append("data.document_mask: packed documents are not masked from each other "
-                          "under pipeline stages yet (positions do not cross stages)")
     if plan.lora is not None:
         prep.lora_base = pretrained.base_identity(plan.model, t.seed)
         prep.adapter = adapter

@@ -77,17 +77,21 @@ class PipelineStepper:
         # scale_grads off: the loss already carries the 1/count of the global mean.
         self.pipe = plan.apply_pipeline(model, mesh, self.loss_fn, device, scale_grads=False)
         self.parts = self.pipe.modules
+        self.takes_positions = position_kwarg(self.parts[0]) is not None
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
-        # positions (packed documents) do not cross pipeline stages yet: docs/long-context.md
         targets = tokens[:, 1:]
         if mask is not None:
             targets = targets.masked_fill(~mask, IGNORE_INDEX)
+        pos = None if positions is None or not self.takes_positions else positions[:, :-1]
+        # every stage of this rank holds the same cp layout: any one shards the batch; the
+        # positions go to every stage (a stage sees hidden states only)
+        inputs, targets, kwargs = shard_batch(self.parts[0], tokens[:, :-1], targets, pos)
         self.loss_fn.scale = self.dp_scale / count
         losses: list[torch.Tensor] = []
         with self.plan.loss_context():
-            self.pipe.step(tokens[:, :-1], target=targets, losses=losses)
+            self.pipe.step(inputs, target=targets, losses=losses, **kwargs)
         total = torch.zeros((), device=tokens.device)
         for loss in losses:
             total += plain_loss(loss.detach())
