@@ -44,3 +44,24 @@ def test_shrunk_config_keeps_every_split_divisible():
         res = plan.resolve(model, tp * 2)
         assert res.ok, res.errors
         assert len(model.layers) == 2 and model.config.dim <= 128
+
+
+def test_a_nan_anywhere_fails_and_shows_in_the_table():
+    """A NaN gradient among many of one group (``max`` keeps whichever comes first when NaN
+    is involved) still fails the comparison and shows as the group's worst error."""
+    import math
+
+    import torch
+
+    from tpplan.analysis.numerics import StepResult, compare
+    from tpplan.commands.verify import group_rows
+
+    grads = {f"layers.{i}.w": torch.ones(3) for i in range(3)}
+    bad = dict(grads, **{"layers.1.w": torch.tensor([1.0, math.nan, 1.0])})
+    ref = StepResult(torch.zeros(1, 2, 4), 2.0, grads)
+    for par in (StepResult(torch.zeros(1, 2, 4), 2.0, bad),
+                StepResult(torch.zeros(1, 2, 4), math.nan, grads)):
+        result = compare(ref, par)
+        assert not result.ok and len(result.failures) == 1
+        assert any(err == math.inf for _, _, err in group_rows(result.rows))
+    assert compare(ref, StepResult(torch.zeros(1, 2, 4), 2.0, grads)).ok

@@ -3,6 +3,7 @@ logits, the loss and every gradient, against a tolerance."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,11 +22,11 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return all(err <= self.tolerance for _, err in self.rows)
+        return not self.failures
 
     @property
     def failures(self) -> list[tuple[str, float]]:
-        return [(w, e) for w, e in self.rows if e > self.tolerance]
+        return [(w, e) for w, e in self.rows if not e <= self.tolerance]  # NaN fails too
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,12 +35,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
     scale = max(b.abs().max().item(), 1e-3)
-    return (a.float() - b.float()).abs().max().item() / scale
+    return _worst((a.float() - b.float()).abs().max().item() / scale)
+
+
+def _worst(err: float) -> float:
+    """A NaN error (a NaN on either side) as infinitely wrong, so every report that takes
+    the worst of several errors (``max`` skips NaN by its place) shows it."""
+    return math.inf if math.isnan(err) else err
 
 
 def compare(ref: StepResult, par: StepResult, tolerance: float = 1e-4) -> Comparison:
     rows = [("logits", rel_err(par.logits, ref.logits)),
-            ("loss", abs(par.loss - ref.loss) / max(abs(ref.loss), 1e-3))]
+            ("loss", _worst(abs(par.loss - ref.loss) / max(abs(ref.loss), 1e-3)))]
     for name, g in ref.grads.items():
         other = par.grads.get(name)
         rows.append((f"grad {name}", float("inf") if other is None else rel_err(other, g)))
