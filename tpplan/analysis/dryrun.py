@@ -81,7 +81,7 @@ class DryRun:
         from ..parallel.fsdp_units import unit_sizes
 
         res = self.resolved
-        return unit_sizes(self.model, res, res.dims)
+        return unit_sizes(self.model, res, res.dims, self.plan.spec)
 
     def to_json(self) -> dict[str, Any]:
         dims = self.resolved.dims if self.resolved is not None and not self.errors else None
