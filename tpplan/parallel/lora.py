@@ -39,7 +39,7 @@ from ..plan.specs import LoraSpec, LoraTarget
 
 __all__ = ["LoraA", "LoraB", "FOLLOWED_STYLES", "adapter_params", "adapter_shapes",
            "adapter_tp_dim", "apply_lora", "check_lora", "freeze_base", "lora_targets",
-           "saved_modules", "trained_names", "same_in_every_block"]
+           "checkpointed", "saved_modules", "trained_names", "same_in_every_block"]
 
 # The styles an adapter follows, and how its A and B weights are placed on tp for each.
 FOLLOWED_STYLES = {None: (None, None), "colwise": ("replicate", 0),
@@ -278,3 +278,21 @@ def same_in_every_block(plan, model: nn.Module) -> bool:
         if picked != {n for n in universe if generalize(n) in general}:
             return False
     return True
+
+
+def checkpointed(spec: LoraSpec | None, model: nn.Module) -> list[tuple[int, int]] | None:
+    """(elements, bytes per element) of each parameter a LoRA run's checkpoint holds (what
+    trains: the adapters, ``modules_to_save``), from a model with or without its adapters;
+    None without ``lora`` (a checkpoint holds every parameter)."""
+    if spec is None:
+        return None
+    params = dict(model.named_parameters())
+    shapes = adapter_shapes(spec, model)
+    out = []
+    for name in sorted(trained_names(spec, model)):
+        if name in params:
+            out.append((params[name].numel(), params[name].element_size()))
+        else:  # an adapter not added yet: its base's dtype
+            base = params[name.rsplit(".lora_", 1)[0] + ".weight"]
+            out.append((math.prod(shapes[name]), base.element_size()))
+    return out
