@@ -199,6 +199,11 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
                 for snap in snaps:
                     unsharded.append(snap.get(dev, {}).get("Unsharded Param", 0))
         figures["fsdp_unsharded_max"] = max(unsharded)
+        figures["by_module"] = {  # where the peak is: each module's moments, by part
+            f"{stats.mod_fqn} {str(state.value if hasattr(state, 'value') else state)}":
+                [{str(k.value if hasattr(k, "value") else k): int(v)
+                  for k, v in snap.get(dev, {}).items()} for snap in snaps]
+            for stats in mt.memory_tracking.values() for state, snaps in stats.snapshots.items()}
         if rank == 0:
             (Path(out) / "measured.json").write_text(json.dumps(figures))
     finally:
