@@ -52,6 +52,7 @@ def peft_reference(plan_path: str, overrides, tokens: torch.Tensor, seed: int, h
                         target_modules=f"(?:{targets})", use_rslora=spec.rslora,
                         modules_to_save=saved or None)
     model = get_peft_model(model, config) if hf else inject_adapter_in_model(config, model)
+    model.eval()  # peft's added modules (its dropout) are made in train mode
     g = torch.Generator().manual_seed(seed + 7)
     init = {}
     for name, p in model.named_parameters():
