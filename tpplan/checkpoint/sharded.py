@@ -87,9 +87,8 @@ def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2, saved: list | 
     ``optimizer_states`` tensors of its size (AdamW: two moments), from the global shapes
     (works on the meta device), plus what DCP and tpplan add -- per saved tensor (AdamW's
     step counter included) a ``torch.save`` record and a ``.metadata`` entry, about 2.1 KiB
-    measured, counted as 2.25 KiB; per parameter its optimizer group's settings, flattened
-    -- and the trainer state and manifest. ``saved``: (elements, bytes per element) of the
-    parameters held when not all of the model's (LoRA: what trains)."""
+    measured, counted as 2.25 KiB; per parameter its optimizer group's settings -- and the
+    trainer state and manifest. ``saved``: (elements, element bytes) of what LoRA holds."""
     params = saved or [(p.numel(), p.element_size()) for p in model.parameters()]
     data = sum(n * size * (1 + optimizer_states) for n, size in params)
     return (data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES
