@@ -217,8 +217,8 @@ lora: {{targets: {ATTN_MLP}], rank: 4, alpha: 8}}
 def test_lora_finetune_2x2_equals_one_process_and_resumes_at_another_tp(lora_run, tiny_llama,
                                                                          tmp_path):
     """Losses step by step equal a one-process run; checkpoints hold the adapters and their
-    AdamW state only, with the base identified, and are the size the dry run says; resuming
-    step 3's checkpoint at tp=1 gives steps 4-6 of the 2×2 run; another base is refused."""
+    AdamW state only, with the base identified; resuming step 3's checkpoint at tp=1 gives
+    steps 4-6 of the 2×2 run; another base is refused."""
     from trainrun import assert_same_curve, fails, metrics, ok
 
     from tpplan.checkpoint import read_model_state
@@ -241,13 +241,6 @@ def test_lora_finetune_2x2_equals_one_process_and_resumes_at_another_tp(lora_run
     keys = SafeReader(str(step6)).read_metadata().state_dict_metadata
     moments = [k for k in keys if k.startswith("optim.state.") and k.endswith("exp_avg")]
     assert len(moments) == len(saved) and all("lora_" in k for k in keys if k.startswith("optim.state."))
-    # The dry run's checkpoint size (what the preflight checks free space against) is the
-    # adapters' checkpoint, not the whole model's: never short, at most 5% over.
-    from tpplan.analysis.dryrun import dry_run
-
-    predicted = dry_run(plan, 4, lora_sets(tiny_llama, run), apply=False).checkpoint_bytes
-    real = sum(p.stat().st_size for p in step6.iterdir())
-    assert real <= predicted <= real * 1.05, (predicted, real)
 
     resumed = tmp_path / "resumed"
     ok(lora_train(plan, tiny_llama, resumed, "--resume", str(run / "checkpoints" / "step-000003"),

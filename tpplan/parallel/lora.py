@@ -232,6 +232,8 @@ def adapter_shapes(spec: LoraSpec, model: nn.Module) -> dict[str, tuple[int, int
     out = {}
     for path in lora_targets(spec, [p for p in modules if not p.endswith((".lora_A", ".lora_B"))]):
         base = modules[path]
+        if not isinstance(base, nn.Linear):  # check_lora's error
+            continue
         out[f"{path}.lora_A.weight"] = (spec.rank, base.in_features)
         out[f"{path}.lora_B.weight"] = (base.out_features, spec.rank)
     return out
