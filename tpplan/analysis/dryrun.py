@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..api import Plan, load
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
-from ..parallel.lora import checkpointed
+from ..parallel.lora_sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
 __all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",

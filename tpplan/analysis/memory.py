@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
-from ..parallel.lora import same_in_every_block
+from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 

@@ -31,7 +31,8 @@ from ..parallel.apply import apply_ac, apply_ep, apply_tp, loss_context
 from ..parallel.attention import fused_attention_on_meta
 from ..parallel.context import apply_context_parallel, shard_batch
 from ..parallel.freeze import apply_freeze
-from ..parallel.lora import apply_lora, freeze_base, same_in_every_block
+from ..parallel.lora import apply_lora, freeze_base
+from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ..api import Plan
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
-from ..parallel.lora import checkpointed
+from ..parallel.lora_sizes import checkpointed
 from ..parallel.mesh import ParallelDims
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden

@@ -26,7 +26,7 @@ from ..plan.specs import PlanSpec
 from .mesh import ParallelDims
 from ..plan.styles import EP_STYLES
 from .freeze import frozen_names
-from .lora import adapter_shapes, adapter_tp_dim, trained_names
+from .lora_sizes import adapter_shapes, adapter_tp_dim, trained_names
 from .resolve import Resolution, shard_dims
 
 __all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
