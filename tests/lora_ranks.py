@@ -48,10 +48,11 @@ def peft_reference(plan_path: str, overrides, tokens: torch.Tensor, seed: int, h
     paths = [p for p, _ in model.named_modules()]
     targets = "|".join(re.escape(p) for p in lora_targets(spec, paths))
     saved = saved_modules(spec, paths)
-    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0,
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,  # eval: off
                         target_modules=f"(?:{targets})", use_rslora=spec.rslora,
                         modules_to_save=saved or None)
     model = get_peft_model(model, config) if hf else inject_adapter_in_model(config, model)
+    model.eval()  # peft's added modules (its dropout) are made in train mode
     g = torch.Generator().manual_seed(seed + 7)
     init = {}
     for name, p in model.named_parameters():
@@ -123,7 +124,23 @@ def _job(plan_path: str, overrides, tokens, seed: int, init: dict, out: Path) ->
               "with_grad": sorted(grads), "with_state": with_state}
     if first and dp_rank == 0:
         result["grads"] = grads
+    if plan.spec.lora.dropout and pipe is None:
+        result["dropout_losses"] = _eval_train_eval(parts[0], plan, local)
     torch.save(result, out / f"rank{dist.get_rank()}.pt")
+
+
+def _eval_train_eval(model, plan, local) -> list[float]:
+    """The loss of one forward in eval mode, two in train mode, one in eval mode again:
+    the adapters' dropout is off in eval (the first and last equal), on in train (each
+    forward draws its masks: they differ from eval's and from each other)."""
+    out = []
+    for train in (False, True, True, False):
+        model.train(train)
+        with torch.no_grad(), plan.loss_context():
+            logits = model(local[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), local[:, 1:].flatten())
+            out.append(_full(loss).item())
+    return out
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:

@@ -15,6 +15,8 @@ HF_SMALL = ["model.config.num_hidden_layers=4", "model.config.num_attention_head
             "model.config.num_key_value_heads=2", "model.config.hidden_size=32",
             "model.config.head_dim=8", "model.config.intermediate_size=128",
             "model.config.vocab_size=128"]
+LORA_R16 = ('lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", '
+            '"layers.*.feed_forward.{w1,w2,w3}"], rank: 16}')
 # name -> (plan, world size, overrides): every case is 2 micro-batches of accumulation.
 CASES: dict[str, tuple[str, int, list[str]]] = {
     "2x2, 16 blocks (extrapolated)": ("llama.yaml", 4, SMALL + [
@@ -30,12 +32,20 @@ CASES: dict[str, tuple[str, int, list[str]]] = {
     "fsdp 4 (llama-fsdp)": ("llama-fsdp.yaml", 4, SMALL + ["train.global_batch_size=16"]),
     "HF Llama 2x2": ("hf-llama.yaml", 4, SMALL + ["train.global_batch_size=8"] + HF_SMALL),
     "2x2, LoRA rank 16 (base frozen)": ("llama.yaml", 4, SMALL + [
-        "train.global_batch_size=8", 'lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", '
-        '"layers.*.feed_forward.{w1,w2,w3}"], rank: 16}']),
+        "train.global_batch_size=8", LORA_R16]),
     # experts over ep 2, FSDP-sharded over the efsdp 2 left; transformers' grouped_mm
     # experts (the dry run: the same forward on shapes, models/hf_experts.py), routed for real
     "HF Qwen3-MoE ep 2 x efsdp 2": ("qwen3-moe-ep-tiny.yaml", 4, SMALL + [
         "train.global_batch_size=16", "mesh.ep=2"]),
+}
+# The Llama 3.2 1B shape (width 2,048, GQA 32/8 heads, vocabulary 128,256, untied head) cut
+# to 1 block so 4 CPU ranks hold it (~18 GiB together): a full fine-tune against LoRA rank 16, one micro-batch
+# of 32 tokens per rank (scripts/memory_agreement.py --1b; docs/benchmarks.md). Not a test.
+SHAPE_1B = ["model.config=1b", "model.kwargs={n_layers: 1}", "train.seq_len=32",
+            "train.micro_batch_size=1", "train.global_batch_size=2"]
+CASES_1B: dict[str, tuple[str, int, list[str]]] = {
+    "1b (1 block), full fine-tune": ("llama.yaml", 4, SHAPE_1B),
+    "1b (1 block), LoRA rank 16": ("llama.yaml", 4, SHAPE_1B + [LORA_R16]),
 }
 
 
@@ -200,6 +210,11 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
                 for snap in snaps:
                     unsharded.append(snap.get(dev, {}).get("Unsharded Param", 0))
         figures["fsdp_unsharded_max"] = max(unsharded)
+        figures["by_module"] = {  # where the peak is: each module's moments, by part
+            f"{stats.mod_fqn} {str(state.value if hasattr(state, 'value') else state)}":
+                [{str(k.value if hasattr(k, "value") else k): int(v)
+                  for k, v in snap.get(dev, {}).items()} for snap in snaps]
+            for stats in mt.memory_tracking.values() for state, snaps in stats.snapshots.items()}
         if rank == 0:
             (Path(out) / "measured.json").write_text(json.dumps(figures))
     finally:

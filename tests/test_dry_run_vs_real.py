@@ -45,11 +45,24 @@ def test_memory_per_part_and_peak_match_a_real_step(name, tmp_path):
                                          "activations", "peak"}
 
 
+BF16 = "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"
+
+
 @pytest.mark.parametrize("extra", [
-    [], ["fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"]])
+    [], [BF16],
+    # LoRA: frozen units reduce nothing; the adapters' gradients are reduce-scattered, and
+    # all-reduced over tp (a replicated A under a colwise base, B under a rowwise one)
+    ['lora={targets: ["layers.*.attention.{wq,wv}", "layers.*.feed_forward.w2"], rank: 8, '
+     'modules_to_save: [output]}', BF16],
+    # adapters in the last blocks only: backward never reaches the embedding and block 0
+    # (block 1 is gathered all the same: block 2's backward prefetches it)
+    ['lora={targets: ["layers.{2,3}.attention.{wq,wv}"], rank: 4}'],
+    ['freeze=[tok_embeddings, "layers.0"]'],
+], ids=["fp32", "bf16", "lora", "lora-last-blocks", "freeze"])
 def test_communication_with_accumulation_is_what_tpplan_train_issues(extra, tmp_path):
     """Two micro-batches per step: TP collectives run per micro-batch, gradient reductions
-    (FSDP2's reduce-scatter, sequence-parallel norm weights' all-reduce) once per step."""
+    (FSDP2's reduce-scatter, sequence-parallel norm weights' all-reduce) once per step, for
+    the parameters that train only."""
     world = 4
     overrides = ["train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
                  "train.steps=1", "checkpoint.enabled=false", "data.max_bytes=20000",

@@ -33,7 +33,8 @@ def lora_plans(tmp_path_factory) -> dict[str, str]:
     """Plans with a ``lora`` section: HF Llama 2×2 (TP + SP + loss parallel + FSDP2, full
     activation checkpointing, the head adapted too, the final norm trained whole), HF Llama
     pp 2 × tp 2 (transformers' plan), Qwen3 from import-hf with sequence parallelism, and
-    the built-in Llama's plans/llama.yaml."""
+    HF Llama with one KV head at tp 2 (its k/v projections kv_colwise: replicated A and B)
+    and the built-in Llama's plans/llama.yaml."""
     from tpplan.cli import main
 
     d = tmp_path_factory.mktemp("lora-plans")
@@ -42,6 +43,12 @@ def lora_plans(tmp_path_factory) -> dict[str, str]:
                                       default=str))
     assert main(["import-hf", str(qwen_config), "--sequence-parallel", "-o",
                  str(d / "qwen3-imported.yaml")]) == 0
+    # One KV head under tp 2: k_proj and v_proj are kv_colwise (weights whole on every rank)
+    kv1 = {**json.loads(LLAMA_CONFIG.read_text()), "num_key_value_heads": 1}
+    (d / "llama-kv1.json").write_text(json.dumps(kv1))
+    assert main(["import-hf", str(d / "llama-kv1.json"), "--tp", "2", "-o",
+                 str(d / "llama-kv1-imported.yaml")]) == 0
+    assert "kv_colwise" in (d / "llama-kv1-imported.yaml").read_text()
     texts = {
         "llama": f"""extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}
 model: {{pretrained: null, hf_config: {LLAMA_CONFIG}}}
@@ -58,6 +65,9 @@ lora: {{targets: {ATTN_MLP}], rank: 4, alpha: 16, rslora: true}}
         "qwen3": f"""extends: qwen3-imported.yaml
 lora: {{targets: {ATTN_MLP}], rank: 2, alpha: 4}}
 """,
+        "llama_kv1": f"""extends: llama-kv1-imported.yaml
+lora: {{targets: {ATTN_MLP}], rank: 4, alpha: 8}}
+""",
         "builtin": f"""extends: {ROOT / 'plans' / 'llama.yaml'}
 lora: {{targets: ["layers.*.attention.{{wq,wv,wo}}", "layers.*.feed_forward.w2", output],
         rank: 8, alpha: 16}}
@@ -72,12 +82,14 @@ lora: {{targets: ["layers.*.attention.{{wq,wv,wo}}", "layers.*.feed_forward.w2",
 
 def test_adapters_on_4_ranks_match_peft_on_one_device(lora_plans):
     """Loss and every adapter gradient within fp32 tolerance of peft's, for HF Llama and
-    Qwen3 on 2×2 (TP + SP + loss parallel + FSDP2) and pp 2 × tp 2, and the built-in Llama
-    on 2×2; only adapters (and modules_to_save) get gradients and AdamW state, and every
+    Qwen3 on 2×2 (TP + SP + loss parallel + FSDP2) and pp 2 × tp 2, HF Llama with KV heads
+    fewer than tp (kv_colwise) on 2×2, and the built-in Llama on 2×2 (also with dropout
+    0.5, in eval mode); only adapters (and modules_to_save) get gradients and AdamW state, and every
     frozen base weight is bit-identical after two optimizer steps. One spawn."""
     pp = ["mesh.pp=2", "mesh.tp=2", "mesh.dp_shard=1", "pipeline.microbatches=2"]
     cases = [("llama", [], True), ("llama_pp", [], True), ("qwen3", ["mesh.tp=2"], True),
-             ("qwen3", pp, True), ("builtin", ["mesh.tp=2"], False)]
+             ("qwen3", pp, True), ("llama_kv1", [], True), ("builtin", ["mesh.tp=2"], False),
+             ("builtin", ["mesh.tp=2", "lora.dropout=0.5"], False)]
     jobs, refs = [], []
     for name, overrides, hf in cases:
         plan = tpplan.load(lora_plans[name], overrides)
@@ -103,6 +115,12 @@ def test_adapters_on_4_ranks_match_peft_on_one_device(lora_plans):
         worst = max((rel_err(par_grads[n], g), n) for n, g in grads.items())
         assert worst[0] < 1e-4, (name, worst)
         assert any(g.abs().max() > 1e-6 for n, g in grads.items() if "lora_A" in n), name
+    # lora.dropout 0.5 (the last case): the numbers above are eval mode's, where dropout is
+    # off on every rank as in peft; in train mode it is on (each forward draws new masks).
+    # Which masks each rank draws is not compared: no one-device run draws the same ones.
+    for r in results[-1]:
+        first_eval, train_a, train_b, last_eval = r["dropout_losses"]
+        assert first_eval == last_eval and len({first_eval, train_a, train_b}) == 3, r
 
 
 def test_lora_mistakes_are_located_errors(write_plan, capsys):
@@ -168,13 +186,17 @@ def lora_train(plan: str, folder, run_dir, *extra: str, nproc: int | None = None
     from helpers import tpplan_cli
 
     args = ["train", "--plan", plan]
-    for s in [f"model.pretrained={folder}", f"data.tokenizer={folder}",
-              f"data.path={folder / 'chat.jsonl'}", "eval=null", f"train.steps={LORA_STEPS}",
-              "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
-              "train.lr=0.01", "checkpoint.interval=3", "checkpoint.keep=0",
-              f"metrics.run_dir={run_dir}", *sets]:
+    for s in lora_sets(folder, run_dir, sets):
         args += ["--set", s]
     return tpplan_cli(*args, *extra, *(["--nproc", str(nproc)] if nproc else []), timeout=240)
+
+
+def lora_sets(folder, run_dir, sets=()) -> list[str]:
+    return [f"model.pretrained={folder}", f"data.tokenizer={folder}",
+            f"data.path={folder / 'chat.jsonl'}", "eval=null", f"train.steps={LORA_STEPS}",
+            "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
+            "train.lr=0.01", "checkpoint.interval=3", "checkpoint.keep=0",
+            f"metrics.run_dir={run_dir}", *sets]
 
 
 @pytest.fixture(scope="module")

@@ -218,3 +218,27 @@ def test_deep_stages_of_any_pp_share_their_shallow_traces():
     assert ev.traces["memory_from_shallow"] >= 1
     # The second is the one served from the first's traces (the first is traced as any is).
     assert cached[1] == _comparable(dry_run(PLAN, 32, base + sets[1], ANALYSES))
+
+
+LORA = ('lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", "layers.*.feed_forward.{w1,w2,w3}"], '
+        'rank: 8, modules_to_save: [output]}')
+
+
+def test_a_plans_lora_is_taken_as_given():
+    """With a ``lora`` section every candidate carries it: the cached analyses (memory with
+    the base frozen, FSDP reducing the adapters only, the TP trace with them) and the
+    checkpoint size equal uncached dry runs of the LoRA plan, whose gradients and optimizer
+    state are those of the adapters and the head, not the model's."""
+    sets = [["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
+            ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
+             "pipeline={schedule: 1f1b, microbatches: 4}"]]
+    overrides = SMALL + ["train.global_batch_size=16", LORA]
+    ev, results = _evaluated(overrides, 8, sets)
+    for s, r in zip(sets, results):
+        real = dry_run(PLAN, 8, overrides + s, ANALYSES)
+        assert _comparable(r) == _comparable(real), s
+        assert r.checkpoint_bytes == real.checkpoint_bytes
+        full = dry_run(PLAN, 8, overrides[:-1] + s, ANALYSES)
+        for part in ("gradients", "optimizer"):
+            assert real.extra["memory_per_rank"][part] < full.extra["memory_per_rank"][part] / 2
+        assert real.checkpoint_bytes < full.checkpoint_bytes / 2

@@ -46,30 +46,46 @@ def fsdp_collectives(units: list[UnitSize], fsdp: FSDPSpec | None, shape: StepSh
     unit in forward (and again in backward when ``reshard_after_forward``; never the root,
     FSDP2 keeps it unsharded); gradients are reduce-scattered once per step (the trainer
     turns gradient sync off until the last micro-batch) and, with HSDP, the gradient shard
-    all-reduced over ``dp_replicate`` once. ``param_bytes``/``reduce_bytes``: bytes per
+    all-reduced over ``dp_replicate`` once; only the parameters that train are reduced
+    (:attr:`UnitSize.reduced`: the adapters under LoRA), and units backward never reaches
+    are not gathered again (:func:`_no_backward`). ``param_bytes``/``reduce_bytes``: bytes per
     element of the compute and reduce dtypes. ``gathers(unit)``: all-gathers per step where
     a pipeline schedule decides them (:func:`tpplan.analysis.schedule.fsdp_gathers`)."""
     out: list[dict[str, Any]] = []
     if fsdp is None:
         return out
     k = shape.grad_accum
+    idle = set() if gathers else _no_backward(units)
     for unit in units:
         name, elems = unit.unit, unit.elements
-        n = gathers(name) if gathers else k * (1 + (fsdp.reshard_after_forward and name != ROOT))
+        again = fsdp.reshard_after_forward and name != ROOT and name not in idle
+        n = gathers(name) if gathers else k * (1 + again)
         # dp_shard (dp_shard × cp under context parallelism), or efsdp for an experts
         # module's own unit
         dim = unit.mesh_dim if unit.mesh_dim == "efsdp" else \
             ("dp_shard_cp" if dims.cp > 1 else "dp_shard")
         shards = dims.efsdp if dim == "efsdp" else dims.dp_shard * dims.cp
+        reduced = unit.reduced  # what trains: a frozen parameter has no gradient to reduce
         if shards > 1:
             out.append(dict(kind="all_gather", mesh_dim=dim, count=n,
                             bytes=n * elems * param_bytes, unit=name))
-            out.append(dict(kind="reduce_scatter", mesh_dim=dim, count=1,
-                            bytes=elems * reduce_bytes, unit=name))
-        if dims.dp_replicate > 1:
+            if reduced:
+                out.append(dict(kind="reduce_scatter", mesh_dim=dim, count=1,
+                                bytes=reduced * reduce_bytes, unit=name))
+        if dims.dp_replicate > 1 and reduced:
             out.append(dict(kind="all_reduce", mesh_dim="dp_replicate", count=1,
-                            bytes=elems * reduce_bytes // shards, unit=name))
+                            bytes=reduced * reduce_bytes // shards, unit=name))
     return out
+
+
+def _no_backward(units: list[UnitSize]) -> set[str]:
+    """Units that FSDP2 does not all-gather in backward: with nothing trained in them or
+    before them (a frozen embedding, frozen first blocks), backward never reaches them,
+    except the one just before the first unit that trains, which the first's backward
+    prefetches all the same."""
+    ordered = sorted(units, key=lambda u: u.order)
+    first = next((i for i, u in enumerate(ordered) if u.reduced), len(ordered))
+    return {u.unit for u in ordered[:max(first - 1, 0)]}
 
 
 def _linears(model: nn.Module, res: Resolution, style: str) -> list[tuple[str, nn.Module]]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..api import Plan, load
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
+from ..parallel.lora_sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 
 __all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",
@@ -81,7 +82,7 @@ class DryRun:
         from ..parallel.fsdp_units import unit_sizes
 
         res = self.resolved
-        return unit_sizes(self.model, res, res.dims)
+        return unit_sizes(self.model, res, res.dims, self.plan.spec)
 
     def to_json(self) -> dict[str, Any]:
         dims = self.resolved.dims if self.resolved is not None and not self.errors else None
@@ -248,7 +249,8 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
     try:
         plan = result.plan = load(plan_path, overrides)
         model = build_model(plan.require_model(), device="meta")
-        result.checkpoint_bytes = checkpoint_bytes(model)
+        result.checkpoint_bytes = checkpoint_bytes(model, saved=checkpointed(plan.spec.lora,
+                                                                            model))
         res = result.resolution = plan.resolve(model, world_size)
         errs = ErrorList(res.errors)
         if res.dims is not None:

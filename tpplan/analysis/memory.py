@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
+from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
@@ -118,7 +119,7 @@ def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShap
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
            shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut)
-    if depths:
+    if depths and same_in_every_block(spec, build()):  # else the first blocks tell not all
         traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
                                                    for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)

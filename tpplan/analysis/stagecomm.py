@@ -98,7 +98,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
         boundary = boundary or sent
         ukey = (key, stage.index, dims.dp_shard)
         if ukey not in cache:
-            cache[ukey] = unit_sizes(module, res, dims)
+            cache[ukey] = unit_sizes(module, res, dims, spec)
         out[stage.index] = StageComm(module, res, cache[ukey], trace)
     return split, out, boundary
 

@@ -30,6 +30,9 @@ from ..models.introspect import find_blocks
 from ..parallel.apply import apply_ac, apply_ep, apply_tp, loss_context
 from ..parallel.attention import fused_attention_on_meta
 from ..parallel.context import apply_context_parallel, shard_batch
+from ..parallel.freeze import apply_freeze
+from ..parallel.lora import apply_lora, freeze_base
+from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
@@ -179,25 +182,35 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
             model.to(dtype)
         # Only the modules still in the model: the container may have been cut to 3 blocks.
         paths = {p for p, _ in model.named_modules()}
+        rule_of = {p: r for p, r in res.rule_of.items() if p in paths}
         if res.dims.tp > 1:  # as apply does: at tp 1 (an ep-only run) the rules do nothing
             apply_tp(model, mesh["tp"], dataclasses.replace(
-                res, rule_of={p: r for p, r in res.rule_of.items() if p in paths},
+                res, rule_of=rule_of,
                 attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
         if ep_mesh is not None:
-            apply_ep(model, ep_mesh, dataclasses.replace(
-                res, rule_of={p: r for p, r in res.rule_of.items() if p in paths}))
+            apply_ep(model, ep_mesh, dataclasses.replace(res, rule_of=rule_of))
+        if plan.lora is not None:  # the adapters' gradients are reduced over tp too
+            apply_lora(plan.lora, model, mesh["tp"], rule_of, plan.train.seed)
         ac = plan.activation_checkpointing
         if cp is not None:
             apply_context_parallel(model, cp, plan.context_parallel)
         if ac.enabled:
             # Recomputed blocks re-issue their forward collectives in backward: count them.
             apply_ac(model, [p for p in res.ac_blocks if p in paths], ac.every)
+        # What apply freezes has no gradient: no reduction after backward, and no input
+        # gradient wanted where nothing before it trains (a frozen embedding's, say).
+        if plan.lora is not None:
+            freeze_base(plan.lora, model)
+        if plan.freeze:
+            apply_freeze(plan.freeze, model)
         return model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
         model = build()
-        found = identical_blocks(model, res.rule_of) if extrapolate else None
+        # LoRA on some blocks only (or `freeze`): not identical blocks, traced whole.
+        found = identical_blocks(model, res.rule_of) \
+            if extrapolate and same_in_every_block(plan, model) else None
         if found is None:
             return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
         parent, attr, path = found

@@ -38,6 +38,7 @@ import torch.nn as nn
 from ..api import Plan
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
+from ..parallel.lora_sizes import checkpointed
 from ..parallel.mesh import ParallelDims
 from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
@@ -91,7 +92,8 @@ class Evaluator:
             raise PlanErrors([e]) from None
         self.base = parse_plan(self.doc, self.path)
         self.model = build_model(require_model(self.base), device="meta")  # never applied: shared
-        self.checkpoint = checkpoint_bytes(self.model)
+        self.checkpoint = checkpoint_bytes(self.model,
+                                           saved=checkpointed(self.base.lora, self.model))
         self.meshes: dict[ParallelDims, Any] = {}
         self.resolutions: dict[tuple, Any] = {}
         self.memories: dict[tuple, tuple] = {}

@@ -82,15 +82,15 @@ def model_shapes(model: Parts) -> dict[str, list[int]]:
     return {n: list(p.shape) for m in models for n, p in m.named_parameters()}
 
 
-def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
+def checkpoint_bytes(model: nn.Module, optimizer_states: int = 2, saved: list | None = None) -> int:
     """Bytes one checkpoint of ``model`` takes on disk: every parameter once and
     ``optimizer_states`` tensors of its size (AdamW: two moments), from the global shapes
     (works on the meta device), plus what DCP and tpplan add -- per saved tensor (AdamW's
     step counter included) a ``torch.save`` record and a ``.metadata`` entry, about 2.1 KiB
-    measured, counted as 2.25 KiB; per parameter its optimizer group's settings, flattened
-    -- and the trainer state and manifest."""
-    params = list(model.parameters())
-    data = sum(p.numel() * p.element_size() * (1 + optimizer_states) for p in params)
+    measured, counted as 2.25 KiB; per parameter its optimizer group's settings -- and the
+    trainer state and manifest. ``saved``: (elements, element bytes) of what LoRA holds."""
+    params = saved or [(p.numel(), p.element_size()) for p in model.parameters()]
+    data = sum(n * size * (1 + optimizer_states) for n, size in params)
     return (data + len(params) * (2 + optimizer_states) * PER_TENSOR_BYTES
             + len(params) * GROUP_KEYS * PER_OBJECT_BYTES + FIXED_BYTES)
 

@@ -8,6 +8,11 @@ along dimension 0 over the ``dp_shard`` ranks, dimension 0 padded up to a multip
 (``torch.chunk`` sizes; rank 0 holds the padded chunk), and the all-gather returns
 ``padded shard × dp_shard`` elements. Nothing is read from FSDP2's internals, so the same
 numbers come out of a meta model, a real one, or a model not yet parallelized.
+
+Only parameters that train get a gradient, so a group's reduce-scatter covers those alone
+(none at all for a group that is wholly frozen): under ``lora`` the adapters and
+``modules_to_save``, less what ``freeze`` freezes. Given the plan, the adapters are counted
+whether the model has them yet or not (placed over tp as their base's style places them).
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..plan.patterns import generalize
+from ..plan.specs import PlanSpec
 from .mesh import ParallelDims
 from ..plan.styles import EP_STYLES
+from .freeze import frozen_names
+from .lora_sizes import adapter_shapes, adapter_tp_dim, trained_names
 from .resolve import Resolution, shard_dims
 
 __all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
@@ -28,11 +36,20 @@ ROOT = "<root>"
 
 @dataclass(frozen=True)
 class UnitSize:
-    """One ``fully_shard`` parameter group: its label and its all-gather's output elements."""
+    """One ``fully_shard`` parameter group: its label, its all-gather's output elements and
+    its reduce-scatter's input elements (``trained``: its parameters that get a gradient;
+    None: all of them)."""
 
     unit: str
     elements: int
     mesh_dim: str = "dp_shard"  # "efsdp": an experts module under expert parallelism
+    trained: int | None = None
+    order: int = 0  # where its first module comes in the model (forward order, roughly)
+
+    @property
+    def reduced(self) -> int:
+        """Elements of the group's gradient reduce-scatter (0: the group has none)."""
+        return self.elements if self.trained is None else self.trained
 
 
 def fsdp_calls(res: Resolution) -> list[list[str]]:
@@ -52,9 +69,12 @@ def tp_local_shape(name: str, shape: tuple[int, ...], module: nn.Module, res: Re
     """The shape of parameter ``name`` (``module.path.weight``) on one tp rank."""
     path, _, pname = name.rpartition(".")
     rule = res.rule_of.get(path)
-    if rule is None or tp == 1:
+    if tp == 1:
         return shape
-    dim = (shard_dims(rule.style.name, module) or {}).get(pname)
+    if rule is None:  # an adapter follows its base's style
+        dim = adapter_tp_dim(name, res.rule_of)
+    else:
+        dim = (shard_dims(rule.style.name, module) or {}).get(pname)
     if dim is None:
         return shape
     out = list(shape)
@@ -72,9 +92,27 @@ def _gathered(shape: tuple[int, ...], shards: int) -> int:
     return -(-shape[0] // shards) * rest * shards
 
 
-def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[UnitSize]:
+def _parameters(model: nn.Module, plan: PlanSpec | None) -> list[tuple[str, tuple, bool]]:
+    """(name, global shape, trains) of every parameter ``plan`` gives ``model``: with a
+    ``lora`` section its adapters too, added or not yet; without ``plan``, as ``model`` is."""
+    params = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    if plan is None:
+        return params
+    trains = {n for n, *_ in params}
+    if plan.lora is not None:
+        have = set(trains)
+        params += [(n, s, True) for n, s in adapter_shapes(plan.lora, model).items()
+                   if n not in have]
+        trains = trained_names(plan.lora, model)
+    trains -= frozen_names(plan.freeze, [n for n, *_ in params]) if plan.freeze else set()
+    return [(n, s, n in trains) for n, s, _ in params]
+
+
+def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
+               plan: PlanSpec | None = None) -> list[UnitSize]:
     """Each FSDP2 parameter group of the plan, in apply order, the root last; a call whose
-    parameters all belong to deeper calls makes no group and is left out, as in FSDP2."""
+    parameters all belong to deeper calls makes no group and is left out, as in FSDP2.
+    ``plan``: what trains and the adapters come from it (:func:`_parameters`)."""
     modules = dict(model.named_modules())
     owner: dict[str, int] = {}  # parameter name -> index of the call that shards it
     calls = fsdp_calls(res)
@@ -88,17 +126,28 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims) -> list[Un
         if dims.ep > 1 else []
     ep_owner = {f"{path}.{n}": i for i, path in enumerate(experts)
                 for n, _ in modules[path].named_parameters(recurse=False)}
-    ep_elements = [0] * len(experts)
-    elements = [0] * (len(calls) + 1)
-    for name, p in model.named_parameters():
+    ep_elements, ep_trained = [0] * len(experts), [0] * len(experts)
+    elements, trained = [0] * (len(calls) + 1), [0] * (len(calls) + 1)
+    for name, shape, trains in _parameters(model, plan):
         if name in ep_owner:
-            local = (p.shape[0] // dims.ep, *p.shape[1:])
-            ep_elements[ep_owner[name]] += _gathered(local, dims.efsdp)
+            n = _gathered((shape[0] // dims.ep, *shape[1:]), dims.efsdp)
+            ep_elements[ep_owner[name]] += n
+            ep_trained[ep_owner[name]] += n * trains
             continue
-        module = modules[name.rpartition(".")[0]]
-        local = tp_local_shape(name, tuple(p.shape), module, res, dims.tp)
-        elements[owner.get(name, len(calls))] += _gathered(local, dims.dp_shard * dims.cp)
+        i = owner.get(name)
+        if i is None:  # an adapter not added yet: its base's unit
+            i = next((j for j, paths in enumerate(calls)
+                      if any(name.startswith(p + ".") for p in paths)), len(calls))
+        path = name.rpartition(".")[0]
+        local = tp_local_shape(name, shape, modules.get(path), res, dims.tp)
+        n = _gathered(local, dims.dp_shard * dims.cp)
+        elements[i] += n
+        trained[i] += n * trains
     labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
               for paths in calls] + [ROOT]
-    return [UnitSize(path, n, "efsdp") for path, n in zip(experts, ep_elements)] + \
-        [UnitSize(label, n) for label, n in zip(labels, elements) if n]
+    position = {p: i for i, p in enumerate(modules)}
+    orders = [min(position[p] for p in paths) for paths in calls] + [len(position)]
+    return [UnitSize(path, n, "efsdp", t, position[path])
+            for path, n, t in zip(experts, ep_elements, ep_trained)] + \
+        [UnitSize(label, n, trained=t, order=o)
+         for label, n, t, o in zip(labels, elements, trained, orders) if n]

@@ -198,6 +198,8 @@ def apply_lora(spec: LoraSpec, model: nn.Module, tp_mesh, rule_of: dict, seed: i
         _placed(b, b_place, tp_mesh, f"{path}.lora_B", seed)
         base.lora_A, base.lora_B = a, b
         base.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        for added in (a, b, base.lora_dropout):  # a model put in eval mode before stays in it
+            added.train(base.training)
         base.lora_scaling = spec.scaling
         # First among the forward hooks: before the style's output hook lays the output out.
         base.register_forward_hook(_add_delta, prepend=True)
@@ -219,3 +221,4 @@ def freeze_base(spec: LoraSpec, model: nn.Module) -> int:
     for name, p in model.named_parameters():
         p.requires_grad_(name in keep)
     return len(keep)
+

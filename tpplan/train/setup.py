@@ -20,6 +20,7 @@ from ..api import Plan, load
 from ..models import build_model
 from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
+from ..parallel.lora_sizes import checkpointed
 from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
 from . import pretrained
@@ -162,7 +163,8 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         prep.lora_base = pretrained.base_identity(plan.model, t.seed)
         prep.adapter = adapter
     if plan.checkpoint.enabled:
-        problem, warning = preflight(ckpt_dir, ckpt.checkpoint_bytes(model), plan.checkpoint.keep)
+        size = ckpt.checkpoint_bytes(model, saved=checkpointed(plan.lora, model))  # LoRA: adapters
+        problem, warning = preflight(ckpt_dir, size, plan.checkpoint.keep)
         if problem:
             raise TrainError(problem)
         prep.notes += [warning] if warning else []
