@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .numerics import StepResult
+__all__ = ["Comparison", "StepResult", "compare", "rel_err"]
 
-__all__ = ["Comparison", "compare", "rel_err"]
+
+@dataclass
+class StepResult:
+    """One step's outputs, on one device or gathered from the ranks of a parallel run."""
+    logits: torch.Tensor  # (B, S, V), the whole global batch
+    loss: float
+    grads: dict[str, torch.Tensor]  # parameter name -> full gradient
 
 
 @dataclass

@@ -29,17 +29,10 @@ from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.packed import to_model_order
 from ..parallel.runtime import as_spawned_rank, spawn
-from .comparison import Comparison, compare, rel_err
+from .comparison import Comparison, StepResult, compare, rel_err
 
 __all__ = ["StepResult", "make_batch", "reference_step", "parallel_step", "parallel_steps",
            "compare", "Comparison", "rel_err", "worker_failure", "VerifyStep", "verify_step"]
-
-
-@dataclass
-class StepResult:
-    logits: torch.Tensor  # (B, S, V), the whole global batch
-    loss: float
-    grads: dict[str, torch.Tensor]  # parameter name -> full gradient
 
 
 def make_batch(vocab_size: int, batch: int, seq_len: int, seed: int) -> torch.Tensor:
