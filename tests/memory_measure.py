@@ -1,6 +1,7 @@
 """Measuring one training step's memory for real: the trainer's step on a gloo CPU mesh,
 followed by PyTorch's own ``FSDPMemTracker`` (peak, activations, unsharded parameters and
-gradients) and by plain sums of the live tensors (parameters, gradients, optimizer state)."""
+gradients; FSDP2's group hooks kept, see :func:`_group_aware_tracker`) and by plain sums
+of the live tensors (parameters, gradients, optimizer state)."""
 
 from __future__ import annotations
 
@@ -126,8 +127,6 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     import tpplan
     from tpplan.models import build_model, init_weights, materialize
     from tpplan.parallel.context import shard_batch
@@ -195,7 +194,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
         figures["parameters"] = _bytes(model.parameters())
         figures["checkpointing"] = plan.activation_checkpointing.enabled
         figures["optimizer"] = _bytes(v for s in optimizer.state.values() for v in s.values())
-        mt = FSDPMemTracker(model, optimizer)
+        mt = _group_aware_tracker()(model, optimizer)
         mt.track_inputs((b, held["logits"], held["loss"]))
         held_by_fsdp = _fsdp_state_mode(model)
         with mt, held_by_fsdp:
@@ -219,6 +218,63 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
             (Path(out) / "measured.json").write_text(json.dumps(figures))
     finally:
         dist.destroy_process_group()
+
+
+def _group_aware_tracker():
+    """``FSDPMemTracker`` that keeps FSDP2's hooks of a unit of several modules
+    (``fully_shard([norm, output])``) as FSDP2 registers them: one hook pair for the group,
+    gathered at its first module's forward and resharded after its last one's. PyTorch's
+    tracker (2.13, ``_instrument_fsdp_module``) hooks each module of the group on its own, so
+    the unit is resharded after ``norm`` and gathered again for ``output``, while the first
+    all-gather buffer is still held (FSDP2 defers its free to the next copy-out): a step the
+    trainer never runs, one vocabulary-sized buffer more at the head's forward. On exit it
+    puts the group's hooks back (its own puts per-module ones, which keep the double gather)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+
+    def groups(root):
+        states = {id(s): s for m in root.modules() if isinstance(m, FSDPModule)
+                  for s in [m._get_fsdp_state()] if s._fsdp_param_group and len(s._modules) > 1}
+        return states.values()
+
+    def drop(module, state) -> None:
+        """Remove the per-module hooks a tracker left on ``module`` for ``state``."""
+        ours = (state._pre_forward, state._post_forward)  # raw, or wrapped by the tracker
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if hook in ours or getattr(hook, "__wrapped__", None) in ours:
+                    del hooks[key]
+                    module._forward_pre_hooks_with_kwargs.pop(key, None)
+                    module._forward_hooks_always_called.pop(key, None)
+
+    def regroup(state, pre, post) -> None:
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        for module in state._modules:
+            drop(module, state)
+        handle = _register_group_forward_hooks(state._modules, pre, post,
+                                               state._modules_to_run_forward,
+                                               state._cast_output_dtype)
+        state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+
+    class GroupAware(FSDPMemTracker):
+        def _instrument_fsdp_module(self) -> None:
+            super()._instrument_fsdp_module()
+            for state in groups(self._root_mod):
+                pres = {m: self._fsdp_state_pre_forward(m, state._pre_forward)
+                        for m in state._modules}
+                posts = {m: self._fsdp_state_post_forward(m, state._post_forward)
+                         for m in state._modules}
+                regroup(state, lambda m, *a, pres=pres, **k: pres[m](m, *a, **k),
+                        lambda m, *a, posts=posts: posts[m](m, *a))
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            super()._deregister_module_and_optimizer_hooks()
+            for state in groups(self._root_mod):
+                regroup(state, state._pre_forward, state._post_forward)
+
+    return GroupAware
 
 
 def _fsdp_state_mode(model):
