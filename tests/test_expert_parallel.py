@@ -310,3 +310,40 @@ def test_a_run_on_ep_4_resumes_on_pp_2_ep_2_then_ep_1_along_one_curve(tmp_path):
         assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-4 * a[step]["loss"], step
     state = read_model_state(latest(parts / "checkpoints"))
     assert tuple(state["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 128, 64)
+
+
+def test_expert_ids_out_of_range_refused_and_every_local_expert_has_a_gradient():
+    """The range check rides on the dispatch's bincount: ids above and below the range are
+    named, never dropped. The local experts' one autograd node scales their gradient by 1/ep
+    (against plain autograd on the same parameters) and gives an expert the forward did not
+    use a zero gradient; with no row at all, the tie does."""
+    import torch
+
+    from tpplan.parallel.expert_forms import local_experts, tie_experts
+    from tpplan.parallel.expert_parallel import dispatch_counts
+
+    ids = torch.tensor([[0, 3], [3, 1]])
+    assert dispatch_counts(ids, 4).tolist() == [1, 1, 0, 2]
+    for bad in (4, 9, -1):
+        with pytest.raises(ValueError, match=f"chose expert {bad}, outside \\[0, 4\\)"):
+            dispatch_counts(torch.tensor([[0, bad], [2, 1]]), 4)
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.register_parameter("w", torch.nn.Parameter(torch.randn(2, 3, 3)))
+    module.register_parameter("b", torch.nn.Parameter(torch.randn(2, 3)))
+    module.register_parameter("frozen", torch.nn.Parameter(torch.randn(2, 3), requires_grad=False))
+    module._tpplan_ep_params = ("w", "b", "frozen")
+    x = torch.randn(5, 3)
+    ref = torch.nn.Parameter(module.w.detach().clone())
+    (x @ ref[1]).square().sum().backward()
+    for rows in (x, x[:0]):
+        held = local_experts(module, module._tpplan_ep_params, ep=4)
+        assert not module._parameters["frozen"].requires_grad
+        out = tie_experts(module, rows @ module._parameters["w"][1])  # "b" unused
+        module._parameters.update(held)
+        out.square().sum().backward()
+        want = ref.grad / 4 if len(rows) else torch.zeros_like(ref)
+        assert torch.allclose(module.w.grad, want) and module.b.grad is not None
+        assert not module.b.grad.any() and module.frozen.grad is None
+        module.zero_grad(set_to_none=True)

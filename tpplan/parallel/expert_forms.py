@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "dense_forward"]
+__all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "tie_experts",
+           "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
 # arguments under other names: gpt-oss's (hidden_states, router_indices,
@@ -53,32 +54,53 @@ def experts_for_ep(model: nn.Module) -> list[str]:
             if expert_count(m) is not None and call_form(m) is not None]
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` in backward."""
+class _LocalExperts(torch.autograd.Function):
+    """The local experts as views (identity forward); in backward each gradient times
+    ``scale``, in one node for all of them, and a zero gradient for a view the forward did
+    not use (autograd materialises its missing gradient as zeros), so every local expert has
+    a gradient as soon as one of them is in the graph."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, scale: float, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.scale = scale
-        return x.view_as(x)
+        return tuple(p.view_as(p) for p in params)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.scale == 1:
+            return (None, *grads)
+        return (None, *(g * ctx.scale for g in grads))
 
 
-def local_experts(module: nn.Module, names: list[str], ep: int) -> dict[str, nn.Parameter]:
+def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     """The local experts in place of the module's parameters (returned, to put back).
 
     Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
     here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
     one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
     (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
-    gloo lacks.)"""
+    gloo lacks.) One :class:`_LocalExperts` node does it for all of them and gives every
+    local expert a gradient, zero where no token used it, so each rank's gradients (and
+    FSDP's reduce-scatter of them) cover the same parameters; :func:`tie_experts` covers the
+    case where no token reached any."""
     held = {n: module._parameters[n] for n in names}
-    for n, p in held.items():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        module._parameters[n] = _ScaleGrad.apply(local, 1.0 / ep) if ep > 1 else local
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
+    trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
+    if trained:
+        local.update(zip(trained, _LocalExperts.apply(1.0 / ep, *(local[n] for n in trained))))
+    module._parameters.update(local)
     return held
+
+
+def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """``out``, tied to the local experts (zero weight) when it has no rows: the experts'
+    forward then used none of them, and the gradient would miss them all."""
+    if out.shape[0]:
+        return out
+    for n in module._tpplan_ep_params:
+        if module._parameters[n].requires_grad:
+            return out + module._parameters[n].sum() * 0
+    return out
 
 
 def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
@@ -98,11 +120,10 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
     split = [local * rows] * ep
     got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
     x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
-    names = list(module._tpplan_ep_params)
-    held = local_experts(module, names, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep)
     try:
         module.num_experts = local
-        out = forward(x) + sum(module._parameters[n].sum() for n in names) * 0
+        out = tie_experts(module, forward(x))
     finally:
         module.num_experts = num_experts
         module._parameters.update(held)

@@ -44,7 +44,7 @@ from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
 from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
-                           experts_for_ep)
+                           experts_for_ep, tie_experts)
 
 __all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
@@ -132,13 +132,23 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
 
 def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(token, expert) pairs per expert; ValueError naming an id out of range (a routing
-    bug that a silent drop would turn into a plausible but wrong loss)."""
+    bug that a silent drop would turn into a plausible but wrong loss).
+
+    The check rides on the one ``bincount``: an id ``>= num_experts`` lengthens it past
+    ``num_experts`` and a negative one makes it fail, so in-range routing pays no extra pass
+    (and no extra host sync) over the ids."""
     flat = top_k_index.reshape(-1)
-    if flat.numel() and (bool(flat.min() < 0) or bool(flat.max() >= num_experts)):
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # negative ids (bincount's own check); anything else re-raised
+        if not flat.numel() or not bool((flat < 0).any()):
+            raise
+        counts = None
+    if counts is None or counts.numel() > num_experts:
         bad = flat[(flat < 0) | (flat >= num_experts)][0].item()
         raise ValueError(f"expert_parallel: the router chose expert {bad}, outside "
                          f"[0, {num_experts}): refusing to drop its tokens")
-    return torch.bincount(flat, minlength=num_experts)
+    return counts
 
 
 def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
@@ -152,7 +162,8 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     ep, group = mesh.size(), mesh.get_group()
     local = num_experts // ep
     k = top_k_index.shape[-1]
-    if _shapes_only(top_k_index):  # the dry run: no ids to count, so routing is balanced
+    shapes_only = _shapes_only(top_k_index)
+    if shapes_only:  # the dry run: no ids to count, so routing is balanced
         counts = top_k_index.new_tensor(balanced_counts(top_k_index.numel(), num_experts))
     else:
         counts = dispatch_counts(top_k_index, num_experts)
@@ -163,7 +174,7 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     token = order // k
     got = torch.empty_like(counts)  # got[r * local + j]: rows rank r sends to my expert j
     dist.all_to_all_single(got, counts, group=group)
-    if _shapes_only(top_k_index):  # every rank routes as this one does
+    if shapes_only:  # every rank routes as this one does
         got = counts.view(ep, local)[mesh.get_local_rank()].repeat(ep)
         per_expert = balanced_counts(top_k_index.numel(), num_experts)
         mine = per_expert[mesh.get_local_rank() * local:][:local]
@@ -176,15 +187,12 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         recv = got.view(ep, local).sum(1).tolist()
         ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
-    names = list(module._tpplan_ep_params)
-    held = local_experts(module, names, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep)
     try:  # the module's own expert code, on its local experts
         module.num_experts = local
         out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
                                                       device=rows.device), *args, **kwargs)
-        # every local expert is in the graph even when no token reached it, so each rank's
-        # gradients (and FSDP's reduce-scatter of them) cover the same parameters
-        out = out + sum(module._parameters[n].sum() for n in names) * 0
+        out = tie_experts(module, out)
     finally:
         module.num_experts = num_experts
         module._parameters.update(held)
