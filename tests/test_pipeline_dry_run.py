@@ -234,7 +234,8 @@ def _assert_p2p(predicted: dict, out: Path) -> list[dict]:
 def test_context_parallel_under_pipeline_stages_matches_a_real_gloo_run(tmp_path):
     """pp 2 × cp 2 (ring, FSDP2 over dp_shard × cp): each stage passes on its rank's part of
     the sequence (half the bytes of pp alone), and each pp rank's cp collectives (K/V
-    all-gathers, the positions' all-gather, dK/dV reduce-scatters) and FSDP2's equal the dry
+    all-gathers, dK/dV reduce-scatters; the stages' micro-batches of plain positions take the
+    mask-free path as without stages) and FSDP2's equal the dry
     run's, counts and bytes."""
     plan = str(PLANS / "llama-fsdp.yaml")
     overrides = ["model.kwargs={n_layers: 2}", "mesh.pp=2", "mesh.cp=2", "train.seq_len=32",

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from ..plan.errors import ErrorList
 from ..plan.context import ContextParallelSpec
@@ -98,6 +99,13 @@ class ContextParallel:
         size = local // 2  # chunks r and 2·cp - 1 - r, as sequence_index cuts them
         return ((0, self.rank * size, size), (size, (2 * self.cp - 1 - self.rank) * size, size))
 
+    def _undivided(self, positions: torch.Tensor, index: torch.Tensor) -> bool:
+        """One document per row: the positions :func:`shard_batch` found so, or (a pipeline's
+        micro-batches are new tensors) this rank's global indices by value, where known."""
+        if positions is self._causal or positions.device.type == "meta" or is_fake(positions):
+            return positions is self._causal
+        return positions.shape[-1] == index.numel() and bool((positions == index).all())
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor | None, kernel=None, scale: float | None = None
                ) -> torch.Tensor:
@@ -118,7 +126,7 @@ class ContextParallel:
                                "q/k/v projections use_local_output: true (the default)")
         index, all_index = self.layout(q.shape[2])
         index, all_index = index.to(q.device), all_index.to(q.device)
-        if kernel is None and positions is self._causal and q.device.type in ("cpu", "meta"):
+        if kernel is None and self._undivided(positions, index) and q.device.type in ("cpu", "meta"):
             order = torch.empty_like(all_index)
             order[all_index] = torch.arange(all_index.numel(), device=q.device)
             if self.method == "ring":
