@@ -25,11 +25,18 @@ FAMILIES = ["qwen3", "gemma3_text", "phi3", "olmo2", "cohere", "mixtral", "qwen3
             "qwen2_moe", "glm4_moe", "deepseek_v2", "axk2"]
 
 
-def test_families_import_suggest_validate_and_verify(tmp_path):
-    cells = sweep_hf.run(FAMILIES, list(sweep_hf.MODES), tmp_path, log=lambda s: None)
+def sweep_matching_one_device(families: list[str], modes: list[str], folder) -> list:
+    """``sweep_hf.run`` of every family in every mode: each cell ok and its verify within
+    the sweep's tolerance of one device. The cells, for more checks."""
+    cells = sweep_hf.run(families, modes, folder, log=lambda s: None)
     bad = [f"{c.family} {c.mode}: {c.status} {c.detail}" for c in cells if c.status != "ok"]
     assert not bad, "\n".join(bad)
     assert all(c.worst is not None and c.worst < sweep_hf.TOLERANCE for c in cells)
+    return cells
+
+
+def test_families_import_suggest_validate_and_verify(tmp_path):
+    cells = sweep_matching_one_device(FAMILIES, list(sweep_hf.MODES), tmp_path)
     # validate reports communication for every one of them (no swallowed trace failure)
     assert all(c.comm for c in cells), [(c.family, c.mode, c.notes) for c in cells]
     qwen3 = (tmp_path / "qwen3" / "import.yaml").read_text()
