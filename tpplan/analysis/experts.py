@@ -57,6 +57,8 @@ class ExpertsModule:
     element_size: int
     trained: bool
     parallel: bool
+    per_expert: bool = False  # a list of expert modules: ``shapes`` are one expert's, each
+    # sharded by FSDP2 on its own (tpplan.parallel.expert_list)
 
 
 def _top_k(model: nn.Module, path: str) -> int:
@@ -84,21 +86,27 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
         if n is None:
             continue
         rule = res.rule_of.get(path)
-        params = list(m.parameters(recurse=False))
+        listed = isinstance(m, nn.ModuleList)
+        params = list(next(iter(m)).parameters() if listed else m.parameters(recurse=False))
         shapes = tuple(tuple(p.shape) for p in params)  # DTensors: the global shape
         hidden = getattr(m, "hidden_dim", None) or getattr(m, "hidden_size", None) or \
-            getattr(getattr(model, "config", None), "hidden_size", None) or 0
+            getattr(getattr(model, "config", None), "hidden_size", None) or \
+            listed and next((x.in_features for x in m.modules() if isinstance(x, nn.Linear)), 0)
         out.append(ExpertsModule(
             path, n, _top_k(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),
             any(p.requires_grad for p in params),
-            rule is not None and rule.style.name in EP_STYLES))
+            rule is not None and rule.style.name in EP_STYLES, listed))
     return out
 
 
-def _local_elements(shape: tuple[int, ...], num_experts: int, ep: int, fsdp: int) -> int:
+def _local_elements(shape: tuple[int, ...], num_experts: int, ep: int, fsdp: int,
+                    per_expert: bool = False) -> int:
     """A parameter ``[E, ...]``'s elements on the first rank: ``E/ep`` experts, dim 0
-    chunked over the ``fsdp`` ranks (``torch.chunk``: the first chunks are the largest)."""
+    chunked over the ``fsdp`` ranks (``torch.chunk``: the first chunks are the largest);
+    ``per_expert``: ``shape`` is one expert's, each of the ``E/ep`` chunked on its own."""
+    if per_expert:
+        return num_experts // ep * -(-shape[0] // fsdp) * math.prod(shape[1:])
     rows = -(-(num_experts // ep) // fsdp) if fsdp > 1 else num_experts // ep
     return rows * math.prod(shape[1:])
 
@@ -112,7 +120,8 @@ def expert_memory(modules: list[ExpertsModule], dims) -> dict[str, int]:
     for mod in modules:
         ep = dims.ep if mod.parallel else 1
         fsdp = dims.efsdp if mod.parallel else dims.dp_shard * getattr(dims, "cp", 1)
-        b = sum(_local_elements(s, mod.num_experts, ep, fsdp) for s in mod.shapes) * mod.element_size
+        b = sum(_local_elements(s, mod.num_experts, ep, fsdp, mod.per_expert)
+                for s in mod.shapes) * mod.element_size
         params += b
         grads += b if mod.trained else 0
         local.append(mod.num_experts // ep)

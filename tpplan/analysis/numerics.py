@@ -24,6 +24,7 @@ from ..models import build_model
 from ..models.moe_loss import aux_loss, micro_batch_aux, with_aux_loss
 from ..plan.packing import packed_params
 from ..parallel.context import shard_batch
+from ..parallel.expert_list import gather_expert_lists
 from ..parallel.freeze import apply_freeze
 from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.mesh import dp_rank as data_parallel_rank
@@ -91,10 +92,12 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
 
 
 def _grads(models: list, named) -> dict[str, torch.Tensor]:
-    """Full gradients by name; packed ones (gathered interleaved) in the model's order."""
+    """Full gradients by name; packed ones (gathered interleaved) in the model's order; a
+    list of experts split over ep (each rank holds its own) gathered from the ep ranks."""
     packed = {k: v for m in models for k, v in packed_params(m).items()}
-    return {n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
-            for n, p in named if p.grad is not None}
+    return gather_expert_lists(models, {
+        n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
+        for n, p in named if p.grad is not None})
 
 
 def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,

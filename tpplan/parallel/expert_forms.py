@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "tie_experts",
-           "dense_forward"]
+__all__ = ["expert_count", "list_expert_count", "call_form", "experts_for_ep", "local_experts",
+           "restore_experts", "tie_experts", "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
 # arguments under other names: gpt-oss's (hidden_states, router_indices,
@@ -26,13 +26,31 @@ CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
 def expert_count(module: nn.Module) -> int | None:
     """The number of routed experts a module holds as ``[num_experts, ...]`` parameters
     (its ``num_experts`` attribute, every own parameter leading with it, one at least a
-    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None."""
+    stack of matrices: a router's ``[num_experts, hidden]`` weight is not), else None; for a
+    list of per-expert modules, :func:`list_expert_count`."""
+    if isinstance(module, nn.ModuleList):
+        return list_expert_count(module)
     n = getattr(module, "num_experts", None)
     params = list(module.parameters(recurse=False))
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not params:
         return None
     stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
     return n if stacked and any(p.dim() == 3 for p in params) else None
+
+
+def list_expert_count(module: nn.Module) -> int | None:
+    """The number of experts of an ``nn.ModuleList`` of per-expert modules that
+    ``expert_parallel`` can spread (tpplan.parallel.expert_list): called in the routed form,
+    its experts of one class with the same parameters (names and shapes), one at least a
+    matrix; else None. A list split over ep keeps its whole count in ``num_experts``."""
+    if getattr(module, "_tpplan_ep_size", None):
+        return module.num_experts
+    experts = list(module) if isinstance(module, nn.ModuleList) else []
+    if not experts or call_form(module) != "routed":
+        return None
+    shapes = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in experts]
+    same = all(type(m) is type(experts[0]) and s == shapes[0] for m, s in zip(experts, shapes))
+    return len(experts) if same and any(len(s) >= 2 for _, s in shapes[0]) else None
 
 
 def call_form(module: nn.Module) -> str | None:
@@ -83,13 +101,27 @@ def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     local expert a gradient, zero where no token used it, so each rank's gradients (and
     FSDP's reduce-scatter of them) cover the same parameters; :func:`tie_experts` covers the
     case where no token reached any."""
-    held = {n: module._parameters[n] for n in names}
+    held = {n: owner._parameters[leaf] for n in names for owner, leaf in [_slot(module, n)]}
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
     if trained:
         local.update(zip(trained, _LocalExperts.apply(1.0 / ep, *(local[n] for n in trained))))
-    module._parameters.update(local)
+    restore_experts(module, local)
     return held
+
+
+def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that registers parameter ``name`` (dotted under a list of experts: the
+    expert's own submodule) and its name there."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def restore_experts(module: nn.Module, held: dict[str, torch.Tensor]) -> None:
+    """Register ``held`` (parameter name -> tensor) back on ``module`` (and its experts)."""
+    for name, p in held.items():
+        owner, leaf = _slot(module, name)
+        owner._parameters[leaf] = p
 
 
 def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -98,8 +130,9 @@ def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     if out.shape[0]:
         return out
     for n in module._tpplan_ep_params:
-        if module._parameters[n].requires_grad:
-            return out + module._parameters[n].sum() * 0
+        owner, leaf = _slot(module, n)
+        if owner._parameters[leaf].requires_grad:
+            return out + owner._parameters[leaf].sum() * 0
     return out
 
 
@@ -126,6 +159,6 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
         out = tie_experts(module, forward(x))
     finally:
         module.num_experts = num_experts
-        module._parameters.update(held)
+        restore_experts(module, held)
     out = out.view(local, ep, rows, width).transpose(0, 1).reshape(-1, width)
     return all_to_all_single_autograd(out.contiguous(), split, split, group)

@@ -44,7 +44,8 @@ from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
 from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
-                           experts_for_ep, tie_experts)
+                           experts_for_ep, restore_experts, tie_experts)
+from .expert_list import check_expert_list, split_expert_list
 
 __all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
@@ -62,14 +63,12 @@ def local_expert_params(module: nn.Module) -> list[str]:
 
 
 def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
-                          errs: ErrorList) -> None:
-    """Whether ``rule`` (``expert_parallel``) fits ``module`` at ``ep``; errors at the rule."""
+                          errs: ErrorList, parent: nn.Module | None = None) -> None:
+    """Whether ``rule`` (``expert_parallel``) fits ``module`` (whose parent is ``parent``) at
+    ``ep``; errors at the rule."""
     where = f"module '{path}' ({type(module).__name__})"
     if isinstance(module, nn.ModuleList):
-        errs.add(f"{where} is a list of expert modules, which expert_parallel does not "
-                 "split yet (only experts held as [num_experts, ...] parameters, as "
-                 "transformers 5 stores them)", rule.loc)
-        return
+        return check_expert_list(rule, path, module, ep, errs, parent)
     n = expert_count(module)
     if n is None:
         errs.add(f"{where} is not an experts container: expert_parallel needs a module with "
@@ -120,7 +119,8 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     check_aux_loss(mesh, modules.get(""), errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
-            check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
+            check_expert_parallel(rule, path, modules[path], mesh.ep, errs,
+                                  modules.get(path.rpartition(".")[0]))
     ep, loc = mesh.ep, mesh.locs.get("ep", mesh.loc)
     if ep == 1:
         return
@@ -195,7 +195,7 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         out = tie_experts(module, out)
     finally:
         module.num_experts = num_experts
-        module._parameters.update(held)
+        restore_experts(module, held)
     back = all_to_all_single_autograd(out, send, recv, group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     combined = torch.zeros_like(hidden_states)
@@ -214,7 +214,7 @@ def _without_dispatch(module: nn.Module, forward, first: int, local: int,
         return forward(hidden_states, ids, top_k_weights * mine)
     finally:
         module.num_experts = local * module._tpplan_ep_size
-        module._parameters.update(held)
+        restore_experts(module, held)
 
 
 class ExpertParallel(ParallelStyle):
@@ -233,6 +233,8 @@ class ExpertParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.ModuleList):  # per-expert modules: tpplan.parallel.expert_list
+            return split_expert_list(module, device_mesh, self.src_data_rank, _ep_forward)
         num_experts = expert_count(module)
         names = local_expert_params(module)
         for name in names:

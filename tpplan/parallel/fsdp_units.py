@@ -25,6 +25,7 @@ from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .mesh import ParallelDims
 from ..plan.styles import EP_STYLES
+from .expert_forms import expert_count
 from .freeze import frozen_names
 from .lora_sizes import adapter_shapes, adapter_tp_dim, trained_names
 from .resolve import Resolution, shard_dims
@@ -126,11 +127,21 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
         if dims.ep > 1 else []
     ep_owner = {f"{path}.{n}": i for i, path in enumerate(experts)
                 for n, _ in modules[path].named_parameters(recurse=False)}
+    whole, elsewhere = set(), set()  # a list of experts: each whole, rank 0 has the first E/ep
+    for i, path in enumerate(experts):
+        if isinstance(modules[path], nn.ModuleList):
+            local = expert_count(modules[path]) // dims.ep
+            for n, _ in modules[path].named_parameters(prefix=path):
+                ep_owner[n] = i
+                (whole if int(n[len(path) + 1:].split(".")[0]) < local else elsewhere).add(n)
     ep_elements, ep_trained = [0] * len(experts), [0] * len(experts)
     elements, trained = [0] * (len(calls) + 1), [0] * (len(calls) + 1)
     for name, shape, trains in _parameters(model, plan):
+        if name in elsewhere:
+            continue
         if name in ep_owner:
-            n = _gathered((shape[0] // dims.ep, *shape[1:]), dims.efsdp)
+            local = tuple(shape) if name in whole else (shape[0] // dims.ep, *shape[1:])
+            n = _gathered(local, dims.efsdp)
             ep_elements[ep_owner[name]] += n
             ep_trained[ep_owner[name]] += n * trains
             continue
