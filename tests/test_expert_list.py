@@ -1,0 +1,158 @@
+"""``expert_parallel`` on a list of per-expert modules (docs/moe.md, "A list of experts"): a
+user's MoE (tests/moe_models.py: ``ExpertList`` of SwiGLU experts, ``experts.5.w1.weight``)
+matches one device on 4 gloo processes -- logits, loss and every gradient, the routers' and
+every expert's -- at two configs (4 experts top-2, 8 experts top-3) on ep 2 with the experts
+FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP and ep 4 under activation
+checkpointing (one spawn). A second spawn: at ep 4 each rank holds only its experts, the dry
+run's all-to-all count and bytes and expert memory are what the real step issues and holds,
+and a DCP checkpoint saved there (per-expert names of the whole model) loads at ep 2 and ep 1
+with equal state, and into a plain model in one process. The loop form (the block calls each
+expert of a plain ``nn.ModuleList``) and other misfits are located errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import run_main
+from test_expert_parallel import match_one_device
+
+FSDP = 'fsdp: {units: ["layers.*"]}'
+RULE = '"layers.*.mlp.experts": expert_parallel'
+CONFIGS = {"e4k2": "{num_experts: 4, top_k: 2}", "e8k3": "{num_experts: 8, top_k: 3}"}
+
+
+def _plan(folder: Path, name: str, mesh: str, config: str = CONFIGS["e4k2"],
+          factory: str = "moe_gpt", extra: str = FSDP, rules: str = f"tensor_parallel:\n  {RULE}\n") -> str:
+    path = folder / f"{name}.yaml"
+    path.write_text(f"mesh: {mesh}\nmodel: {{factory: 'moe_models:{factory}', kwargs: {config}}}\n"
+                    f"{rules}{extra}\n")
+    return str(path)
+
+
+def test_expert_list_matches_one_device(tmp_path):
+    ac = FSDP + '\nactivation_checkpointing: {mode: full, blocks: "layers.*"}'
+    plans = [_plan(tmp_path, "e4k2-ep2-efsdp2", "{ep: 2, dp_shard: 4}"),
+             _plan(tmp_path, "e4k2-ep4", "{ep: 4}"),
+             _plan(tmp_path, "e8k3-ep4-ac", "{ep: 4}", CONFIGS["e8k3"], extra=ac),
+             _plan(tmp_path, "e8k3-ep2-hsdp", "{ep: 2, dp_shard: 2, dp_replicate: 2}",
+                   CONFIGS["e8k3"])]
+    for path, step, ref, par in match_one_device(plans):
+        experts = step.plan.spec.model.kwargs["num_experts"]
+        names = [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2)
+                 for e in range(experts) for w in ("w1", "w2", "w3")]
+        assert set(names) <= set(ref.grads), path  # every expert of every block compared
+        assert all(par.grads[n].abs().sum() > 0 for n in names[::3]), path
+
+
+def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
+    """ep 4: one step under a collective recorder, then AdamW; this rank's expert names and
+    bytes, its all-to-alls; a checkpoint of model and optimizer. Then ep 2 and ep 1 load it;
+    each rank's full tensors of what it holds (the model, and the optimizer's moments)."""
+    import torch
+
+    import tpplan
+    from tpplan import checkpoint as ckpt
+    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.analysis.numerics import make_batch
+    from tpplan.models import build_model
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
+    out = Path(out)
+    report = {}
+
+    def build(name: str):
+        plan = tpplan.load(plans[name])
+        torch.manual_seed(0)
+        model = plan.apply(build_model(plan.model, device="cpu"), plan.build_mesh("cpu"))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    model, optimizer = build("ep4")
+    tokens = make_batch(128, 8, 16, 0).chunk(world)[rank]
+    with CollectiveRecorder() as rec:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+    a2a = [c.bytes for c in rec.collectives if c.kind == "all_to_all"]
+    report["ep4"] = {"names": [n for n, _ in experts], "all_to_all": a2a,
+                     "bytes": sum(p.to_local().numel() * p.element_size() for _, p in experts)}
+    ckpt.save(out / "ckpt", 1, model, optimizer, {"step": 1}, keep=1)
+    for name in ("ep4", "ep2", "ep1"):
+        if name != "ep4":
+            model, optimizer = build(name)
+            ckpt.load(ckpt.latest(out / "ckpt"), model, optimizer)
+        state = {n: full(p.detach()) for n, p in model.named_parameters()}
+        state.update({f"{n}.exp_avg": full(optimizer.state[p]["exp_avg"])
+                      for n, p in model.named_parameters()})
+        torch.save(state, out / f"{name}-rank{rank}.pt")
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    torch.distributed.destroy_process_group()
+
+
+def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_checkpoints(tmp_path):
+    import torch
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.checkpoint import latest, read_model_state
+    from tpplan.models import build_model
+    from tpplan.parallel.runtime import spawn
+    import tpplan
+
+    config = CONFIGS["e8k3"]
+    plans = {"ep4": _plan(tmp_path, "ep4", "{ep: 4}", config),
+             "ep2": _plan(tmp_path, "ep2", "{ep: 2, dp_shard: 4}", config),
+             "ep1": _plan(tmp_path, "ep1", "{dp_shard: 4}", config, rules="")}
+    spawn(_worker, 4, plans, str(tmp_path))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text())["ep4"] for r in range(4)]
+    for rank, r in enumerate(reports):  # experts 2r, 2r+1 of each block, nothing else
+        assert r["names"] == [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2)
+                              for e in (2 * rank, 2 * rank + 1) for w in ("w1", "w2", "w3")]
+
+    predicted = dry_run(plans["ep4"], 4, ["train.seq_len=16", "train.global_batch_size=8",
+                                          "train.micro_batch_size=2"],
+                        [a for a in ANALYSES if a[0] in ("comm_per_step", "memory_per_rank")])
+    assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+    ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
+    assert all(len(r["all_to_all"]) == ep["count"] == 2 * 5 for r in reports)
+    # each rank sends its own T·k rows whatever the routing: summed over ranks, as balanced
+    assert sum(sum(r["all_to_all"]) for r in reports) == 4 * ep["balanced_bytes"]
+    mem = predicted.extra["memory_per_rank"]["experts"]
+    assert all(r["bytes"] == mem["parameters"] for r in reports), (reports, mem)
+
+    saved = read_model_state(latest(tmp_path / "ckpt"))
+    plain = build_model(tpplan.load(plans["ep1"]).model, device="cpu")
+    plain.load_state_dict(saved)  # strict: the checkpoint holds the whole model's names
+    assert sum(".experts." in n for n in saved) == 2 * 8 * 3
+    unions = {}
+    for name in ("ep4", "ep2", "ep1"):
+        union = unions[name] = {}
+        for rank in range(4):  # what each rank holds, whole; ranks holding a tensor agree
+            for k, v in torch.load(tmp_path / f"{name}-rank{rank}.pt").items():
+                assert k not in union or torch.equal(union[k], v), (name, k)
+                union[k] = v
+        params = {k: v for k, v in union.items() if not k.endswith(".exp_avg")}
+        assert params.keys() == saved.keys(), name
+        assert all(torch.equal(params[k], saved[k]) for k in saved), name
+        assert union.keys() == unions["ep4"].keys(), name  # the moments too, resharded
+        assert all(torch.equal(union[k], unions["ep4"][k]) for k in union), name
+
+
+@pytest.mark.parametrize("factory, config, mesh, says", [
+    ("loop_moe_gpt", CONFIGS["e4k2"], "{ep: 2, dp_shard: -1}",
+     "is a list of expert modules without a forward of its own: its parent (LoopMoE) calls "
+     "each expert itself (at "),
+    ("mixed_moe_gpt", CONFIGS["e4k2"], "{ep: 2, dp_shard: -1}",
+     "is not a list of identical experts (4 modules: SwiGLU)"),
+    ("moe_gpt", "{num_experts: 6, top_k: 2}", "{ep: 4, dp_shard: -1}",
+     "holds 6 experts and mesh ep=4 does not divide them"),
+])
+def test_expert_list_misfits_are_located(tmp_path, capsys, factory, config, mesh, says):
+    plan = _plan(tmp_path, "bad", mesh, config, factory)
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1 and "Traceback" not in out, out
+    assert "bad.yaml:4:3: error: " in out and says in out, out
