@@ -55,7 +55,9 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
     from tpplan.analysis.counting import CollectiveRecorder
     from tpplan.analysis.numerics import make_batch
     from tpplan.models import build_model
+    from tpplan.parallel.expert_list import expert_list_groups
     from tpplan.parallel.runtime import as_spawned_rank
+    from tpplan.train.optim import clip_grad_norm
 
     as_spawned_rank(rank, world, port)
     out = Path(out)
@@ -75,10 +77,11 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
     with CollectiveRecorder() as rec:
         logits = model(tokens[:, :-1])
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    norm = clip_grad_norm(model.parameters(), None, None, expert_list_groups([model]))
     optimizer.step()
     experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
     a2a = [c.bytes for c in rec.collectives if c.kind == "all_to_all"]
-    report["ep4"] = {"names": [n for n, _ in experts], "all_to_all": a2a,
+    report["ep4"] = {"names": [n for n, _ in experts], "all_to_all": a2a, "norm": norm,
                      "bytes": sum(p.to_local().numel() * p.element_size() for _, p in experts)}
     ckpt.save(out / "ckpt", 1, model, optimizer, {"step": 1}, keep=1)
     for name in ("ep4", "ep2", "ep1"):
@@ -98,6 +101,7 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
 
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.numerics import make_batch
     from tpplan.checkpoint import latest, read_model_state
     from tpplan.models import build_model
     from tpplan.parallel.runtime import spawn
@@ -124,8 +128,15 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
     mem = predicted.extra["memory_per_rank"]["experts"]
     assert all(r["bytes"] == mem["parameters"] for r in reports), (reports, mem)
 
-    saved = read_model_state(latest(tmp_path / "ckpt"))
+    torch.manual_seed(0)  # the gradient norm (the trainer's clipping) is one device's
     plain = build_model(tpplan.load(plans["ep1"]).model, device="cpu")
+    tokens = make_batch(128, 8, 16, 0)
+    torch.nn.functional.cross_entropy(plain(tokens[:, :-1]).flatten(0, 1),
+                                      tokens[:, 1:].flatten()).backward()
+    norm = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
+    assert all(abs(r["norm"] - norm) <= 1e-5 * norm for r in reports), (norm, reports)
+
+    saved = read_model_state(latest(tmp_path / "ckpt"))
     plain.load_state_dict(saved)  # strict: the checkpoint holds the whole model's names
     assert sum(".experts." in n for n in saved) == 2 * 8 * 3
     unions = {}

@@ -41,7 +41,8 @@ from ..plan.errors import ErrorList
 from ..plan.specs import Rule
 from .expert_forms import _slot, call_form, list_expert_count
 
-__all__ = ["check_expert_list", "split_expert_list", "gather_expert_lists", "is_split_list"]
+__all__ = ["check_expert_list", "split_expert_list", "gather_expert_lists", "is_split_list",
+           "expert_list_groups"]
 
 
 def is_split_list(module: nn.Module) -> bool:
@@ -148,3 +149,12 @@ def gather_expert_lists(models: list[nn.Module], values: dict[str, torch.Tensor]
             for part in everyone:
                 values.update(part)
     return values
+
+
+def expert_list_groups(models: list[nn.Module]) -> dict[int, object]:
+    """``id(parameter)`` -> its ep process group, for every parameter of a split list of
+    experts: only its ep rank holds it, so a norm over all parameters adds its square over
+    the ep group (:func:`tpplan.train.optim.clip_grad_norm`). Take it after FSDP2 and
+    materializing, which make the parameters the optimizer holds."""
+    return {id(p): m._tpplan_ep_mesh.get_group() for model in models
+            for m in model.modules() if is_split_list(m) for p in m.parameters()}

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
 from ..models.init import init_adapters
+from ..parallel.expert_list import expert_list_groups
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
@@ -142,6 +143,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
     made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
     optimizers = [o for o, _ in made]
     trained = [p for _, ps in made for p in ps]
+    ep_local = expert_list_groups(parts)  # experts of a list: each on its ep rank only
     schedules = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
     if claimed.resume_from is not None:
@@ -210,7 +212,7 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
                     dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
                 loss_value = loss_sum.item() / dims.tp
                 with profiler.phase("clip"):
-                    grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group)
+                    grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group, ep_local)
                 if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                     raise TrainError(
                         f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "

@@ -41,7 +41,7 @@ def lr_lambda(step: int, warmup: int, total: int, lr: float, min_lr: float) -> f
 
 @torch.no_grad()
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None,
-                   pp_group=None) -> float:
+                   pp_group=None, ep_local: dict[int, object] | None = None) -> float:
     """Global L2 norm of all gradients (clipped to ``max_norm`` if given), correct for
     DTensor gradients on any mix of meshes and placements, and over every pipeline stage
     when ``pp_group`` is given (each pp rank holds other parameters: their squares add).
@@ -50,19 +50,27 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None,
     a Partial DTensor and ``full_tensor()`` reduces it over exactly the ranks that hold
     shards -- then combined as the root of the sum of squares. One ``get_total_norm`` over
     mixed groups would fail or double-count.
+
+    ``ep_local``: ``id(parameter)`` -> the ep process group, for parameters that only their
+    ep rank holds (a list of experts split over ep:
+    :func:`tpplan.parallel.expert_list.expert_list_groups`); their squares add over it.
     """
     params = [p for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
         g = p.grad
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else g.device
-        groups[key].append(g)
+        groups[key, (ep_local or {}).get(id(p))].append(g)
     squares = []
-    for grads in groups.values():
+    for (_, ep_group), grads in groups.items():
         n = torch.nn.utils.get_total_norm(grads, 2.0)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         squares.append(n.float() ** 2)
+        if ep_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(squares[-1], group=ep_group)
     total = torch.stack([s.cpu() for s in squares]).sum() if squares else torch.zeros(())
     if pp_group is not None:
         import torch.distributed as dist
