@@ -84,10 +84,12 @@ class MoEGPT(nn.Module):
         self.lm_head = nn.Linear(d, vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx)
+        x = idx if self.wte is None else self.wte(idx)  # None: a pipeline stage's missing part
         for block in self.layers:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.lm_head is None else self.lm_head(x)
 
 
 def moe_gpt(**kwargs) -> MoEGPT:

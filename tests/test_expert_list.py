@@ -2,8 +2,8 @@
 user's MoE (tests/moe_models.py: ``ExpertList`` of SwiGLU experts, ``experts.5.w1.weight``)
 matches one device on 4 gloo processes -- logits, loss and every gradient, the routers' and
 every expert's -- at two configs (4 experts top-2, 8 experts top-3) on ep 2 with the experts
-FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP and ep 4 under activation
-checkpointing (one spawn). A second spawn: at ep 4 each rank holds only its experts, the dry
+FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP, ep 4 under activation
+checkpointing, ep 2 beside tp 2 and ep 2 under pipeline stages (pp 2; one spawn). A second spawn: at ep 4 each rank holds only its experts, the dry
 run's all-to-all count and bytes and expert memory are what the real step issues and holds,
 and a DCP checkpoint saved there (per-expert names of the whole model) loads at ep 2 and ep 1
 with equal state, and into a plain model in one process. The loop form (the block calls each
@@ -18,6 +18,9 @@ from test_expert_parallel import match_one_device
 
 FSDP = 'fsdp: {units: ["layers.*"]}'
 RULE = '"layers.*.mlp.experts": expert_parallel'
+# beside tp 2: attention split over tp, the experts whole on every tp rank
+TP_RULES = ('tensor_parallel:\n  "layers.*.attn.{q_proj,k_proj,v_proj}": colwise\n'
+            f'  "layers.*.attn.c_proj": rowwise\n  {RULE}\ndivide_by_tp: ["layers.*.attn.n_head"]\n')
 CONFIGS = {"e4k2": "{num_experts: 4, top_k: 2}", "e8k3": "{num_experts: 8, top_k: 3}"}
 
 
@@ -35,10 +38,13 @@ def test_expert_list_matches_one_device(tmp_path):
              _plan(tmp_path, "e4k2-ep4", "{ep: 4}"),
              _plan(tmp_path, "e8k3-ep4-ac", "{ep: 4}", CONFIGS["e8k3"], extra=ac),
              _plan(tmp_path, "e8k3-ep2-hsdp", "{ep: 2, dp_shard: 2, dp_replicate: 2}",
-                   CONFIGS["e8k3"])]
+                   CONFIGS["e8k3"]),
+             _plan(tmp_path, "e4k2-tp2-ep2", "{tp: 2, ep: 2, dp_shard: -1}", rules=TP_RULES),
+             _plan(tmp_path, "e8k3-pp2-ep2", "{pp: 2, ep: 2, dp_shard: -1}",
+                   "{num_experts: 8, top_k: 3, n_layer: 4}", extra=FSDP + "\npipeline: {microbatches: 2}")]
     for path, step, ref, par in match_one_device(plans):
-        experts = step.plan.spec.model.kwargs["num_experts"]
-        names = [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2)
+        experts, layers = (step.plan.spec.model.kwargs.get(k, 2) for k in ("num_experts", "n_layer"))
+        names = [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(layers)
                  for e in range(experts) for w in ("w1", "w2", "w3")]
         assert set(names) <= set(ref.grads), path  # every expert of every block compared
         assert all(par.grads[n].abs().sum() > 0 for n in names[::3]), path
