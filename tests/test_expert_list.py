@@ -3,7 +3,8 @@ user's MoE (tests/moe_models.py: ``ExpertList`` of SwiGLU experts, ``experts.5.w
 matches one device on 4 gloo processes -- logits, loss and every gradient, the routers' and
 every expert's -- at two configs (4 experts top-2, 8 experts top-3) on ep 2 with the experts
 FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP, ep 4 under activation
-checkpointing, ep 2 beside tp 2 and ep 2 under pipeline stages (pp 2; one spawn). A second spawn: at ep 4 each rank holds only its experts, the dry
+checkpointing, ep 2 beside tp 2 and ep 2 under pipeline stages (pp 2; one spawn). A second
+spawn: at ep 4 each rank holds only its experts, the gradient norm is one device's, the dry
 run's all-to-all count and bytes and expert memory are what the real step issues and holds,
 and a DCP checkpoint saved there (per-expert names of the whole model) loads at ep 2 and ep 1
 with equal state, and into a plain model in one process. The loop form (the block calls each
