@@ -24,7 +24,8 @@ An expert id outside ``[0, num_experts)`` raises at run time: it is never droppe
 
 gpt-oss names the three arguments ``(hidden_states, router_indices, routing_weights)``; Llama
 4's experts take every token for every expert instead (``experts(hidden_states [E·T, H])``),
-spread by :func:`tpplan.parallel.expert_forms.dense_forward`.
+spread by :func:`tpplan.parallel.expert_forms.dense_forward`. A list of per-expert modules
+called in the routed form: :mod:`tpplan.parallel.expert_list`.
 """
 
 from __future__ import annotations

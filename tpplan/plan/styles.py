@@ -52,7 +52,8 @@ Expert parallelism (tpplan.parallel.expert_parallel; docs/moe.md):
 
 - ``expert_parallel``: a mixture-of-experts module holding its routed experts as parameters
   ``[num_experts, ...]`` and called as ``experts(hidden_states, top_k_index,
-  top_k_weights)`` (transformers 5's experts classes): each of ``mesh.ep`` ranks keeps
+  top_k_weights)`` (transformers 5's experts classes), or a list of per-expert modules
+  called so (``tpplan.models.expert_list.ExpertList``): each of ``mesh.ep`` ranks keeps
   ``num_experts / ep`` experts; tokens go to the rank owning each of their experts with an
   all-to-all and come back with another. No options. Not a tensor-parallel style: it is
   applied on the ``ep`` ranks, and whole on every tp rank.
