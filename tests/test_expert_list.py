@@ -174,3 +174,31 @@ def test_expert_list_misfits_are_located(tmp_path, capsys, factory, config, mesh
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
     assert "bad.yaml:4:3: error: " in out and says in out, out
+
+
+def test_a_run_with_an_expert_list_resumes_on_another_ep_along_one_curve(tmp_path):
+    """``tpplan train`` on the list: ep 4 -> ep 2 -> ep 1 (resumed from each other's
+    checkpoints) along the curve of one process run straight through, loss and gradient
+    norm (clipped at 1.0: the norm decides the update) at every step."""
+    from helpers import ROOT, tpplan_cli
+    from trainrun import metrics, ok
+
+    plan = _plan(tmp_path, "train", "{ep: 4, dp_shard: -1}",  # byte tokens: vocabulary 256
+                 "{num_experts: 8, top_k: 3, vocab_size: 256}", extra=FSDP + (
+        "\ntrain: {steps: 3, seq_len: 32, global_batch_size: 4, lr: 3.0e-3, warmup_steps: 2, "
+        "grad_clip: 1.0}\ndata: {max_bytes: 50000}\ncheckpoint: {interval: 1}"))
+
+    def train(run, nproc: int, steps: int, ep: int, *extra: str):
+        ok(tpplan_cli("train", "--plan", plan, "--nproc", nproc, "--set", f"mesh.ep={ep}",
+                      "--set", f"train.steps={steps}", "--set", f"metrics.run_dir={run}", *extra,
+                      env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}))  # moe_models
+
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    train(whole, 1, 3, 1)
+    train(parts, 4, 1, 4)
+    train(parts, 4, 2, 2, "--resume", "latest")
+    train(parts, 2, 3, 1, "--resume", "latest")
+    a, b = metrics(whole), metrics(parts)
+    for step in (1, 2, 3):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[step][key] - b[step][key]) <= 1e-4 * a[step][key], (step, key, a, b)
