@@ -3,7 +3,8 @@ user's MoE (tests/moe_models.py: ``ExpertList`` of SwiGLU experts, ``experts.5.w
 matches one device on 4 gloo processes -- logits, loss and every gradient, the routers' and
 every expert's -- at two configs (4 experts top-2, 8 experts top-3) on ep 2 with the experts
 FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP, ep 4 under activation
-checkpointing, ep 2 beside tp 2 and ep 2 under pipeline stages (pp 2; one spawn). A second
+checkpointing, ep 2 beside tp 2, ``suggest --ep 2``'s plan (tp 2 + SP, ep 2) and ep 2 under
+pipeline stages (pp 2; one spawn). A second
 spawn: at ep 4 each rank holds only its experts, the gradient norm is one device's, the dry
 run's all-to-all count and bytes and expert memory are what the real step issues and holds,
 and a DCP checkpoint saved there (per-expert names of the whole model) loads at ep 2 and ep 1
@@ -21,7 +22,7 @@ FSDP = 'fsdp: {units: ["layers.*"]}'
 RULE = '"layers.*.mlp.experts": expert_parallel'
 # beside tp 2: attention split over tp, the experts whole on every tp rank
 TP_RULES = ('tensor_parallel:\n  "layers.*.attn.{q_proj,k_proj,v_proj}": colwise\n'
-            f'  "layers.*.attn.c_proj": rowwise\n  {RULE}\ndivide_by_tp: ["layers.*.attn.n_head"]\n')
+            f'  "layers.*.attn.c_proj": rowwise\n  {RULE}\n')
 CONFIGS = {"e4k2": "{num_experts: 4, top_k: 2}", "e8k3": "{num_experts: 8, top_k: 3}"}
 
 
@@ -33,14 +34,29 @@ def _plan(folder: Path, name: str, mesh: str, config: str = CONFIGS["e4k2"],
     return str(path)
 
 
-def test_expert_list_matches_one_device(tmp_path):
+def _suggested(capsys, folder: Path) -> str:
+    """``suggest --ep 2``: tp 2 with sequence parallelism, expert_parallel on the lists and no
+    rule inside them."""
+    model = folder / "model.yaml"
+    model.write_text(f"model: {{factory: 'moe_models:moe_gpt', kwargs: {CONFIGS['e8k3']}}}\n")
+    rc, out = run_main(capsys, "suggest", model, "--ep", "2", "-o", folder / "suggested.yaml")
+    assert rc == 0, out
+    text = (folder / "suggested.yaml").read_text()
+    assert "mesh: {tp: 2, ep: 2, dp_shard: -1}" in text and f"  {RULE}\n" in text, text
+    assert "sequence_parallel" in text and "mlp.experts.*" not in text, text
+    return str(folder / "suggested.yaml")
+
+
+def test_expert_list_matches_one_device(tmp_path, capsys):
     ac = FSDP + '\nactivation_checkpointing: {mode: full, blocks: "layers.*"}'
     plans = [_plan(tmp_path, "e4k2-ep2-efsdp2", "{ep: 2, dp_shard: 4}"),
              _plan(tmp_path, "e4k2-ep4", "{ep: 4}"),
              _plan(tmp_path, "e8k3-ep4-ac", "{ep: 4}", CONFIGS["e8k3"], extra=ac),
              _plan(tmp_path, "e8k3-ep2-hsdp", "{ep: 2, dp_shard: 2, dp_replicate: 2}",
                    CONFIGS["e8k3"]),
-             _plan(tmp_path, "e4k2-tp2-ep2", "{tp: 2, ep: 2, dp_shard: -1}", rules=TP_RULES),
+             _plan(tmp_path, "e4k2-tp2-ep2", "{tp: 2, ep: 2, dp_shard: -1}", rules=TP_RULES,
+                   extra=FSDP + '\ndivide_by_tp: ["layers.*.attn.n_head"]'),
+             _suggested(capsys, tmp_path),  # e8k3 at tp 2 + SP, ep 2
              _plan(tmp_path, "e8k3-pp2-ep2", "{pp: 2, ep: 2, dp_shard: -1}",
                    "{num_experts: 8, top_k: 3, n_layer: 4}", extra=FSDP + "\npipeline: {microbatches: 2}")]
     for path, step, ref, par in match_one_device(plans):
@@ -168,12 +184,17 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
      "is not a list of identical experts (4 modules: SwiGLU)"),
     ("moe_gpt", "{num_experts: 6, top_k: 2}", "{ep: 4, dp_shard: -1}",
      "holds 6 experts and mesh ep=4 does not divide them"),
+    ("moe_gpt", CONFIGS["e4k2"], "{tp: 2, ep: 2, dp_shard: -1}",  # at line 5: the inner rule
+     "module 'layers.0.mlp.experts.0.w1' is inside 'layers.0.mlp.experts', a list of experts "
+     "that expert_parallel spreads over ep: expert TP inside EP"),
 ])
 def test_expert_list_misfits_are_located(tmp_path, capsys, factory, config, mesh, says):
-    plan = _plan(tmp_path, "bad", mesh, config, factory)
+    inner = "tp: 2" in mesh
+    plan = _plan(tmp_path, "bad", mesh, config, factory, rules=f"tensor_parallel:\n  {RULE}\n"
+                 + ('  "layers.*.mlp.experts.*.w1": colwise\n' if inner else ""))
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
-    assert "bad.yaml:4:3: error: " in out and says in out, out
+    assert f"bad.yaml:{5 if inner else 4}:3: error: " in out and says in out, out
 
 
 def test_a_run_with_an_expert_list_resumes_on_another_ep_along_one_curve(tmp_path):

@@ -27,8 +27,11 @@ def ep_proposal(model: nn.Module) -> str | None:
     if not found:
         return None
     counts = sorted({expert_count(m) for p, m in model.named_modules() if p in found})
+    held = "as [num_experts, ...] parameters" if not all(
+        isinstance(m, nn.ModuleList) for p, m in model.named_modules() if p in found) \
+        else "in a list of expert modules"
     return (f"{', '.join(ep_patterns(model))} hold {'/'.join(map(str, counts))} routed experts "
-            f"as [num_experts, ...] parameters: {PROPOSAL} (--ep N, N dividing "
+            f"{held}: {PROPOSAL} (--ep N, N dividing "
             "the experts and the data-parallel ranks): each of N ranks keeps 1/N of the experts "
             "whole and tokens go to them by all-to-all, where tp alone gives every rank 1/tp "
             "of every expert (experts_colwise_rowwise) and all-reduces their output, or leaves "
@@ -37,9 +40,10 @@ def ep_proposal(model: nn.Module) -> str | None:
 
 def route_experts(sugg, paths: list[str], patterns: list[str], source: str) -> None:
     """``expert_parallel`` on the modules ``patterns`` match, in place of any rule on the same
-    modules whatever its pattern (blocks unlike the first get rules narrowed to
-    ``layers.0...``): one module takes one rule."""
+    modules or inside them (a list's experts stay whole) whatever its pattern (blocks unlike
+    the first get rules narrowed to ``layers.0...``): one module takes one rule."""
     routed = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
+    routed |= {p for p in paths if any(p.startswith(r + ".") for r in routed)}
     comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
                "and combined by all-to-all")
     sugg.notes = [n for n in sugg.notes if PROPOSAL not in n]  # done, not proposed
@@ -63,5 +67,7 @@ def with_ep(sugg, spec) -> None:
         raise PlanErrors([PlanError("--ep: the model has no experts module expert_parallel can "
                                     "spread (a module with 'num_experts' and its own "
                                     "[num_experts, ...] parameters; docs/moe.md)")])
+    lists = all(isinstance(model.get_submodule(p), nn.ModuleList) for p in experts_for_ep(model))
     route_experts(sugg, [n for n, _ in model.named_modules()], patterns,
+                  "a list of expert modules" if lists else
                   "experts held as [num_experts, ...] parameters")

@@ -39,9 +39,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from ..plan.errors import ErrorList
 from ..plan.specs import Rule
+from ..plan.styles import EP_STYLES
 from .expert_forms import _slot, call_form, list_expert_count
 
-__all__ = ["check_expert_list", "split_expert_list", "gather_expert_lists", "is_split_list",
+__all__ = ["check_expert_list", "check_rules_inside_lists", "split_expert_list", "gather_expert_lists", "is_split_list",
            "expert_list_groups"]
 
 
@@ -92,6 +93,20 @@ def check_expert_list(rule: Rule, path: str, module: nn.ModuleList, ep: int, err
         return
     if n % ep:
         errs.add(f"{where} holds {n} experts and mesh ep={ep} does not divide them", rule.loc)
+
+
+def check_rules_inside_lists(res, modules: dict[str, nn.Module]) -> None:
+    """A rule on a module inside a list of experts that ``expert_parallel`` spreads (expert
+    TP inside EP): errors at that rule. The style keeps each expert whole on every tp rank."""
+    lists = [p for p, r in res.rule_of.items()
+             if r.style.name in EP_STYLES and isinstance(modules[p], nn.ModuleList)]
+    for path, rule in res.rule_of.items():
+        owner = next((p for p in lists if path.startswith(p + ".")), None)
+        if owner is not None:
+            res.errors.add(f"module '{path}' is inside '{owner}', a list of experts that "
+                           f"{res.rule_of[owner].style.name} spreads over ep: expert TP inside "
+                           "EP (the experts split over tp too) is not supported; the experts "
+                           "stay whole on every tp rank, so drop this rule", rule.loc)
 
 
 def _local_call(module: nn.ModuleList, forward, *args, **kwargs):

@@ -46,7 +46,7 @@ from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
 from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
                            experts_for_ep, restore_experts, tie_experts)
-from .expert_list import check_expert_list, split_expert_list
+from .expert_list import check_expert_list, check_rules_inside_lists, split_expert_list
 
 __all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
@@ -122,6 +122,7 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
         if rule.style.name in EP_STYLES:
             check_expert_parallel(rule, path, modules[path], mesh.ep, errs,
                                   modules.get(path.rpartition(".")[0]))
+    check_rules_inside_lists(res, modules)
     ep, loc = mesh.ep, mesh.locs.get("ep", mesh.loc)
     if ep == 1:
         return
