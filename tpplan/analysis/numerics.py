@@ -92,12 +92,11 @@ def _step(rank: int, world: int, plan_path: str, overrides: Sequence[str],
 
 
 def _grads(models: list, named) -> dict[str, torch.Tensor]:
-    """Full gradients by name; packed ones (gathered interleaved) in the model's order; a
-    list of experts split over ep (each rank holds its own) gathered from the ep ranks."""
+    """Full gradients by name: packed ones in the model's order, a split list's from each ep rank."""
     packed = {k: v for m in models for k, v in packed_params(m).items()}
-    return gather_expert_lists(models, {
-        n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
-        for n, p in named if p.grad is not None})
+    grads = {n: to_model_order(_full(p.grad), packed[n]) if n in packed else _full(p.grad)
+             for n, p in named if p.grad is not None}
+    return gather_expert_lists(models, grads)
 
 
 def _plain_step(plan: Plan, model, mesh, tokens: torch.Tensor, dp: int, out_dir: Path,
