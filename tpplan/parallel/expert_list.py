@@ -56,7 +56,7 @@ def _where_called(parent: nn.Module | None, attr: str) -> str:
     try:
         lines, first = inspect.getsourcelines(type(parent).forward)
         path = inspect.getsourcefile(type(parent).forward)
-    except (TypeError, OSError):
+    except (TypeError, OSError, AttributeError):  # no parent, or its source is not at hand
         return ""
     for i, line in enumerate(lines):
         if f"self.{attr}[" in line or f"in self.{attr}" in line:
