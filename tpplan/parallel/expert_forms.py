@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 __all__ = ["expert_count", "list_expert_count", "call_form", "experts_for_ep", "local_experts",
-           "restore_experts", "tie_experts", "dense_forward"]
+           "restore_experts", "param_owner", "tie_experts", "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
 # arguments under other names: gpt-oss's (hidden_states, router_indices,
@@ -101,7 +101,7 @@ def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     local expert a gradient, zero where no token used it, so each rank's gradients (and
     FSDP's reduce-scatter of them) cover the same parameters; :func:`tie_experts` covers the
     case where no token reached any."""
-    held = {n: owner._parameters[leaf] for n in names for owner, leaf in [_slot(module, n)]}
+    held = {n: owner._parameters[leaf] for n in names for owner, leaf in [param_owner(module, n)]}
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
     if trained:
@@ -110,7 +110,7 @@ def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     return held
 
 
-def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+def param_owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """The module that registers parameter ``name`` (dotted under a list of experts: the
     expert's own submodule) and its name there."""
     path, _, leaf = name.rpartition(".")
@@ -120,7 +120,7 @@ def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 def restore_experts(module: nn.Module, held: dict[str, torch.Tensor]) -> None:
     """Register ``held`` (parameter name -> tensor) back on ``module`` (and its experts)."""
     for name, p in held.items():
-        owner, leaf = _slot(module, name)
+        owner, leaf = param_owner(module, name)
         owner._parameters[leaf] = p
 
 
@@ -130,7 +130,7 @@ def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     if out.shape[0]:
         return out
     for n in module._tpplan_ep_params:
-        owner, leaf = _slot(module, n)
+        owner, leaf = param_owner(module, n)
         if owner._parameters[leaf].requires_grad:
             return out + owner._parameters[leaf].sum() * 0
     return out

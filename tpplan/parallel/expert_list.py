@@ -40,10 +40,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from ..plan.errors import ErrorList
 from ..plan.specs import Rule
 from ..plan.styles import EP_STYLES
-from .expert_forms import _slot, call_form, list_expert_count
+from .expert_forms import param_owner, call_form, list_expert_count
 
-__all__ = ["check_expert_list", "check_rules_inside_lists", "split_expert_list", "gather_expert_lists", "is_split_list",
-           "expert_list_groups"]
+__all__ = ["check_expert_list", "check_rules_inside_lists", "split_expert_list",
+           "gather_expert_lists", "is_split_list", "expert_list_groups"]
 
 
 def is_split_list(module: nn.Module) -> bool:
@@ -134,7 +134,7 @@ def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: in
         stacked = torch.stack([e.get_parameter(name).detach() for e in experts])
         part = distribute_tensor(stacked, mesh, [Shard(0)], src_data_rank=src_data_rank).to_local()
         for j, e in enumerate(mine):
-            owner, leaf = _slot(experts[e], name)
+            owner, leaf = param_owner(experts[e], name)
             old = owner._parameters[leaf]
             owner._parameters[leaf] = nn.Parameter(part[j].clone(), requires_grad=old.requires_grad)
     module._modules.clear()  # the others are gone: no full copy on any rank
