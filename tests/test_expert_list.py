@@ -6,8 +6,8 @@ FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP, ep 4 under activation
 checkpointing, ep 2 beside tp 2, ``suggest --ep 2``'s plan (tp 2 + SP, ep 2) and ep 2 under
 pipeline stages (pp 2; one spawn). A second
 spawn: at ep 4 each rank holds only its experts, the gradient norm is one device's, the dry
-run's all-to-all count and bytes and expert memory are what the real step issues and holds,
-and a DCP checkpoint saved there (per-expert names of the whole model) loads at ep 2 and ep 1
+run's all-to-all count and bytes and expert memory are what the real step issues and holds
+(at ep 2 × efsdp 2 too, with the experts' FSDP traffic), and a DCP checkpoint saved at ep 4 (per-expert names of the whole model) loads at ep 2 and ep 1
 with equal state, and into a plain model in one process. The loop form (the block calls each
 expert of a plain ``nn.ModuleList``) and other misfits are located errors."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_main
-from test_expert_parallel import match_one_device
+from test_expert_parallel import _ranks, match_one_device
 
 FSDP = 'fsdp: {units: ["layers.*"]}'
 RULE = '"layers.*.mlp.experts": expert_parallel'
@@ -95,17 +95,26 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
     def full(t):
         return t.full_tensor() if hasattr(t, "full_tensor") else t
 
-    model, optimizer = build("ep4")
+    def step(name: str, model) -> None:  # recorded: the experts' all-to-all and FSDP traffic
+        with CollectiveRecorder() as rec:
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                              tokens[:, 1:].flatten()).backward()
+        experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
+        efsdp = list(range(rank % ep[name], world, ep[name]))  # this rank's efsdp group
+        report[name] = {
+            "names": [n for n, _ in experts],
+            "all_to_all": [c.bytes for c in rec.collectives if c.kind == "all_to_all"],
+            "efsdp": [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all"
+                      and len(efsdp) > 1 and _ranks(c.group) == efsdp],
+            "bytes": sum(p.to_local().numel() * p.element_size() for _, p in experts),
+            "norm": clip_grad_norm(model.parameters(), None, None, expert_list_groups([model]))}
+
+    ep = {"ep4": 4, "ep2": 2}
     tokens = make_batch(128, 8, 16, 0).chunk(world)[rank]
-    with CollectiveRecorder() as rec:
-        logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    norm = clip_grad_norm(model.parameters(), None, None, expert_list_groups([model]))
+    model, optimizer = build("ep4")
+    step("ep4", model)
     optimizer.step()
-    experts = [(n, p) for n, p in model.named_parameters() if ".experts." in n]
-    a2a = [c.bytes for c in rec.collectives if c.kind == "all_to_all"]
-    report["ep4"] = {"names": [n for n, _ in experts], "all_to_all": a2a, "norm": norm,
-                     "bytes": sum(p.to_local().numel() * p.element_size() for _, p in experts)}
     ckpt.save(out / "ckpt", 1, model, optimizer, {"step": 1}, keep=1)
     for name in ("ep4", "ep2", "ep1"):
         if name != "ep4":
@@ -115,6 +124,8 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
         state.update({f"{n}.exp_avg": full(optimizer.state[p]["exp_avg"])
                       for n, p in model.named_parameters()})
         torch.save(state, out / f"{name}-rank{rank}.pt")
+        if name == "ep2":  # ep 2 × efsdp 2: each expert's parameters FSDP-sharded on their own
+            step(name, model)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     torch.distributed.destroy_process_group()
 
@@ -135,21 +146,30 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
              "ep2": _plan(tmp_path, "ep2", "{ep: 2, dp_shard: 4}", config),
              "ep1": _plan(tmp_path, "ep1", "{dp_shard: 4}", config, rules="")}
     spawn(_worker, 4, plans, str(tmp_path))
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text())["ep4"] for r in range(4)]
-    for rank, r in enumerate(reports):  # experts 2r, 2r+1 of each block, nothing else
-        assert r["names"] == [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2)
-                              for e in (2 * rank, 2 * rank + 1) for w in ("w1", "w2", "w3")]
-
-    predicted = dry_run(plans["ep4"], 4, ["train.seq_len=16", "train.global_batch_size=8",
-                                          "train.micro_batch_size=2"],
-                        [a for a in ANALYSES if a[0] in ("comm_per_step", "memory_per_rank")])
-    assert predicted.ok, (predicted.errors, predicted.analysis_errors)
-    ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
-    assert all(len(r["all_to_all"]) == ep["count"] == 2 * 5 for r in reports)
-    # each rank sends its own T·k rows whatever the routing: summed over ranks, as balanced
-    assert sum(sum(r["all_to_all"]) for r in reports) == 4 * ep["balanced_bytes"]
-    mem = predicted.extra["memory_per_rank"]["experts"]
-    assert all(r["bytes"] == mem["parameters"] for r in reports), (reports, mem)
+    runs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for name, ep in (("ep4", 4), ("ep2", 2)):
+        reports = [run[name] for run in runs]
+        for rank, r in enumerate(reports):  # its E/ep experts of each block, nothing else
+            mine = range(rank % ep * 8 // ep, (rank % ep + 1) * 8 // ep)
+            assert r["names"] == [f"layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2)
+                                  for e in mine for w in ("w1", "w2", "w3")]
+        predicted = dry_run(plans[name], 4, ["train.seq_len=16", "train.global_batch_size=8",
+                                             "train.micro_batch_size=2"],
+                            [a for a in ANALYSES if a[0] in ("comm_per_step", "memory_per_rank")])
+        assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+        a2a = predicted.extra["comm_per_step"]["ep_all_to_all"]
+        assert all(len(r["all_to_all"]) == a2a["count"] == 2 * 5 for r in reports)
+        # each rank sends its own T·k rows whatever the routing: summed over ranks, as balanced
+        assert sum(sum(r["all_to_all"]) for r in reports) == 4 * a2a["balanced_bytes"]
+        mem = predicted.extra["memory_per_rank"]["experts"]
+        assert all(r["bytes"] == mem["parameters"] for r in reports), (reports, mem)
+        rows = predicted.extra["comm_per_step"]["collectives"]  # the experts' FSDP units
+        want = sorted((r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp")
+        assert bool(want) == (ep == 2)  # efsdp 2 at ep 2, nothing at ep 4
+        for r in reports:
+            got = {(k, sum(1 for k2, _ in r["efsdp"] if k2 == k),
+                    sum(b for k2, b in r["efsdp"] if k2 == k)) for k, _ in r["efsdp"]}
+            assert sorted(got) == want, (name, r["efsdp"], want)
 
     torch.manual_seed(0)  # the gradient norm (the trainer's clipping) is one device's
     plain = build_model(tpplan.load(plans["ep1"]).model, device="cpu")
@@ -157,7 +177,7 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
     torch.nn.functional.cross_entropy(plain(tokens[:, :-1]).flatten(0, 1),
                                       tokens[:, 1:].flatten()).backward()
     norm = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()]).item()
-    assert all(abs(r["norm"] - norm) <= 1e-5 * norm for r in reports), (norm, reports)
+    assert all(abs(run["ep4"]["norm"] - norm) <= 1e-5 * norm for run in runs), (norm, runs)
 
     saved = read_model_state(latest(tmp_path / "ckpt"))
     plain.load_state_dict(saved)  # strict: the checkpoint holds the whole model's names
