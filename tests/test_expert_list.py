@@ -4,12 +4,13 @@ matches one device on 4 gloo processes -- logits, loss and every gradient, the r
 every expert's -- at two configs (4 experts top-2, 8 experts top-3) on ep 2 with the experts
 FSDP-sharded over the 2 ranks left, ep 4, ep 2 under HSDP, ep 4 under activation
 checkpointing, ep 2 beside tp 2, ``suggest --ep 2``'s plan (tp 2 + SP, ep 2) and ep 2 under
-pipeline stages (pp 2; one spawn). A second
-spawn: at ep 4 each rank holds only its experts, the gradient norm is one device's, the dry
-run's all-to-all count and bytes and expert memory are what the real step issues and holds
-(at ep 2 × efsdp 2 too, with the experts' FSDP traffic), and a DCP checkpoint saved at ep 4 (per-expert names of the whole model) loads at ep 2 and ep 1
-with equal state, and into a plain model in one process. The loop form (the block calls each
-expert of a plain ``nn.ModuleList``) and other misfits are located errors."""
+pipeline stages (pp 2; one spawn). A second spawn: at ep 4 each rank holds only its experts,
+the gradient norm is one device's, the dry run's all-to-all count and bytes and expert memory
+are what the real step issues and holds (at ep 2 × efsdp 2 too, with the experts' FSDP
+traffic), and a DCP checkpoint saved at ep 4 (per-expert names of the whole model) loads at
+ep 2 and ep 1 with equal state, and into a plain model in one process. ``tpplan train``
+resumes ep 4 -> ep 2 -> ep 1 on one curve. The loop form (the block calls each expert of a
+plain ``nn.ModuleList``) and other misfits are located errors."""
 
 import json
 from pathlib import Path
