@@ -96,7 +96,7 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
             path, n, _top_k(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),
             any(p.requires_grad for p in params),
-            rule is not None and rule.style.name in EP_STYLES, listed))
+            rule is not None and rule.style.name in EP_STYLES, per_expert=listed))
     return out
 
 

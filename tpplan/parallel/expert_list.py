@@ -120,11 +120,11 @@ def _local_call(module: nn.ModuleList, forward, *args, **kwargs):
 
 
 def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: int | None,
-                      ep_forward) -> nn.ModuleList:
+                      ep_forward, tokens_tp: int = 1) -> nn.ModuleList:
     """Keep this ep rank's ``E / ep`` experts of ``module`` (under their global indices), their
     parameters taken from the ep group's ``src_data_rank`` (as ``distribute_tensor`` does for
     every style), and route the list's calls through ``ep_forward`` (the grouped form's
-    dispatch)."""
+    dispatch). ``tokens_tp``: as the grouped form's (``module._tpplan_ep_tp``)."""
     experts = list(module)
     num, ep, rank = len(experts), mesh.size(), mesh.get_local_rank()
     local = num // ep
@@ -141,6 +141,7 @@ def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: in
     module._modules.update({str(e): experts[e] for e in mine})
     module.num_experts = num
     module._tpplan_ep_size = ep
+    module._tpplan_ep_tp = tokens_tp
     module._tpplan_ep_mesh = mesh
     module._tpplan_ep_params = tuple(f"{e}.{n}" for e in mine for n in names)
     module.forward = functools.partial(ep_forward, module,
