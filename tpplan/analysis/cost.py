@@ -123,10 +123,12 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
         stride *= n
     # ep: dp_shard's (× cp's) innermost ranks (parallel/mesh.py); efsdp: the experts' FSDP2.
     ep, cp, stride = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("tp", 1) * sizes.get("cp", 1)
+    etp = sizes.get("ep_tp", 1)  # ep borrowing tp's ranks: (dp_shard, cp, tp)'s innermost
     if ep > 1:
+        stride = 1 if etp > 1 else stride
         add("ep", ep)
         stride *= ep
-        add("efsdp", sizes.get("dp_shard", 1) * cp // ep)
+        add("efsdp", sizes.get("dp_shard", 1) * cp * etp // ep)
     if cp > 1:
         stride = sizes.get("tp", 1)
         add("dp_shard_cp", sizes.get("dp_shard", 1) * cp)
@@ -140,9 +142,10 @@ def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
 
 def _sizes(dims) -> dict[str, int]:
     """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
-    cp, ep = getattr(dims, "cp", 1), getattr(dims, "ep", 1)
+    cp, ep, etp = getattr(dims, "cp", 1), getattr(dims, "ep", 1), getattr(dims, "ep_tp", 1)
     return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep,
-                tp=dims.tp, efsdp=dims.dp_shard * cp // ep, dp_shard_cp=dims.dp_shard * cp)
+                tp=dims.tp, efsdp=dims.dp_shard * cp * etp // ep, dp_shard_cp=dims.dp_shard * cp,
+                ep_tp=etp)
 
 
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",

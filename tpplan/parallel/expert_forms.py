@@ -72,12 +72,16 @@ class _LocalExperts(torch.autograd.Function):
         return (None, *(g * ctx.scale for g in grads))
 
 
-def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
+def local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> dict[str, nn.Parameter]:
     """The local experts in place of the module's parameters (returned, to put back).
 
     Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
     here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
     one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
+    ``tp``: the tp ranks among the ep ranks when ep borrows them (the MoE block on the
+    sequence shard): those hold parts of one loss's tokens, whose gradients add up to that
+    loss's (as tp's partial gradients do), so the scale is ``tp / ep`` (= ``efsdp`` over
+    the ``dp_shard × cp`` ranks every other gradient is averaged over).
     (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
     gloo lacks.) One :class:`_LocalExperts` node does it for all of them and gives every
     local expert a gradient, zero where no token used it, so each rank's gradients (and
@@ -87,7 +91,7 @@ def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
     if trained:
-        local.update(zip(trained, _LocalExperts.apply(1.0 / ep, *(local[n] for n in trained))))
+        local.update(zip(trained, _LocalExperts.apply(tp / ep, *(local[n] for n in trained))))
     module._parameters.update(local)
     return held
 
@@ -120,7 +124,7 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
     split = [local * rows] * ep
     got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
     x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
-    held = local_experts(module, module._tpplan_ep_params, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
     try:
         module.num_experts = local
         out = tie_experts(module, forward(x))

@@ -96,8 +96,8 @@ def expert_tp_inside_ep(first: Rule, second: Rule) -> str:
     if not (styles & set(EP_STYLES) and styles - set(EP_STYLES)):
         return ""
     return ("; expert TP inside EP (the experts split over tp too) is not supported: with "
-            "tp > 1 expert_parallel keeps each expert whole on every tp rank (docs/moe.md), so "
-            "give the experts one rule")
+            "tp > 1 expert_parallel keeps each expert whole on its rank (beside tp, or borrowing "
+            "tp's ranks under sequence_local; docs/moe.md), so give the experts one rule")
 
 
 def balanced_counts(pairs: int, num_experts: int) -> list[int]:
@@ -187,7 +187,7 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         recv = got.view(ep, local).sum(1).tolist()
         ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
-    held = local_experts(module, module._tpplan_ep_params, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
     try:  # the module's own expert code, on its local experts
         module.num_experts = local
         out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
@@ -224,13 +224,23 @@ class ExpertParallel(ParallelStyle):
     The module holds its experts as parameters ``[num_experts, ...]`` and is called as
     ``experts(hidden_states, top_k_index, top_k_weights)``; every own parameter becomes a
     DTensor ``Shard(0)`` on ``device_mesh`` (the ep mesh,
-    :func:`tpplan.parallel.mesh.expert_meshes`). No options.
+    :func:`tpplan.parallel.mesh.expert_meshes`).
+
+    Keyword Args:
+        tokens_tp (int): how many tp ranks of the ep group hold different tokens of one
+            batch (tp when the MoE block runs on the sequence shard and ep borrows tp's
+            ranks, else 1): the local experts' gradient is scaled by ``tokens_tp / ep``
+            (:func:`tpplan.parallel.expert_forms.local_experts`). Default 1.
 
     Example::
 
         >>> ep_mesh, _ = expert_meshes(mesh, ep=2)
         >>> parallelize_module(block.mlp.experts, ep_mesh, ExpertParallel())
     """
+
+    def __init__(self, *, tokens_tp: int = 1) -> None:
+        super().__init__()
+        self.tokens_tp = tokens_tp
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         num_experts = expert_count(module)
@@ -242,13 +252,14 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         module._tpplan_ep_params = tuple(names)
         module._tpplan_ep_size = device_mesh.size()
+        module._tpplan_ep_tp = self.tokens_tp
         dense = call_form(module) == "dense"
         module.forward = functools.partial(dense_forward if dense else _ep_forward, module,
                                            module.forward, device_mesh, num_experts)
         return module
 
     def __repr__(self) -> str:
-        return "ExpertParallel()"
+        return f"ExpertParallel(tokens_tp={self.tokens_tp})"
 
 
 def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:

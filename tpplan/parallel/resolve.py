@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from ..plan.styles import PACKED_STYLES, SHARDING_STYLES, ep_borrows_tp
 from .context import check_context_parallel
 from .expert_parallel import check_experts, expert_tp_inside_ep
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
@@ -24,6 +24,7 @@ from .packed import check_packed
 from .tied import tied_groups
 from .mesh import ParallelDims
 from .pipeline import PipelineSplit, split_stages
+from .sequence_local import check_sequence_local
 
 __all__ = ["Resolution", "resolve", "match_modules", "AC_BLOCKS", "SHARD_DIMS", "shard_dims"]
 
@@ -139,6 +140,7 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 check_kv_colwise(rule, path, module, parent, tp, errs)
     check_norms_beside_colwise(res, modules)
     check_experts(plan.mesh, res, modules)
+    check_sequence_local(res, modules, errs)
     check_head_params(res, modules, tp)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:
@@ -237,7 +239,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     tp and ep (the batch is :func:`tpplan.plan.step_shape`'s check, not apply's)."""
     errs = ErrorList()
     try:
-        dims = ParallelDims.of(plan.mesh, world_size)
+        dims = ParallelDims.of(plan.mesh, world_size, ep_borrows_tp(plan.rules))
     except PlanErrors as e:
         errs.extend(e.errors)
         dims = None
