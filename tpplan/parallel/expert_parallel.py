@@ -46,7 +46,7 @@ from ..plan.styles import EP_STYLES
 from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
                            experts_for_ep, tie_experts)
 
-__all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
+__all__ = ["ExpertParallel", "check_aux_loss", "computes_aux_loss", "check_expert_parallel", "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
@@ -262,15 +262,21 @@ class ExpertParallel(ParallelStyle):
         return f"ExpertParallel(tokens_tp={self.tokens_tp})"
 
 
+def computes_aux_loss(model: nn.Module | None) -> bool:
+    """Whether ``model`` computes a load-balancing loss that tpplan adds to the loss (its
+    config sets ``output_router_logits`` and a non-zero ``router_aux_loss_coef``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and
+                getattr(model, "router_aux_loss_coef", 0))
+
+
 def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:
     """A model that computes an auxiliary (load-balancing) loss -- its config sets
     ``output_router_logits`` -- on a mesh where tpplan would get it wrong: under pipeline
     stages the routers run on every stage but the loss is taken on the last; under context
     parallelism each rank's routers see part of each sequence, and the loss is not additive
     over parts. Errors at ``mesh.pp`` / ``mesh.cp``."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False) or \
-            not getattr(model, "router_aux_loss_coef", 0):
+    if not computes_aux_loss(model):
         return
     for key, name, why in (("pp", "pipeline stages", "the loss is taken on the last stage, "
                             "the routers run on every stage"),
