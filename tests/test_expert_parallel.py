@@ -214,13 +214,10 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
 
     def loss():
         logits = model(tokens[:, :-1])
-        with plan.loss_context():  # vocabulary-sharded logits under tp
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1),
-                                                     tokens[:, 1:].flatten())
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
-    with CollectiveRecorder() as rec:
-        with plan.loss_context():
-            loss().backward()
+    with CollectiveRecorder() as rec, plan.loss_context():  # vocabulary-sharded logits under tp
+        loss().backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
     experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
     spmd = experts[0].device_mesh  # FSDP2's (efsdp, ep): dp_shard's ranks may be efsdp's too
@@ -249,7 +246,7 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
         return y
 
     fc.all_to_all_single_autograd = recording
-    with torch.no_grad():
+    with torch.no_grad(), plan.loss_context():
         loss()
     fc.all_to_all_single_autograd = real
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
