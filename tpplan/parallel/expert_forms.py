@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["expert_count", "call_form", "experts_for_ep", "local_experts", "tie_experts",
+__all__ = ["expert_count", "call_form", "computes_aux_loss", "experts_for_ep", "local_experts", "tie_experts",
            "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
@@ -33,6 +33,14 @@ def expert_count(module: nn.Module) -> int | None:
         return None
     stacked = all(p.dim() >= 2 and p.shape[0] == n for p in params)
     return n if stacked and any(p.dim() == 3 for p in params) else None
+
+
+def computes_aux_loss(model: nn.Module | None) -> bool:
+    """Whether ``model`` computes a load-balancing loss that tpplan adds to the loss (its
+    config sets ``output_router_logits`` and a non-zero ``router_aux_loss_coef``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and
+                getattr(model, "router_aux_loss_coef", 0))
 
 
 def call_form(module: nn.Module) -> str | None:

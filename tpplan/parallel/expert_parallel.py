@@ -43,8 +43,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
-from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
-                           experts_for_ep, tie_experts)
+from .expert_forms import (call_form, computes_aux_loss, dense_forward, local_experts,
+                           expert_count, experts_for_ep, tie_experts)
+from .sequence_local import check_sequence_local
 
 __all__ = ["ExpertParallel", "check_aux_loss", "computes_aux_loss", "check_expert_parallel", "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
@@ -115,9 +116,11 @@ def _shapes_only(t: torch.Tensor) -> bool:
 def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     """Every ``expert_parallel`` module of a :class:`~tpplan.parallel.resolve.Resolution`
     against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
-    spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
+    spread, and what it does not compose with yet (errors at ``mesh.ep``); the
+    ``sequence_local`` blocks beside them (:func:`check_sequence_local`)."""
     errs = res.errors
     check_aux_loss(mesh, modules.get(""), errs)
+    check_sequence_local(res, modules, errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
             check_expert_parallel(rule, path, modules[path], mesh.ep, errs)
@@ -260,14 +263,6 @@ class ExpertParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ExpertParallel(tokens_tp={self.tokens_tp})"
-
-
-def computes_aux_loss(model: nn.Module | None) -> bool:
-    """Whether ``model`` computes a load-balancing loss that tpplan adds to the loss (its
-    config sets ``output_router_logits`` and a non-zero ``router_aux_loss_coef``)."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "output_router_logits", False) and
-                getattr(model, "router_aux_loss_coef", 0))
 
 
 def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:

@@ -24,7 +24,6 @@ from .packed import check_packed
 from .tied import tied_groups
 from .mesh import ParallelDims
 from .pipeline import PipelineSplit, split_stages
-from .sequence_local import check_sequence_local
 
 __all__ = ["Resolution", "resolve", "match_modules", "AC_BLOCKS", "SHARD_DIMS", "shard_dims"]
 
@@ -140,7 +139,6 @@ def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                 check_kv_colwise(rule, path, module, parent, tp, errs)
     check_norms_beside_colwise(res, modules)
     check_experts(plan.mesh, res, modules)
-    check_sequence_local(res, modules, errs)
     check_head_params(res, modules, tp)
     for path, rule in res.rule_of.items():
         if rule.style.name not in WHOLE_MODULE_STYLES:

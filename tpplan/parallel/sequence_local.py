@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..plan.errors import ErrorList
 from ..plan.styles import EP_STYLES, SEQUENCE_LOCAL
-from .expert_parallel import computes_aux_loss
+from .expert_forms import computes_aux_loss
 
 __all__ = ["SequenceLocal", "check_sequence_local"]
 
