@@ -97,3 +97,20 @@ def test_suggest_proposes_expert_parallelism_with_the_reason(tmp_path, capsys):
     dense.write_text("model: {name: llama3, config: debug}\n")
     rc, out = run_main(capsys, "suggest", dense, "--ep", "2")
     assert rc == 1 and "no experts module expert_parallel can spread" in out, out
+
+
+def test_lora_inside_a_block_on_the_sequence_shard_is_refused_located(tmp_path, capsys):
+    """DeepSeek-V3's shared experts are nn.Linear layers inside the MoE block that import-hf
+    runs on the sequence shard (sequence_local): an adapter there would miss the gradient
+    sum over tp, so the target is refused at its line."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("deepseek_v3:groups")))
+    plan = tmp_path / "plan.yaml"
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2", "-o", plan)
+    assert rc == 0 and '"model.layers.*.mlp": sequence_local' in plan.read_text(), out
+    lines = len(plan.read_text().splitlines())
+    plan.write_text(plan.read_text() + "lora:\n  rank: 2\n"
+                    '  targets: ["model.layers.*.mlp.shared_experts.up_proj"]\n')
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
+    assert rc == 1 and "Traceback" not in out, out
+    assert f"plan.yaml:{lines + 3}:" in out and "under style 'sequence_local'" in out, out
