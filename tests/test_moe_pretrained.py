@@ -206,8 +206,9 @@ def test_moe_finetune_with_ep_follows_one_process_and_exports_in_the_layout_load
 def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path, capsys):
     """Configs that set ``output_router_logits``: the loss is the model's own (cross-entropy
     + router_aux_loss_coef × the load-balancing loss of each forward's batch), and with ep 4,
-    ep 2 over expert FSDP 2, and ep 2 beside tp 2 + SP (the sequence gathered before the MoE
-    blocks: on the shard it is refused, below) its value and every gradient -- the router's,
+    ep 2 over expert FSDP 2, tp 2 + SP with the MoE blocks on the sequence shard (ep 2
+    borrowing tp: the routers' logits gathered over tp for the term) and with the sequence
+    gathered before them (ep 2 beside tp) its value and every gradient -- the router's,
     which the aux loss pulls on directly -- equal one device's."""
     from test_expert_parallel import _plan, _sp_plan, match_one_device, sweep_hf
 
@@ -218,6 +219,7 @@ def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path,
             family, output_router_logits=True, router_aux_loss_coef=0.5, **fields)))
         plans += [_plan(tmp_path, f"{family}-ep4", config, "{ep: 4, dp_shard: -1}"),
                   _plan(tmp_path, f"{family}-ep2-efsdp2", config, "{ep: 2, dp_shard: 4}"),
+                  _sp_plan(capsys, tmp_path, family, config),
                   _sp_plan(capsys, tmp_path, family, config, gathered=True)]
     for path, step, ref, _ in match_one_device(plans):
         ce = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1),
@@ -245,17 +247,12 @@ def test_validate_with_the_aux_loss_on_and_where_it_would_be_wrong(tmp_path, cap
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
     assert f"{plan}:1:" in out and "mesh pp=2: the model computes its load-balancing" in out
-    # the MoE blocks on the sequence shard: each tp rank's routers would see half the tokens;
-    # import-hf gathers the sequence for such a model, a plan written by hand is refused
-    from test_expert_parallel import GATHERED, _sp_plan
+    # the MoE blocks on the sequence shard: the routers' logits gathered for the term
+    from test_expert_parallel import _sp_plan
 
-    sp = Path(_sp_plan(capsys, tmp_path, "qwen3_moe", config, gathered=True))
-    assert "load-balancing loss (output_router_logits), which is not additive" in sp.read_text()
-    sp.write_text(sp.read_text().replace(GATHERED, '"model.layers.*.mlp": sequence_local'))
-    line = next(i for i, x in enumerate(open(sp), 1) if x.startswith('  "model.layers.*.mlp":'))
-    rc, out = run_main(capsys, "validate", "--plan", sp, "--world-size", "4")
-    assert rc == 1 and "Traceback" not in out, out
-    assert f"{sp}:{line}:3: error: " in out and "not additive over parts" in out, out
+    rc, out = run_main(capsys, "validate", "--plan", _sp_plan(capsys, tmp_path, "qwen3_moe", config),
+                       "--world-size", "4")
+    assert rc == 0 and "could not" not in out and "experts' all-to-all" in out, out
 
 
 def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path):

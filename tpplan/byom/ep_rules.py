@@ -7,7 +7,7 @@ import re
 
 import torch.nn as nn
 
-from ..parallel.expert_parallel import computes_aux_loss, expert_count, experts_for_ep
+from ..parallel.expert_parallel import expert_count, experts_for_ep
 from ..plan.patterns import compile_pattern
 
 __all__ = ["ep_patterns", "ep_proposal", "route_experts", "with_ep"]
@@ -35,13 +35,11 @@ def ep_proposal(model: nn.Module) -> str | None:
             "them replicated (docs/moe.md)")
 
 
-def route_experts(sugg, paths: list[str], patterns: list[str], source: str,
-                  aux: bool = False) -> None:
+def route_experts(sugg, paths: list[str], patterns: list[str], source: str) -> None:
     """``expert_parallel`` on the modules ``patterns`` match, in place of any rule on the same
     modules whatever its pattern (blocks unlike the first get rules narrowed to
     ``layers.0...``): one module takes one rule. Under sequence parallelism the MoE blocks
-    then run on the sequence shard (:func:`on_sequence_shard`), unless ``aux``: the model
-    computes a load-balancing loss, which needs each forward's whole sequence."""
+    then run on the sequence shard (:func:`on_sequence_shard`)."""
     routed = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
     comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
                "and combined by all-to-all")
@@ -52,13 +50,7 @@ def route_experts(sugg, paths: list[str], patterns: list[str], source: str,
     sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
                   for r in kept] + [(p, "expert_parallel", comment) for p in patterns
                                     if p not in have]
-    if not aux:
-        on_sequence_shard(sugg, paths, routed)
-    elif any(_gathers_sequence(r[1]) for r in sugg.rules):
-        sugg.notes.append("the model computes its load-balancing loss (output_router_logits), "
-                          "which is not additive over sequence shards: the MoE blocks get the "
-                          "whole sequence and ep stays beside tp, over the data-parallel ranks "
-                          "(docs/moe.md)")
+    on_sequence_shard(sugg, paths, routed)
 
 
 SEQUENCE_COMMENT = ("the MoE block on this rank's sequence shard: router and shared experts "
@@ -106,4 +98,4 @@ def with_ep(sugg, spec) -> None:
                                     "spread (a module with 'num_experts' and its own "
                                     "[num_experts, ...] parameters; docs/moe.md)")])
     route_experts(sugg, [n for n, _ in model.named_modules()], patterns,
-                  "experts held as [num_experts, ...] parameters", computes_aux_loss(model))
+                  "experts held as [num_experts, ...] parameters")

@@ -25,7 +25,6 @@ from ..plan.patterns import compile_pattern
 from ..plan.specs import ModelSpec
 from ..plan.styles import ALIASES, STYLES
 from ..plan.yamlio import not_a_file
-from ..parallel.expert_parallel import computes_aux_loss
 from .ep_rules import ep_patterns, route_experts
 from .head_rules import attach_head_params, take_hf_head_params
 from .hf_rules import unshardable
@@ -274,7 +273,7 @@ def with_expert_parallel(imported: ImportedPlan, target: str) -> None:
         raise PlanErrors([PlanError(f"{type(config).__name__}: transformers ships no "
                                     "base_model_ep_plan and the model has no experts module "
                                     "expert_parallel can spread (docs/moe.md)")])
-    route_experts(imported.suggestion, paths, patterns, source, computes_aux_loss(model))
+    route_experts(imported.suggestion, paths, patterns, source)
 
 
 def _without_idle_prepares(rules: list, hits, unfed: dict[str, bool]) -> list:

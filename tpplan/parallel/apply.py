@@ -63,6 +63,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
         if rule.style.name.startswith("prepare_"):
             check_layout_counts(modules[path], path, rule)
+    if any(r.style.name == SEQUENCE_LOCAL for r in res.rule_of.values()):
+        # the routers see sequence shards: the load-balancing loss gathers their logits
+        # (models.moe_loss.aux_over_shards; a layer apart, hence the attribute by name)
+        model.__dict__["_tpplan_router_shards"] = tp_mesh
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     localize_kv_groups(modules, res.rule_of, tp)

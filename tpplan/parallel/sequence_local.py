@@ -28,7 +28,6 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..plan.errors import ErrorList
 from ..plan.styles import EP_STYLES, SEQUENCE_LOCAL
-from .expert_forms import computes_aux_loss
 
 __all__ = ["SequenceLocal", "check_sequence_local"]
 
@@ -117,15 +116,6 @@ def check_sequence_local(res, modules: dict[str, nn.Module], errs: ErrorList) ->
     blocks = [p for p, r in res.rule_of.items() if r.style.name == SEQUENCE_LOCAL]
     if not blocks:
         return
-    if res.dims is not None and res.dims.tp > 1 and computes_aux_loss(modules.get("")):
-        rule = res.rule_of[blocks[0]]
-        errs.add(f"module '{blocks[0]}' runs on the sequence shard ({SEQUENCE_LOCAL}), but the "
-                 "model computes its load-balancing loss (output_router_logits: true), which "
-                 "is not additive over parts of a micro-batch: each tp rank's routers would see "
-                 "its shard only; set model.config.output_router_logits: false, or gather the "
-                 "sequence before the MoE blocks (prepare_input_output, ep then beside tp "
-                 "rather than borrowing it; docs/moe.md)",
-                 rule.loc)
     for path, rule in res.rule_of.items():
         above = next((b for b in blocks if path.startswith(b + ".")), None)
         if above is not None and rule.style.name not in EP_STYLES:
