@@ -8,9 +8,11 @@ For each family a tiny configuration of the architecture (no download) is writte
 - ``suggest``: ``tpplan suggest`` with ``--sequence-parallel off`` -> validate -> verify;
 - ``suggest+sp``: ``--sequence-parallel blocks``.
 
-For mixtures of experts (docs/moe.md), ``--modes import+ep,import+ep+sp,suggest+ep`` runs
-``import-hf --tp 1 --ep 4``, ``import-hf --sequence-parallel --ep 2`` and ``suggest --ep 2``;
-``--families moe`` names the MoE families with their tiny variants (``TYPE:NAME``).
+For mixtures of experts (docs/moe.md), ``--modes import+ep,import+ep+sp,import+ep4+sp,suggest+ep``
+runs ``import-hf --tp 1 --ep 4``, ``import-hf --sequence-parallel --ep 2`` (and ``--ep 4``:
+tp 2 × dp_shard 2 with ep 4 borrowing tp's ranks, where the MoE blocks run on the sequence
+shard) and ``suggest --ep 2``; ``--families moe`` names the MoE families with their tiny
+variants (``TYPE:NAME``).
 
 verify runs every plan on 4 gloo processes (tp 2 × dp 2) against the same model on one
 device: logits, loss and every gradient. All plans' parallel steps share one spawn of 4
@@ -19,7 +21,7 @@ located refusal (``refused: ...``, one line, exit 1), ``WRONG`` (numbers differ)
 ``TRACEBACK`` (an exception escaped a command: a bug).
 
     python scripts/sweep_hf.py [--families llama,qwen3] [--modes import,suggest] [--out DIR]
-    python scripts/sweep_hf.py --families moe --modes import+ep,import+ep+sp,suggest+ep
+    python scripts/sweep_hf.py --families moe --modes import+ep,import+ep+sp,import+ep4+sp,suggest+ep
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from pathlib import Path
 
 MODES = ("import", "import+sp", "suggest", "suggest+sp")
 # Expert parallelism (docs/moe.md), for the MoE families: transformers' ep plan through
-# ``import-hf --ep``: ep 4 with no tp, and ep 2 beside tp 2 with sequence parallelism; and
-# ``suggest --ep 2`` (tp 2, sequence parallelism in the blocks).
-EP_MODES = ("import+ep", "import+ep+sp", "suggest+ep")
+# ``import-hf --ep``: ep 4 with no tp, and ep 2 and 4 with tp 2 and sequence parallelism (the
+# MoE blocks on the sequence shard where every one of them is under SP: ep borrows tp's
+# ranks; else ep beside tp, and ep 4 is refused at 4 ranks); and ``suggest --ep 2`` (tp 2,
+# sequence parallelism in the blocks).
+EP_MODES = ("import+ep", "import+ep+sp", "import+ep4+sp", "suggest+ep")
 EP_ARGS = {"import+ep": ["--tp", "1", "--ep", "4"],
            "import+ep+sp": ["--sequence-parallel", "--ep", "2"],
+           "import+ep4+sp": ["--sequence-parallel", "--ep", "4"],
            "suggest+ep": ["--ep", "2", "--sequence-parallel", "blocks"]}
 TOLERANCE = 1e-4
 

@@ -50,16 +50,28 @@ def _plan(folder, name: str, config, mesh: str, rules: str = RULE, extra: str = 
     return str(path)
 
 
-def _sp_plan(capsys, folder, family: str, config) -> str:
-    """import-hf's tp 2 + SP plan with ep 2: transformers' ep plan routes the experts."""
-    path = folder / f"{family}-sp-ep.yaml"
-    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2",
+GATHERED = ('"model.layers.*.mlp": {style: prepare_input_output, input_layouts: shard(1), '
+            'desired_input_layouts: replicate, use_local_input: true, output_layouts: replicate, '
+            'desired_output_layouts: shard(1), use_local_output: true}')
+
+
+def _sp_plan(capsys, folder, family: str, config, ep: int = 2, gathered: bool = False) -> str:
+    """import-hf's tp 2 + SP plan with ``ep``: transformers' ep plan routes the experts, the
+    MoE blocks run on the sequence shard and ep borrows tp's ranks (docs/moe.md); with
+    ``gathered``, the same plan with the sequence gathered before the MoE blocks instead
+    (the form before sequence_local: ep beside tp, over dp_shard only)."""
+    path = folder / f"{family}-sp-ep{ep}{'-gathered' * gathered}.yaml"
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", str(ep),
                        "-o", path)
     assert rc == 0, out
     text = path.read_text()
-    assert "mesh: {tp: 2, ep: 2, dp_shard: -1}" in text
+    assert f"mesh: {{tp: 2, ep: {ep}, dp_shard: -1}}" in text
     assert '"model.layers.*.mlp.experts": expert_parallel' in text
     assert "experts_colwise_rowwise\n" not in text
+    if gathered:  # (import-hf gathers it itself for a model with a load-balancing loss)
+        path.write_text(text.replace('"model.layers.*.mlp": sequence_local', GATHERED))
+    else:
+        assert '"model.layers.*.mlp": sequence_local\n' in text
     return str(path)
 
 
@@ -68,7 +80,12 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
     for family, config in configs.items():
         plans += [_plan(tmp_path, f"{family}-ep4", config, "{ep: 4, dp_shard: -1}"),
                   _plan(tmp_path, f"{family}-ep2-efsdp2", config, "{ep: 2, dp_shard: 4}"),
-                  _sp_plan(capsys, tmp_path, family, config)]
+                  # tp 2 + SP, the MoE blocks on the sequence shard: ep 2 borrows tp's ranks
+                  # (the experts FSDP-sharded over dp_shard 2), ep 4 borrows tp × dp_shard
+                  _sp_plan(capsys, tmp_path, family, config),
+                  _sp_plan(capsys, tmp_path, family, config, ep=4)]
+    # the sequence gathered before the MoE blocks instead: ep 2 beside tp, over dp_shard
+    plans.append(_sp_plan(capsys, tmp_path, "qwen3_moe", configs["qwen3_moe"], gathered=True))
     plans.append(_plan(tmp_path, "qwen3_moe-hsdp", configs["qwen3_moe"],
                        "{ep: 2, dp_shard: 2, dp_replicate: 2}"))
     plans.append(_plan(tmp_path, "qwen3_moe-ep4-ac", configs["qwen3_moe"], "{ep: 4}",
@@ -93,6 +110,8 @@ def test_expert_parallel_matches_one_device(configs, tmp_path, capsys):
         experts = [n for n in ref.grads if n.endswith("mlp.experts.down_proj")]
         layers = step.plan.spec.model.hf_kwargs.get("num_hidden_layers", 2)
         assert len(routers) == len(experts) == layers, path  # every MoE block compared
+        dims = step.plan.parallel_dims(4)  # which ranks ep took: tp's under sequence_local
+        assert dims.ep_borrows_tp == ("-sp-ep" in path and "gathered" not in path), path
 
 
 def match_one_device(plans: list[str]) -> list:
@@ -129,7 +148,17 @@ def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys,
     ("{ep: 3, dp_shard: -1}", RULE, 1, 12, "mesh ep=3 must divide the data-parallel ranks it "
      "borrows: dp_shard=4"),
     # tp's ranks hold the same tokens: not borrowed, and the message says so
-    ("{tp: 2, ep: 4, dp_shard: -1}", RULE, 1, 19, "ep does not borrow them"),
+    ("{tp: 2, ep: 4, dp_shard: -1}", RULE, 1, 19, "ep does not borrow them unless the MoE "
+     "blocks run on the sequence shard"),
+    # on the sequence shard ep borrows dp_shard × tp, and must divide that
+    ("{tp: 2, ep: 3, dp_shard: -1}", RULE + '\n  "model.layers.*.mlp": sequence_local', 1, 19,
+     "mesh ep=3 must divide the ranks it borrows: dp_shard=2 × tp=2 = 4"),
+    # a block on the sequence shard replicates what is inside it: no tp rule there
+    ("{tp: 2, ep: 2, dp_shard: -1}", RULE + '\n  "model.layers.*.mlp": sequence_local\n  '
+     '"model.layers.*.mlp.gate": colwise', 6, 3, "cannot shard it there"),
+    # one MoE block on the shard, the other gathered: ep would take tp's ranks for both
+    ("{tp: 2, ep: 2, dp_shard: -1}", RULE + '\n  "model.layers.0.mlp": sequence_local', 4, 3,
+     "outside any sequence_local block"),
     # 4 experts over ep 4 fit; over a dp_shard of 8 with ep 8 they do not
     ("{ep: 8, dp_shard: -1}", RULE, 4, 3, "holds 4 experts and mesh ep=8 does not divide them"),
     ("{ep: 2, dp_shard: -1}", '"model.layers.*.mlp.expert": expert_parallel', 4, 3,
@@ -155,13 +184,6 @@ def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, r
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", str(world))
     assert rc == 1 and "Traceback" not in out, out
     assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
-
-
-def _ranks(group: str) -> list[int]:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return dist.get_process_group_ranks(_resolve_process_group(group))
 
 
 def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
@@ -195,13 +217,14 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
         logits = model(tokens[:, :-1])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
-    with CollectiveRecorder() as rec:
+    with CollectiveRecorder() as rec, plan.loss_context():  # vocabulary-sharded logits under tp
         loss().backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
-    ep = plan.parallel_dims(world).ep
-    efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
-             _ranks(c.group) == list(range(rank % ep, world, ep))]  # the efsdp group's
     experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    spmd = experts[0].device_mesh  # FSDP2's (efsdp, ep): dp_shard's ranks may be efsdp's too
+    group = spmd.get_group(spmd.mesh_dim_names.index("efsdp")).group_name
+    efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
+             c.group == group]
     optimizer = torch.optim.AdamW(experts)
     optimizer.step()
 
@@ -224,7 +247,7 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
         return y
 
     fc.all_to_all_single_autograd = recording
-    with torch.no_grad():
+    with torch.no_grad(), plan.loss_context():
         loss()
     fc.all_to_all_single_autograd = real
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
@@ -233,14 +256,16 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     torch.distributed.destroy_process_group()
 
 
-def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
+def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys):
     """Counts per rank equal; bytes summed over the ranks equal too (each rank's dispatch
     sends its tokens × top-k rows whatever the routing, and what one rank receives another
     sent), while the dry run assumes balanced routing for each rank's own figure. The
     experts' FSDP traffic over efsdp, their parameters, gradients and AdamW state: per rank.
     The worst case: with every token routed to experts 0..k-1, the busiest rank's step
     (its dispatches as received, each data all-to-all's buffer that size: the combine sends
-    back what arrived, backward transposes both) is the dry run's bound, exactly."""
+    back what arrived, backward transposes both) is the dry run's bound, exactly. Under tp 2 +
+    SP with the MoE blocks on the sequence shard (ep 2 borrowing tp's ranks) each rank routes
+    its shard: half the rows of the gathered form's, counted as issued."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
     from tpplan.analysis.experts import COUNT_BYTES, ep_figures
@@ -248,9 +273,13 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     from tpplan.parallel.runtime import spawn
 
     comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
-    overrides = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2"]
-    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}")):
-        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh)
+    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}"),
+                         ("qwen3_moe", None)):
+        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh) if mesh else \
+            _sp_plan(capsys, tmp_path, family, configs[family])
+        batch = 8 if mesh else 4  # one micro-batch of 2 sequences per data-parallel rank
+        overrides = ["train.seq_len=16", f"train.global_batch_size={batch}",
+                     "train.micro_batch_size=2"]
         predicted = dry_run(plan, 4, overrides, comm)
         assert predicted.ok, (predicted.errors, predicted.analysis_errors)
         ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
@@ -262,7 +291,7 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
                              predicted.step, 4)
         assert figures["all_to_all"] == ep
-        out = tmp_path / family
+        out = tmp_path / f"{family}-{bool(mesh)}"
         out.mkdir()
         spawn(_a2a_worker, 4, plan, overrides, str(out))
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
@@ -279,6 +308,11 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
         rows = predicted.extra["comm_per_step"]["collectives"]
         want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
         assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
+        if not mesh:  # a rank routes its sequence shard: half the rows the gathered form sends
+            gathered = dry_run(_sp_plan(capsys, tmp_path, family, configs[family], gathered=True),
+                               4, overrides, comm).extra["comm_per_step"]["ep_all_to_all"]
+            assert 2 * (ep["balanced_bytes"] - counts) == gathered["balanced_bytes"] - counts, \
+                (ep, gathered)
         for _, _, _, efsdp, *_ in real:
             got = Counter(k for k, _ in efsdp)
             nbytes = Counter()

@@ -104,8 +104,11 @@ def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
     qwen, mixtral = tiny_hf("qwen3_moe"), tiny_hf("mixtral")
     cases = {  # name: (folder, mesh, rule, experts of a layer each rank reads from)
         "qwen-ep4": (qwen, "{ep: 4, dp_shard: -1}", EP_RULE, 2),
-        # import-hf's tp 2 + SP plan with ep 2: the experts whole on each tp rank (read twice)
-        "qwen-tp2-ep2": (qwen, None, None, 4),
+        # import-hf's tp 2 + SP plan with ep 2: the MoE blocks on the sequence shard, ep
+        # borrowing tp's ranks, the experts FSDP-sharded over dp_shard 2 (one copy)
+        "qwen-tp2-ep2": (qwen, None, None, 2),
+        # the same with the sequence gathered: the experts whole on each tp rank (read twice)
+        "qwen-tp2-ep2-gathered": (qwen, None, None, 4),
         "qwen-ep2-efsdp2": (qwen, "{ep: 2, dp_shard: 4}", EP_RULE, 2),
         # expert TP: half of each expert's rows on each tp rank, half the experts on each
         # dp rank (FSDP)
@@ -116,9 +119,10 @@ def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
     jobs = []
     for name, (folder, mesh, rule, _) in cases.items():
         path = tmp_path / f"{name}.yaml"
+        sp = mesh or _sp_plan(capsys, tmp_path, "qwen3_moe", folder / "config.json",
+                              gathered="gathered" in name)
         path.write_text(EP_PLAN.format(mesh=mesh, folder=folder, rules=rule) if mesh else
-                        f"extends: {_sp_plan(capsys, tmp_path, 'qwen3_moe', folder / 'config.json')}\n"
-                        f"model: {{hf_config: null, pretrained: {folder}}}\n")
+                        f"extends: {sp}\nmodel: {{hf_config: null, pretrained: {folder}}}\n")
         jobs.append((name, str(path)))
     tokens = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(0))
     spawn(_reads_worker, 4, jobs, tokens, str(tmp_path))
@@ -137,7 +141,7 @@ def test_moe_folders_load_into_ep_meshes_each_rank_reading_its_own_experts(
         # every element of every expert tensor read by exactly the ranks holding it (one;
         # the two tp ranks beside ep), a quarter of them on each (a half beside tp): no rank
         # reads a full copy, nor what it does not hold
-        copies = 2 if "tp2" in name and "etp" not in name else 1
+        copies = 2 if "gathered" in name else 1
         total = sum(sizes[n] for n in experts)
         for n in experts:
             assert sum(r["reads"].get(n, 0) for r in ranks) == copies * sizes[n], (name, n)
@@ -202,8 +206,10 @@ def test_moe_finetune_with_ep_follows_one_process_and_exports_in_the_layout_load
 def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path, capsys):
     """Configs that set ``output_router_logits``: the loss is the model's own (cross-entropy
     + router_aux_loss_coef × the load-balancing loss of each forward's batch), and with ep 4,
-    ep 2 over expert FSDP 2, and ep 2 beside tp 2 + SP its value and every gradient -- the
-    router's, which the aux loss pulls on directly -- equal one device's."""
+    ep 2 over expert FSDP 2, tp 2 + SP with the MoE blocks on the sequence shard (ep 2
+    borrowing tp: the routers' logits gathered over tp for the term) and with the sequence
+    gathered before them (ep 2 beside tp) its value and every gradient -- the router's,
+    which the aux loss pulls on directly -- equal one device's."""
     from test_expert_parallel import _plan, _sp_plan, match_one_device, sweep_hf
 
     plans = []
@@ -213,7 +219,8 @@ def test_aux_loss_under_ep_matches_one_device_router_gradient_included(tmp_path,
             family, output_router_logits=True, router_aux_loss_coef=0.5, **fields)))
         plans += [_plan(tmp_path, f"{family}-ep4", config, "{ep: 4, dp_shard: -1}"),
                   _plan(tmp_path, f"{family}-ep2-efsdp2", config, "{ep: 2, dp_shard: 4}"),
-                  _sp_plan(capsys, tmp_path, family, config)]
+                  _sp_plan(capsys, tmp_path, family, config),
+                  _sp_plan(capsys, tmp_path, family, config, gathered=True)]
     for path, step, ref, _ in match_one_device(plans):
         ce = torch.nn.functional.cross_entropy(ref.logits.flatten(0, 1),
                                                step.tokens[:, 1:].flatten()).item()
@@ -240,6 +247,12 @@ def test_validate_with_the_aux_loss_on_and_where_it_would_be_wrong(tmp_path, cap
     rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "4")
     assert rc == 1 and "Traceback" not in out, out
     assert f"{plan}:1:" in out and "mesh pp=2: the model computes its load-balancing" in out
+    # the MoE blocks on the sequence shard: the routers' logits gathered for the term
+    from test_expert_parallel import _sp_plan
+
+    rc, out = run_main(capsys, "validate", "--plan", _sp_plan(capsys, tmp_path, "qwen3_moe", config),
+                       "--world-size", "4")
+    assert rc == 0 and "could not" not in out and "experts' all-to-all" in out, out
 
 
 def test_a_per_expert_folder_missing_an_expert_is_a_located_error(tiny_hf, tmp_path):

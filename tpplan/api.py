@@ -77,7 +77,9 @@ class Plan:
         """The mesh degrees at this world size; :class:`PlanErrors` if it does not fit."""
         from .parallel.mesh import ParallelDims
 
-        return ParallelDims.of(self.spec.mesh, world_size)
+        from .plan.styles import ep_borrows_tp
+
+        return ParallelDims.of(self.spec.mesh, world_size, ep_borrows_tp(self.spec.rules))
 
     def step_shape(self, world_size: int) -> StepShape:
         """The optimizer step ``tpplan train`` runs at ``world_size`` (sequence length,

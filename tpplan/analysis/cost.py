@@ -106,7 +106,7 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
     node), so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the
     product of the inner dimensions; it stays in a node (``intra``) when that span is at most
     ``gpus_per_node``, else it spans ``nodes`` nodes (``inter``). ``dp`` is dp_replicate and
-    dp_shard flattened; ``ep``, ``efsdp`` and ``dp_shard_cp`` as the mesh lays them out."""
+    dp_shard flattened; ``ep`` (tp's ranks first with ``ep_tp``), ``efsdp``, ``dp_shard_cp`` as the mesh has them."""
     out, stride = {}, 1
 
     def add(name: str, n: int) -> None:
@@ -121,12 +121,12 @@ def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, in
         if dim == "dp_shard":
             add("dp", n * sizes.get("dp_replicate", 1))
         stride *= n
-    # ep: dp_shard's (× cp's) innermost ranks (parallel/mesh.py); efsdp: the experts' FSDP2.
-    ep, cp, stride = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("tp", 1) * sizes.get("cp", 1)
+    ep, cp, etp = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("ep_tp", 1)
+    stride = 1 if etp > 1 else sizes.get("tp", 1) * cp
     if ep > 1:
         add("ep", ep)
         stride *= ep
-        add("efsdp", sizes.get("dp_shard", 1) * cp // ep)
+        add("efsdp", sizes.get("dp_shard", 1) * cp * etp // ep)
     if cp > 1:
         stride = sizes.get("tp", 1)
         add("dp_shard_cp", sizes.get("dp_shard", 1) * cp)
@@ -140,9 +140,9 @@ def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
 
 def _sizes(dims) -> dict[str, int]:
     """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
-    cp, ep = getattr(dims, "cp", 1), getattr(dims, "ep", 1)
-    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep,
-                tp=dims.tp, efsdp=dims.dp_shard * cp // ep, dp_shard_cp=dims.dp_shard * cp)
+    cp, ep, etp = getattr(dims, "cp", 1), getattr(dims, "ep", 1), getattr(dims, "ep_tp", 1)
+    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep, tp=dims.tp,
+                efsdp=dims.dp_shard * cp * etp // ep, dp_shard_cp=dims.dp_shard * cp, ep_tp=etp)
 
 
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",

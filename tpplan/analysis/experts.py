@@ -149,7 +149,8 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
     sends over it, the counts exchange left out of both). ``e``: bytes per activation element; ``recomputed``: paths of
     experts modules whose forward activation checkpointing runs again."""
     ep, accum = dims.ep, shape.grad_accum
-    tokens = shape.micro_batch * shape.seq_len
+    # a rank routes its micro-batch's tokens; its sequence shard when ep borrows tp's ranks
+    tokens = shape.micro_batch * shape.seq_len // getattr(dims, "ep_tp", 1)
     count = balanced = wire = data_wire = worst = minimum = 0
     for mod in modules:
         if not mod.parallel or ep <= 1:

@@ -170,7 +170,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
     ep_mesh = None
     if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
-        ep_mesh, _ = expert_meshes(mesh, res.dims.ep)
+        ep_mesh, _ = expert_meshes(mesh, res.dims.ep, res.dims.ep_borrows_tp)
         groups[ep_mesh.get_group().group_name] = "ep"
     cp = cp_mesh(mesh)
     if cp is not None:  # context parallelism's collectives are traced beside TP's

@@ -47,6 +47,7 @@ from ..plan.pipeline import SCHEDULES
 from ..plan.sections import require_model
 from ..plan.specs import ACSpec, PlanSpec
 from ..plan.step import StepShape
+from ..plan.styles import ep_borrows_tp
 from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
 from .memory import memory_per_rank, shallow_depths
@@ -75,7 +76,7 @@ def _mesh_key(dims: ParallelDims, spec: PlanSpec) -> tuple:
     storage depends on it), and the context-parallel method where there is cp."""
     cp = spec.context_parallel
     return (dims.tp, dims.dp_shard, dims.dp_replicate > 1, dims.pp > 1, dims.cp, dims.ep,
-            (cp.method, cp.load_balance) if dims.cp > 1 else None)
+            dims.ep_borrows_tp, (cp.method, cp.load_balance) if dims.cp > 1 else None)
 
 
 class Evaluator:
@@ -127,7 +128,7 @@ class Evaluator:
         return result
 
     def _resolve(self, spec: PlanSpec):
-        dims = ParallelDims.of(spec.mesh, self.world_size)
+        dims = ParallelDims.of(spec.mesh, self.world_size, ep_borrows_tp(spec.rules))
         key = _resolution_key(spec, dims)
         res = self.resolutions.get(key)
         if res is None:
@@ -231,7 +232,7 @@ class Evaluator:
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
     pipe = spec.pipeline
-    return (dims.tp, dims.pp, dims.ep, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
+    return (dims.tp, dims.pp, dims.ep, dims.ep_borrows_tp, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
             pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
 
 

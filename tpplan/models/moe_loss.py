@@ -16,16 +16,46 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss"]
+__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss", "aux_over_shards"]
 
 _KEPT = "_tpplan_aux_loss"
+_SHARDS = "_tpplan_router_shards"  # the tp mesh, when the routers see sequence shards (set by
+# tpplan.parallel.apply.apply_tp for a plan with sequence_local blocks)
+
+
+def aux_over_shards(model: nn.Module, router_logits, tp_mesh) -> torch.Tensor:
+    """The model's own load-balancing loss (its module's ``load_balancing_loss_func``, as its
+    forward calls it) over the whole micro-batch, from each layer's router logits of this
+    rank's shard gathered over tp. The term is not additive over shards (``f_e · P_e``), so
+    every tp rank computes the whole one; the gather is a DTensor redistribute
+    (``Shard(0)`` to ``Replicate``), whose backward hands each rank its own rows' gradient,
+    so the replicated term's gradient is not counted tp times. The token order of the
+    gathered logits differs from the sequence's; the term does not depend on it."""
+    import sys
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    # the model's own class (FSDP2 wraps it in a class of its own module)
+    fn = next((f for c in type(model).__mro__ if (f := getattr(
+        sys.modules.get(c.__module__), "load_balancing_loss_func", None)) is not None), None)
+    if fn is None or not router_logits:
+        raise ValueError(f"{type(model).__name__}: its routers saw sequence shards, but its "
+                         "module has no load_balancing_loss_func or its output no router_logits "
+                         "to take the load-balancing loss over the whole micro-batch")
+    whole = tuple(DTensor.from_local(x, tp_mesh, [Shard(0)], run_check=False)
+                  .redistribute(placements=[Replicate()]).to_local() for x in router_logits)
+    return fn(whole, model.num_experts, model.num_experts_per_tok, None)
 
 
 def keep_aux_loss(module: nn.Module, output: Any) -> None:
     """Keep ``router_aux_loss_coef × output.aux_loss`` of this forward on ``module`` (or
-    nothing: no aux loss asked for, or a coefficient of 0)."""
+    nothing: no aux loss asked for, or a coefficient of 0); over the whole micro-batch when
+    the routers saw sequence shards (``sequence_local`` blocks: :func:`aux_over_shards`)."""
     aux = getattr(output, "aux_loss", None)
     coef = getattr(module, "router_aux_loss_coef", None)
+    mesh = module.__dict__.get(_SHARDS)
+    if mesh is not None and isinstance(aux, torch.Tensor) and coef:
+        aux = aux_over_shards(module, getattr(output, "router_logits", None), mesh)
     module.__dict__[_KEPT] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
 
 
@@ -53,7 +83,8 @@ def micro_batch_aux(model: nn.Module, forward: Callable, tokens: torch.Tensor,
 
 def with_aux_loss(loss: torch.Tensor, aux: torch.Tensor | None, scale: float = 1.0):
     """``loss + scale × aux``; under loss parallelism (a replicated DTensor loss) the aux
-    term, the same on every tp rank (the router saw the same tokens), joins it replicated."""
+    term, the same on every tp rank (the routers saw the same tokens, or their shards'
+    logits were gathered), joins it replicated."""
     if aux is None:
         return loss
     from torch.distributed.tensor import DTensor

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
-from ..plan.styles import EP_STYLES, PACKED_STYLES
+from ..plan.styles import EP_STYLES, PACKED_STYLES, SEQUENCE_LOCAL
 from .attention import register_cpu_attention
 from .context import apply_context_parallel
 from .freeze import apply_freeze
@@ -30,6 +30,7 @@ from .mesh import cp_mesh, dp_mesh, expert_meshes
 from .packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
+from .sequence_local import SequenceLocal
 from .tied import retie, tied_groups
 from .prepare_io import check_layout_counts
 from .tp_styles import build_style
@@ -47,16 +48,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
     register_cpu_attention()  # attention run on DTensors works on a CPU mesh too
     modules = dict(model.named_modules())
     styles = {id(rule): build_style(rule.style) for rule, _ in res.rules
-              if rule.style.name not in PACKED_STYLES + EP_STYLES}
+              if rule.style.name not in (*PACKED_STYLES, *EP_STYLES, SEQUENCE_LOCAL)}
     tied = tied_groups(model)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
             continue  # apply_ep's, on the ep ranks; the experts stay whole on every tp rank
-        style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
-            rule.style, modules[path], modules.get(path.rpartition(".")[0]))
+        if rule.style.name == SEQUENCE_LOCAL:  # its parameters but the routed experts'
+            style = SequenceLocal(sequence_dim=rule.style.options.get("sequence_dim", 1),
+                                  skip=tuple(p[len(path) + 1:] for p in expert_paths(res)
+                                             if p.startswith(path + ".")))
+        else:
+            style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
+                rule.style, modules[path], modules.get(path.rpartition(".")[0]))
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
         if rule.style.name.startswith("prepare_"):
             check_layout_counts(modules[path], path, rule)
+    if any(r.style.name == SEQUENCE_LOCAL for r in res.rule_of.values()):
+        # the routers see sequence shards: the load-balancing loss gathers their logits
+        # (models.moe_loss.aux_over_shards; a layer apart, hence the attribute by name)
+        model.__dict__["_tpplan_router_shards"] = tp_mesh
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     localize_kv_groups(modules, res.rule_of, tp)
@@ -71,12 +81,13 @@ def expert_paths(res: Resolution) -> list[str]:
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, res: Resolution) -> None:
-    """Each experts module's experts spread over ``ep_mesh``, tokens routed by all-to-all."""
+    """Each experts module's experts spread over ``ep_mesh``, tokens routed by all-to-all
+    (from each tp rank's sequence shard when ep borrows tp's ranks)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = dict(model.named_modules())
     for path in expert_paths(res):
-        parallelize_module(modules[path], ep_mesh, ExpertParallel())
+        parallelize_module(modules[path], ep_mesh, ExpertParallel(tokens_tp=res.dims.ep_tp))
 
 
 def _checkpointed_forward(forward, *args, **kwargs):
@@ -148,7 +159,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
     experts = None
     if dims.ep > 1:
-        ep_mesh, efsdp_mesh = expert_meshes(mesh, dims.ep)
+        ep_mesh, efsdp_mesh = expert_meshes(mesh, dims.ep, dims.ep_borrows_tp)
         apply_ep(model, ep_mesh, res)
         experts = efsdp_mesh
         log.info("applied expert parallel: %d modules on ep=%d", len(expert_paths(res)), dims.ep)

@@ -11,8 +11,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["expert_count", "list_expert_count", "call_form", "experts_for_ep", "local_experts",
-           "restore_experts", "param_owner", "tie_experts", "dense_forward"]
+__all__ = ["expert_count", "list_expert_count", "call_form", "computes_aux_loss", "experts_for_ep",
+           "local_experts", "restore_experts", "param_owner", "tie_experts", "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
 # arguments under other names: gpt-oss's (hidden_states, router_indices,
@@ -53,6 +53,14 @@ def list_expert_count(module: nn.Module) -> int | None:
     return len(experts) if same and any(len(s) >= 2 for _, s in shapes[0]) else None
 
 
+def computes_aux_loss(model: nn.Module | None) -> bool:
+    """Whether ``model`` computes a load-balancing loss that tpplan adds to the loss (its
+    config sets ``output_router_logits`` and a non-zero ``router_aux_loss_coef``)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "output_router_logits", False) and
+                getattr(model, "router_aux_loss_coef", 0))
+
+
 def call_form(module: nn.Module) -> str | None:
     """How the experts module is called: ``"routed"`` (hidden states, expert ids, weights),
     ``"dense"`` (Llama 4's: every token for every expert, pre-weighted) or None."""
@@ -90,12 +98,16 @@ class _LocalExperts(torch.autograd.Function):
         return (None, *(g * ctx.scale for g in grads))
 
 
-def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
+def local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> dict[str, nn.Parameter]:
     """The local experts in place of the module's parameters (returned, to put back).
 
     Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
     here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
     one rank's; FSDP2 then averages over the efsdp (and dp_replicate) ranks as for the rest.
+    ``tp``: the tp ranks among the ep ranks when ep borrows them (the MoE block on the
+    sequence shard): those hold parts of one loss's tokens, whose gradients add up to that
+    loss's (as tp's partial gradients do), so the scale is ``tp / ep`` (= ``efsdp`` over
+    the ``dp_shard × cp`` ranks every other gradient is averaged over).
     (FSDP2's own ``set_gradient_divide_factor`` would do it, but needs PREMUL_SUM, which
     gloo lacks.) One :class:`_LocalExperts` node does it for all of them and gives every
     local expert a gradient, zero where no token used it, so each rank's gradients (and
@@ -105,7 +117,7 @@ def local_experts(module: nn.Module, names, ep: int) -> dict[str, nn.Parameter]:
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
     if trained:
-        local.update(zip(trained, _LocalExperts.apply(1.0 / ep, *(local[n] for n in trained))))
+        local.update(zip(trained, _LocalExperts.apply(tp / ep, *(local[n] for n in trained))))
     restore_experts(module, local)
     return held
 
@@ -153,7 +165,7 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
     split = [local * rows] * ep
     got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
     x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
-    held = local_experts(module, module._tpplan_ep_params, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
     try:
         module.num_experts = local
         out = tie_experts(module, forward(x))

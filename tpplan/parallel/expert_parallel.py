@@ -44,11 +44,13 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..plan.errors import ErrorList
 from ..plan.specs import MeshSpec, Rule
 from ..plan.styles import EP_STYLES
-from .expert_forms import (call_form, dense_forward, local_experts, expert_count,
-                           experts_for_ep, restore_experts, tie_experts)
+from .expert_forms import (call_form, computes_aux_loss, dense_forward, local_experts,
+                           expert_count, experts_for_ep, restore_experts, tie_experts)
 from .expert_list import check_expert_list, check_rules_inside_lists, split_expert_list
+from .sequence_local import check_sequence_local
 
-__all__ = ["ExpertParallel", "check_aux_loss", "check_expert_parallel", "expert_count",
+__all__ = ["ExpertParallel", "check_aux_loss", "computes_aux_loss", "check_expert_parallel",
+           "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
            "dispatch_counts", "balanced_counts", "check_experts"]
 
@@ -96,8 +98,8 @@ def expert_tp_inside_ep(first: Rule, second: Rule) -> str:
     if not (styles & set(EP_STYLES) and styles - set(EP_STYLES)):
         return ""
     return ("; expert TP inside EP (the experts split over tp too) is not supported: with "
-            "tp > 1 expert_parallel keeps each expert whole on every tp rank (docs/moe.md), so "
-            "give the experts one rule")
+            "tp > 1 expert_parallel keeps each expert whole on its rank (beside tp, or borrowing "
+            "tp's ranks under sequence_local; docs/moe.md), so give the experts one rule")
 
 
 def balanced_counts(pairs: int, num_experts: int) -> list[int]:
@@ -115,9 +117,11 @@ def _shapes_only(t: torch.Tensor) -> bool:
 def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     """Every ``expert_parallel`` module of a :class:`~tpplan.parallel.resolve.Resolution`
     against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
-    spread, and what it does not compose with yet (errors at ``mesh.ep``)."""
+    spread, and what it does not compose with yet (errors at ``mesh.ep``); the
+    ``sequence_local`` blocks beside them (:func:`check_sequence_local`)."""
     errs = res.errors
     check_aux_loss(mesh, modules.get(""), errs)
+    check_sequence_local(res, modules, errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:
             check_expert_parallel(rule, path, modules[path], mesh.ep, errs,
@@ -189,7 +193,7 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         recv = got.view(ep, local).sum(1).tolist()
         ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
-    held = local_experts(module, module._tpplan_ep_params, ep)
+    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
     try:  # the module's own expert code, on its local experts
         module.num_experts = local
         out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
@@ -226,7 +230,13 @@ class ExpertParallel(ParallelStyle):
     The module holds its experts as parameters ``[num_experts, ...]`` and is called as
     ``experts(hidden_states, top_k_index, top_k_weights)``; every own parameter becomes a
     DTensor ``Shard(0)`` on ``device_mesh`` (the ep mesh,
-    :func:`tpplan.parallel.mesh.expert_meshes`). No options.
+    :func:`tpplan.parallel.mesh.expert_meshes`).
+
+    Keyword Args:
+        tokens_tp (int): how many tp ranks of the ep group hold different tokens of one
+            batch (tp when the MoE block runs on the sequence shard and ep borrows tp's
+            ranks, else 1): the local experts' gradient is scaled by ``tokens_tp / ep``
+            (:func:`tpplan.parallel.expert_forms.local_experts`). Default 1.
 
     Example::
 
@@ -234,9 +244,14 @@ class ExpertParallel(ParallelStyle):
         >>> parallelize_module(block.mlp.experts, ep_mesh, ExpertParallel())
     """
 
+    def __init__(self, *, tokens_tp: int = 1) -> None:
+        super().__init__()
+        self.tokens_tp = tokens_tp
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.ModuleList):  # per-expert modules: tpplan.parallel.expert_list
-            return split_expert_list(module, device_mesh, self.src_data_rank, _ep_forward)
+            return split_expert_list(module, device_mesh, self.src_data_rank, _ep_forward,
+                                     self.tokens_tp)
         num_experts = expert_count(module)
         names = local_expert_params(module)
         for name in names:
@@ -246,13 +261,14 @@ class ExpertParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         module._tpplan_ep_params = tuple(names)
         module._tpplan_ep_size = device_mesh.size()
+        module._tpplan_ep_tp = self.tokens_tp
         dense = call_form(module) == "dense"
         module.forward = functools.partial(dense_forward if dense else _ep_forward, module,
                                            module.forward, device_mesh, num_experts)
         return module
 
     def __repr__(self) -> str:
-        return "ExpertParallel()"
+        return f"ExpertParallel(tokens_tp={self.tokens_tp})"
 
 
 def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> None:
@@ -261,9 +277,7 @@ def check_aux_loss(mesh: MeshSpec, model: nn.Module | None, errs: ErrorList) -> 
     stages the routers run on every stage but the loss is taken on the last; under context
     parallelism each rank's routers see part of each sequence, and the loss is not additive
     over parts. Errors at ``mesh.pp`` / ``mesh.cp``."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False) or \
-            not getattr(model, "router_aux_loss_coef", 0):
+    if not computes_aux_loss(model):
         return
     for key, name, why in (("pp", "pipeline stages", "the loss is taken on the last stage, "
                             "the routers run on every stage"),

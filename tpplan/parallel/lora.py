@@ -50,6 +50,8 @@ REFUSED = {
     "experts_colwise_rowwise": "MoE experts are not one nn.Linear",
     "mla_kv_a_proj": "latent attention's kv_a_proj splits its output in two parts",
     "sequence_parallel": "the module is a norm region, not a projection",
+    "sequence_local": "the block runs on each rank's sequence shard, its weights replicated "
+                      "with gradients summed over tp, which adapters added after it would miss",
 }
 
 
@@ -104,7 +106,8 @@ def _style_of(path: str, rule_of: dict) -> tuple[str | None, object]:
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         above = rule_of.get(".".join(parts[:i]))
-        if above is not None and above.style.name in ("replicate", "sequence_parallel"):
+        if above is not None and above.style.name in ("replicate", "sequence_parallel",
+                                                       "sequence_local"):
             return above.style.name, above
     return None, None
 

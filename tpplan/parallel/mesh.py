@@ -13,7 +13,7 @@ from ..plan.specs import MeshSpec
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ParallelDims", "MESH_DIMS", "PP_MESH_DIMS", "EP_BORROWS", "dp_mesh", "dp_rank",
+__all__ = ["ParallelDims", "MESH_DIMS", "PP_MESH_DIMS", "EP_BORROWS", "EP_BORROWS_TP", "dp_mesh", "dp_rank",
            "cp_mesh", "expert_meshes"]
 
 # Outermost first: replicas talk least, tp most (it belongs inside a node's fast links).
@@ -26,9 +26,11 @@ PP_MESH_DIMS = ("pp", *MESH_DIMS)
 CP_DIM, DP_SHARD_CP = "cp", "dp_shard_cp"
 # The dimensions expert parallelism borrows its ranks from, in mesh order (torchtitan's rule:
 # every rank of these holds different tokens, so an all-to-all among them moves each token to
-# its experts; context parallelism's ``cp`` joins them when the mesh has it). tp is not
-# borrowed: its ranks hold the same tokens (docs/moe.md).
+# its experts; context parallelism's ``cp`` joins them when the mesh has it). tp joins them
+# only when the MoE blocks run on each tp rank's sequence shard (the ``sequence_local`` style):
+# otherwise its ranks hold the same tokens (docs/moe.md, "The mesh rule").
 EP_BORROWS = ("dp_shard", "cp")
+EP_BORROWS_TP = (*EP_BORROWS, "tp")
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,8 @@ class ParallelDims:
     """Degrees of a ``(pp, dp_replicate, dp_shard, cp, tp)`` mesh whose product is the world size.
 
     ``ep`` adds no dimension of its own: it divides ``dp_shard × cp`` (:data:`EP_BORROWS`),
-    and the experts' weights are FSDP-sharded over the ``efsdp = dp_shard × cp / ep`` ranks
-    left."""
+    or ``dp_shard × cp × tp`` when ``ep_borrows_tp`` (the MoE blocks run on each tp rank's
+    sequence shard), and the experts' weights are FSDP-sharded over the ``efsdp`` ranks left."""
 
     dp_replicate: int
     dp_shard: int
@@ -45,6 +47,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    ep_borrows_tp: bool = False
 
     @classmethod
     def solve(cls, tp: int, dp_shard: int, dp_replicate: int, world_size: int,
@@ -77,9 +80,10 @@ class ParallelDims:
         return dims
 
     @classmethod
-    def of(cls, mesh: MeshSpec, world_size: int) -> "ParallelDims":
+    def of(cls, mesh: MeshSpec, world_size: int, borrow_tp: bool = False) -> "ParallelDims":
         """:meth:`solve` for a plan's ``mesh`` section; :class:`PlanErrors` at its line (at
-        ``ep``'s for an ``ep`` that does not divide the ranks it borrows)."""
+        ``ep``'s for an ``ep`` that does not divide the ranks it borrows). ``borrow_tp``: the
+        plan's MoE blocks run on the sequence shard (:func:`tpplan.plan.styles.ep_borrows_tp`)."""
         try:
             dims = cls.solve(mesh.tp, mesh.dp_shard, mesh.dp_replicate, world_size, mesh.pp,
                              getattr(mesh, "cp", 1))
@@ -88,28 +92,44 @@ class ParallelDims:
         if mesh.ep == 1:
             return dims
         try:
-            return dims.with_ep(mesh.ep)
+            return dims.with_ep(mesh.ep, borrow_tp)
         except ValueError as e:
             raise PlanErrors([PlanError(str(e), mesh.locs.get("ep", mesh.loc))]) from None
 
-    def with_ep(self, ep: int) -> "ParallelDims":
+    def with_ep(self, ep: int, borrow_tp: bool = False) -> "ParallelDims":
         """These degrees with expert parallelism ``ep`` borrowing ``dp_shard``'s ranks (and
-        ``cp``'s: they hold different tokens too); ValueError if it does not divide them."""
+        ``cp``'s: they hold different tokens too; and ``tp``'s with ``borrow_tp``, when the
+        MoE blocks run on each tp rank's sequence shard); ValueError if it does not divide
+        them."""
         if ep < 1:
             raise ValueError(f"mesh ep must be at least 1, got {ep}")
-        if self.fsdp_shard % ep:
-            hint = (f"; tp={self.tp} ranks hold the same tokens, so ep does not borrow them"
-                    if self.tp > 1 and (self.fsdp_shard * self.tp) % ep == 0 else "")
-            borrowed = f"dp_shard={self.dp_shard}" + (
-                f" × cp={self.cp} = {self.fsdp_shard}" if self.cp > 1 else "")
-            raise ValueError(f"mesh ep={ep} must divide the data-parallel ranks it borrows: "
-                             f"{borrowed} (world {self.world_size} = {self}){hint}")
-        return replace(self, ep=ep)
+        borrow_tp = borrow_tp and self.tp > 1
+        ranks = self.fsdp_shard * (self.tp if borrow_tp else 1)
+        if ranks % ep:
+            hint = (f"; tp={self.tp} ranks hold the same tokens at the experts, so ep does not "
+                    "borrow them unless the MoE blocks run on the sequence shard (style "
+                    "sequence_local on the block, as import-hf --sequence-parallel --ep writes "
+                    "it; docs/moe.md)"
+                    if self.tp > 1 and not borrow_tp and (ranks * self.tp) % ep == 0 else "")
+            parts = [f"dp_shard={self.dp_shard}"] + [f"cp={self.cp}"] * (self.cp > 1) + \
+                [f"tp={self.tp}"] * borrow_tp
+            borrowed = " × ".join(parts) + (f" = {ranks}" if len(parts) > 1 else "")
+            raise ValueError(f"mesh ep={ep} must divide the {'' if borrow_tp else 'data-parallel '}"
+                             f"ranks it borrows: {borrowed} (world {self.world_size} = {self})"
+                             f"{hint}")
+        return replace(self, ep=ep, ep_borrows_tp=borrow_tp)
 
     @property
     def efsdp(self) -> int:
-        """The ranks each expert's weights are FSDP-sharded over: ``dp_shard × cp / ep``."""
-        return self.fsdp_shard // self.ep
+        """The ranks each expert's weights are FSDP-sharded over: ``dp_shard × cp / ep``
+        (``dp_shard × cp × tp / ep`` when ep borrows tp)."""
+        return self.fsdp_shard * self.ep_tp // self.ep
+
+    @property
+    def ep_tp(self) -> int:
+        """The tp ranks among those ep borrows: ``tp`` when the experts see each tp rank's
+        sequence shard, else 1 (every tp rank dispatches the same tokens in its own group)."""
+        return self.tp if self.ep_borrows_tp else 1
 
     @property
     def world_size(self) -> int:
@@ -184,20 +204,25 @@ def cp_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
     return mesh[CP_DIM] if CP_DIM in (mesh.mesh_dim_names or ()) else None
 
 
-def expert_meshes(mesh: "DeviceMesh", ep: int) -> tuple["DeviceMesh", "DeviceMesh"]:
+def expert_meshes(mesh: "DeviceMesh", ep: int,
+                  borrow_tp: bool = False) -> tuple["DeviceMesh", "DeviceMesh"]:
     """``(ep_mesh, efsdp_mesh)``: the ranks an experts module's all-to-all spans, and the
     ranks its weights are FSDP-sharded over (``(dp_replicate, efsdp)`` for HSDP).
 
-    The borrowed dimensions (:data:`EP_BORROWS`) are flattened and unflattened into
-    ``(efsdp, ep)``, ep innermost (consecutive ranks: the all-to-all is the heavier
-    traffic). Both are views of the same root mesh, as FSDP2 needs for a DTensor parameter
-    (Shard(0) on ep) sharded again over efsdp. Collective on every rank of ``mesh``; call
-    it once per apply (each call makes process groups)."""
+    The borrowed dimensions (:data:`EP_BORROWS`, :data:`EP_BORROWS_TP` with ``borrow_tp``)
+    are flattened and unflattened into ``(efsdp, ep)``, ep innermost (consecutive ranks: the
+    all-to-all is the heavier traffic, and with tp borrowed an ep group is first the tp
+    ranks, on a node's fast links). Both are views of the same root mesh, as FSDP2 needs for
+    a DTensor parameter (Shard(0) on ep) sharded again over efsdp. Collective on every rank
+    of ``mesh``; call it once per apply (each call makes process groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    borrowed = tuple(n for n in EP_BORROWS if n in (mesh.mesh_dim_names or ()))
-    # under cp, build_mesh's dp_shard × cp flattening (FSDP's dimension) is the same ranks
-    base = mesh[DP_SHARD_CP] if borrowed == EP_BORROWS else mesh[borrowed[0]]
+    names = EP_BORROWS_TP if borrow_tp and mesh["tp"].size() > 1 else EP_BORROWS
+    borrowed = tuple(n for n in names if n in (mesh.mesh_dim_names or ()))
+    if len(borrowed) > 1 and borrowed != EP_BORROWS:  # (dp_shard, [cp,] tp): flattened here
+        base = mesh[borrowed]._flatten("_".join(borrowed))
+    else:  # under cp, build_mesh's dp_shard × cp flattening (FSDP's dimension): the same ranks
+        base = mesh[DP_SHARD_CP] if borrowed == EP_BORROWS else mesh[borrowed[0]]
     split = base._unflatten(0, (base.size() // ep, ep), ("efsdp", "ep"))
     efsdp = split["efsdp"]
     if mesh["dp_replicate"].size() > 1:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.patterns import compile_pattern, generalize
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
-from ..plan.styles import PACKED_STYLES, SHARDING_STYLES
+from ..plan.styles import PACKED_STYLES, SHARDING_STYLES, ep_borrows_tp
 from .context import check_context_parallel
 from .expert_parallel import check_experts, expert_tp_inside_ep
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
@@ -237,7 +237,7 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
     tp and ep (the batch is :func:`tpplan.plan.step_shape`'s check, not apply's)."""
     errs = ErrorList()
     try:
-        dims = ParallelDims.of(plan.mesh, world_size)
+        dims = ParallelDims.of(plan.mesh, world_size, ep_borrows_tp(plan.rules))
     except PlanErrors as e:
         errs.extend(e.errors)
         dims = None

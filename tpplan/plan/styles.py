@@ -57,6 +57,12 @@ Expert parallelism (tpplan.parallel.expert_parallel; docs/moe.md):
   ``num_experts / ep`` experts; tokens go to the rank owning each of their experts with an
   all-to-all and come back with another. No options. Not a tensor-parallel style: it is
   applied on the ``ep`` ranks, and whole on every tp rank.
+- ``sequence_local`` (tpplan's SequenceLocal; tpplan.parallel.sequence_local): a module (an
+  MoE block) that runs on this rank's sequence shard as plain tensors: no gather before it,
+  nothing after it (its output is the residual stream's shard). Every parameter below it,
+  but those of an ``expert_parallel`` module inside, is replicated on tp and its gradient
+  summed over tp (each rank's tokens differ). With ``expert_parallel`` inside, ``mesh.ep``
+  borrows tp's ranks too (docs/moe.md, "The mesh rule"). Option: ``sequence_dim`` (default 1).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Layout", "NAMES", "STYLES", "ALIASES", "SHARDING_STYLES", "PACKED_STYLES", "EP_STYLES",
-           "TPPLAN_OPTIONS", "parse_layout", "StyleSpec"]
+           "SEQUENCE_LOCAL", "ep_borrows_tp", "TPPLAN_OPTIONS", "parse_layout", "StyleSpec"]
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,7 @@ STYLES: dict[str, dict[str, str]] = {
     "mla_kv_a_proj": {"rope_dim": INT},
     "local_params": {"head_params": NAMES},
     "expert_parallel": {},
+    "sequence_local": {"sequence_dim": INT},
 }
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
@@ -173,6 +180,15 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
 SHARDING_STYLES = ("colwise", "rowwise")
 PACKED_STYLES = ("packed_colwise", "experts_colwise_rowwise")  # tpplan's own, parallel.packed
 EP_STYLES = ("expert_parallel",)  # applied on mesh.ep, not tp (parallel.expert_parallel)
+SEQUENCE_LOCAL = "sequence_local"  # a block on the sequence shard (parallel.sequence_local)
+
+
+def ep_borrows_tp(rules) -> bool:
+    """Whether ``mesh.ep`` borrows tp's ranks: the plan runs its MoE blocks on the sequence
+    shard (a ``sequence_local`` rule beside an ``expert_parallel`` one), so tp ranks hold
+    different tokens at the experts (docs/moe.md, "The mesh rule")."""
+    names = {r.style.name for r in rules}
+    return SEQUENCE_LOCAL in names and bool(names & set(EP_STYLES))
 
 
 @dataclass
