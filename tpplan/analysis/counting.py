@@ -100,9 +100,9 @@ class _ModuleTracker(_CommModeModuleTracker):
       of range``. The hook of the call before is removed first, so each call pops once.
     - It learns which module a backward collective runs in from a *global full backward
       pre-hook*, which wraps every module's output in a ``BackwardHookFunction``: a model
-      that then writes into a module's output in place (Llama 4's MoE adds the shared
-      expert's output into the routed one's, Gemma 3n's AltUp assigns into its stacked
-      streams) fails with "Output 0 of BackwardHookFunction is a view and is being modified
+      that then writes into a module's output in place (Llama 4's MoE adds the routed
+      experts' output into the shared expert's, Gemma 3n's AltUp adds into its predictions)
+      fails with "Output 0 of BackwardHookFunction is a view and is being modified
       inplace". The name is set instead by a multi-grad hook on the module's outputs,
       registered in the per-call forward hook the tracker adds last (after the plan's
       styles have turned the output into what the caller receives): it fires where the
