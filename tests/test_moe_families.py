@@ -25,7 +25,9 @@ FAMILIES = ["mixtral:e8k3", "olmoe", "deepseek_v3:groups", "deepseek_v3:dense1",
 
 
 def test_moe_families_under_expert_parallelism_match_one_device(tmp_path):
-    sweep_matching_one_device(FAMILIES, list(sweep_hf.EP_MODES), tmp_path)
+    cells = sweep_matching_one_device(FAMILIES, list(sweep_hf.EP_MODES), tmp_path)
+    # validate reports communication for every one of them (Llama 4's in-place add too)
+    assert all(c.comm for c in cells), [(c.family, c.mode, c.notes) for c in cells]
     for family in FAMILIES:
         folder = tmp_path / family.replace(":", "-")
         for mode in ("import-ep", "import-ep-sp"):
