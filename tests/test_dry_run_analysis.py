@@ -123,6 +123,49 @@ def test_tp_collectives_and_param_bytes_match_a_real_gloo_run(plan, extra, tmp_p
     assert result.extra["memory_per_rank"]["parameters"] == real["param_bytes"]
 
 
+def test_the_recorder_lets_a_model_write_into_a_modules_output_and_names_backward_modules():
+    """A parent that adds into its child's output in place (Llama 4's MoE, Gemma 3n's AltUp)
+    runs under the recorder with the gradients it has without it, and a backward operation
+    placed after a module's forward (as a style's output hook places its redistribution) is
+    named for that module, also where the parent returns the module's output as it is."""
+    from tpplan.analysis.counting import CollectiveRecorder
+
+    seen: list[str] = []
+    recorder: list[CollectiveRecorder] = []
+
+    class Probe(torch.autograd.Function):  # records the module named when its backward runs
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.extend(r.advanced_module_tracker.name for r in recorder)
+            return g
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+            self.c.register_forward_hook(lambda m, i, o: Probe.apply(o))
+
+        def forward(self, x):
+            out = self.a(x)
+            out.add_(self.b(x))  # in place, into a hooked module's output
+            return self.c(out)  # the child's output, as it is
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Parent()), torch.randn(3, 4)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with CollectiveRecorder() as rec:
+        recorder.append(rec)
+        model(x).square().sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), want))
+    assert seen == ["Sequential.0.c"]
+
+
 @pytest.mark.parametrize("plan", ["llama.yaml", "llama-tp.yaml"])
 def test_reference_plans_sit_exactly_at_the_minimum(plan):
     result = dry_run(str(PLANS / plan), 8, (), COMM)

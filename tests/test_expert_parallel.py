@@ -30,11 +30,13 @@ RULE = '"model.layers.*.mlp.experts": expert_parallel'
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
-    """Two tiny MoE configs with different expert counts and top-k."""
+    """Two tiny MoE configs with different expert counts and top-k, and Llama 4's (every
+    token to every expert)."""
     folder = tmp_path_factory.mktemp("moe")
     out = {}
     for family, fields in (("qwen3_moe", {}),
-                           ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 3})):
+                           ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 3}),
+                           ("llama4_text", {})):
         path = folder / f"{family}.json"
         path.write_text(json.dumps(sweep_hf.tiny_config(family, **fields)))
         out[family] = path
@@ -186,13 +188,25 @@ def test_expert_parallel_mistakes_are_located(configs, tmp_path, capsys, mesh, r
     assert f"bad.yaml:{line}:{col}: error: " in out and says in out, out
 
 
-def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: list,
-                out: str) -> None:
+def _a2a_worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """:func:`_a2a_run` for each ``(plan, overrides, out)`` of ``jobs``, in one process group."""
+    import torch
+
+    from tpplan.parallel.runtime import as_spawned_rank
+
+    as_spawned_rank(rank, world, port)
+    for plan_path, overrides, out in jobs:
+        _a2a_run(rank, world, plan_path, overrides, out)
+    torch.distributed.destroy_process_group()
+
+
+def _a2a_run(rank: int, world: int, plan_path: str, overrides: list, out: str) -> None:
     """One forward and backward of the plan under a collective recorder, then an AdamW
     step; each rank saves its all-to-alls on the ep group as (count, bytes), its experts'
     FSDP traffic, its experts' parameter, gradient and AdamW bytes, and, in a second forward
     whose router picks experts 0..k-1 for every token (all on the first ep rank, or as many
-    as it holds), the rows each of its dispatches received."""
+    as it holds; Llama 4's router is left alone: its experts take every token), the rows
+    each of its dispatches received."""
     import torch
     import torch.distributed._functional_collectives as fc
 
@@ -201,9 +215,7 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     from tpplan.analysis.numerics import make_batch
     from tpplan.models import build_model
     from tpplan.parallel.mesh import dp_rank
-    from tpplan.parallel.runtime import as_spawned_rank
 
-    as_spawned_rank(rank, world, port)
     plan = tpplan.load(plan_path, overrides)
     shape = plan.step_shape(world)
     torch.manual_seed(0)
@@ -220,7 +232,7 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     with CollectiveRecorder() as rec, plan.loss_context():  # vocabulary-sharded logits under tp
         loss().backward()
     a2a = [c for c in rec.collectives if c.kind == "all_to_all"]
-    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
     spmd = experts[0].device_mesh  # FSDP2's (efsdp, ep): dp_shard's ranks may be efsdp's too
     group = spmd.get_group(spmd.mesh_dim_names.index("efsdp")).group_name
     efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
@@ -253,7 +265,6 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
         [len(a2a), sum(c.bytes for c in a2a), len({c.group for c in a2a}), efsdp, memory,
          received[::2]]))  # dispatch, combine, dispatch, ...: the dispatches
-    torch.distributed.destroy_process_group()
 
 
 def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys):
@@ -263,19 +274,27 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys)
     experts' FSDP traffic over efsdp, their parameters, gradients and AdamW state: per rank.
     The worst case: with every token routed to experts 0..k-1, the busiest rank's step
     (its dispatches as received, each data all-to-all's buffer that size: the combine sends
-    back what arrived, backward transposes both) is the dry run's bound, exactly. Under tp 2 +
-    SP with the MoE blocks on the sequence shard (ep 2 borrowing tp's ranks) each rank routes
-    its shard: half the rows of the gathered form's, counted as issued."""
+    back what arrived, backward transposes both) is the dry run's bound, exactly. Llama 4's
+    experts take every token for every expert (the dense form): no counts exchanged, every
+    rank sends its whole ``[E·T, H]`` input in each data all-to-all, the dry run's figure on
+    every rank (and its worst case). Under tp 2 + SP with the MoE blocks on the sequence
+    shard (ep 2 borrowing tp's ranks) each rank routes its shard: half the rows of the
+    gathered form's, counted as issued. One spawn for the four plans."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
     from tpplan.analysis.experts import COUNT_BYTES, ep_figures
+    from tpplan.parallel.expert_forms import call_form
     from tpplan.parallel.expert_parallel import expert_count
     from tpplan.parallel.runtime import spawn
 
     comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
-    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}"),
-                         ("qwen3_moe", None)):
-        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh) if mesh else \
+    cases = {}
+    for family, mesh, rule, per_block in (
+            ("qwen3_moe", "{ep: 2, dp_shard: 4}", RULE, 5),  # counts, dispatch, combine; 2 back
+            ("mixtral", "{ep: 4}", RULE, 5),
+            ("llama4_text", "{ep: 4}", RULE.replace("mlp", "feed_forward"), 4),  # no counts
+            ("qwen3_moe", None, None, 5)):  # tp 2 + SP, the MoE blocks on the sequence shard
+        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh, rule) if mesh else \
             _sp_plan(capsys, tmp_path, family, configs[family])
         batch = 8 if mesh else 4  # one micro-batch of 2 sequences per data-parallel rank
         overrides = ["train.seq_len=16", f"train.global_batch_size={batch}",
@@ -283,26 +302,33 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys)
         predicted = dry_run(plan, 4, overrides, comm)
         assert predicted.ok, (predicted.errors, predicted.analysis_errors)
         ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
-        assert ep["count"] == 2 * 5  # per MoE block: counts, dispatch, combine; 2 in backward
+        assert ep["count"] == 2 * per_block  # two MoE blocks
         traced = [r for r in predicted.extra["comm_per_step"]["collectives"]
                   if r["mesh_dim"] == "ep"]  # the arithmetic is the trace, row for row
-        assert (ep["balanced_bytes"], ep["balanced_wire_bytes"]) == \
-            (sum(r["bytes"] for r in traced), sum(r["wire_bytes"] for r in traced))
+        assert (ep["count"], ep["balanced_bytes"], ep["balanced_wire_bytes"]) == (
+            sum(r["count"] for r in traced), sum(r["bytes"] for r in traced),
+            sum(r["wire_bytes"] for r in traced))
         figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
                              predicted.step, 4)
         assert figures["all_to_all"] == ep
         out = tmp_path / f"{family}-{bool(mesh)}"
         out.mkdir()
-        spawn(_a2a_worker, 4, plan, overrides, str(out))
+        cases[out.name] = (family, mesh, plan, overrides, predicted, ep, figures, out)
+    spawn(_a2a_worker, 4, [(c[2], c[3], str(c[-1])) for c in cases.values()])
+    for family, mesh, _, overrides, predicted, ep, figures, out in cases.values():
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         assert all(count == ep["count"] and groups == 1 for count, _, groups, *_ in real), real
         assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
+        dense = family == "llama4_text"
+        assert ep["dense_modules"] == (2 if dense else 0)
+        if dense:  # equal splits of every row: each rank's bytes are the figure itself
+            assert [r[1] for r in real] == [ep["balanced_bytes"]] * 4, (real, ep)
         mem = figures["memory"]
         for *_, memory, _ in real:
             assert memory == [mem["parameters"], mem["gradients"], mem["optimizer"]], (memory, mem)
         busiest = max(real, key=lambda r: sum(r[-1]))[-1]
         counts = sum(COUNT_BYTES * m.num_experts for m in predicted.model.modules()
-                     if expert_count(m))  # the counts exchanged first, as balanced
+                     if expert_count(m) and call_form(m) != "dense")  # exchanged first
         assert counts + 4 * sum(busiest) == ep["worst_case_bytes"], (busiest, ep)
         # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
         rows = predicted.extra["comm_per_step"]["collectives"]

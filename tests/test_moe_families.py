@@ -36,6 +36,9 @@ def test_moe_families_under_expert_parallelism_match_one_device(tmp_path):
     refused = {(c.family, c.mode) for c in cells if c.status == "refused"}
     assert refused == {(f, "import+ep4+sp") for f in GATHERED}, \
         [(c.family, c.mode, c.detail) for c in cells if c.status != "ok"]
+    # validate reports communication for every one of them (Llama 4's in-place add too)
+    assert all(c.comm for c in cells if c.status == "ok"), \
+        [(c.family, c.mode, c.notes) for c in cells]
     for c in cells:
         if c.status == "refused":
             assert "unless the MoE blocks run on the sequence shard" in c.detail, c.detail

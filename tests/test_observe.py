@@ -156,6 +156,29 @@ def test_the_memory_line_is_within_tolerance_of_the_dry_run(watched):
     assert "noestimateonCPU" in flat and f"│metrics│{run}/metrics.jsonl".replace(" ", "") in flat
 
 
+def test_a_peak_too_small_for_the_cpu_resident_set_is_said_so_not_judged():
+    """The README's MoE fine-tune predicts 1.9 MiB per rank, and its first step's resident set
+    read ×1.93 of it (the tensors agree: tests/test_dry_run_vs_real.py): on CPU, under the
+    floor the line gives the ratio with the reason it cannot judge it, and records no
+    verdict; at the floor, and on CUDA (tensors alone) at any size, the ratio is judged."""
+    from tpplan.train.verdict import CPU_MEMORY_FLOOR, MEMORY_TOLERANCE, compare_estimate
+
+    mib = 2 ** 20
+    small = compare_estimate({"peak_bytes": int(1.9 * mib)}, int(3.67 * mib), 0.1, 4, "cpu", "")
+    line = small.rows["dry run's peak per rank"]
+    assert line.startswith("1.9 MiB: measured ×1.93, too small to compare: under 24.0 MiB")
+    assert "OUTSIDE" not in line and "within" not in line
+    assert small.record["memory_agrees"] is None
+    assert small.record["memory_floor_bytes"] == CPU_MEMORY_FLOOR
+    for peak, measured, device in ((CPU_MEMORY_FLOOR, 2 * CPU_MEMORY_FLOOR, "cpu"),
+                                   (2 * mib, 4 * mib, "cuda"), (2 * mib, 30 * mib, "cpu")):
+        judged = compare_estimate({"peak_bytes": peak}, measured, 0.1, 4, device, "")
+        assert judged.record["memory_agrees"] is False, (peak, measured, device)
+        assert "OUTSIDE" in judged.rows["dry run's peak per rank"]
+    fine = compare_estimate({"peak_bytes": 30 * mib}, 29 * mib, 0.1, 4, "cpu", "")
+    assert fine.record["memory_agrees"] is True and MEMORY_TOLERANCE[0] < 29 / 30
+
+
 @pytest.fixture(scope="module")
 def other_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     """The watched run's plan as pp 2 × tp 2, with another seed, and once more as it was

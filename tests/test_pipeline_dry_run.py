@@ -57,7 +57,8 @@ class _Recorder:
              "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather",
              "allgather_into_tensor_coalesced_": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-             "reduce_scatter_tensor_coalesced_": "reduce_scatter"}
+             "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+             "all_to_all_single": "all_to_all", "alltoall_base_": "all_to_all"}
 
     def __init__(self, mesh):
         import torch.distributed as dist
@@ -73,8 +74,8 @@ class _Recorder:
             pg = dist.ProcessGroup.unbox(group) if isinstance(group, torch.ScriptObject) else \
                 _resolve_process_group(group)
             desc = getattr(pg, "group_desc", "")
-            if desc in ("mesh_cp", "mesh_dp_shard_cp"):  # ranks alone cannot tell them apart
-                return desc.removeprefix("mesh_")
+            if desc in ("mesh_cp", "mesh_dp_shard_cp", "mesh_ep", "mesh_efsdp"):
+                return desc.removeprefix("mesh_")  # ranks alone cannot tell them apart
             ranks = tuple(sorted(dist.get_process_group_ranks(pg)))
             return dims.get(ranks, str(ranks))
 
@@ -86,7 +87,8 @@ class _Recorder:
                     return NotImplemented  # see the collectives DTensor issues inside its ops
                 out = func(*args, **(kwargs or {}))
                 name = func._overloadpacket.__name__
-                if name in kinds and func.namespace in ("_c10d_functional", "c10d"):
+                if name in kinds and func.namespace in ("_c10d_functional", "c10d",
+                                                        "_c10d_functional_autograd"):
                     if func.namespace == "c10d":  # FSDP2: (output, input, process group, ...)
                         pg = next(a for a in args if isinstance(a, torch.ScriptObject))
                         t = args[1] if "reduce_scatter" in name else args[0]
@@ -175,9 +177,12 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str,
                 g = p.grad
                 if hasattr(g, "placements") and g.placements != p.placements:
                     p.grad = g.redistribute(p.device_mesh, p.placements)
+        found = {"p2p": p2p, "saved": most[0], "collectives": rec.rows,
+                 "pp_rank": mesh["pp"].get_local_rank()}
         if mesh["tp"].get_local_rank() == 0 and mesh["dp_shard"].get_local_rank() == 0:
-            (Path(out) / f"pp{mesh['pp'].get_local_rank()}.json").write_text(
-                json.dumps({"p2p": p2p, "saved": most[0], "collectives": rec.rows}))
+            (Path(out) / f"pp{mesh['pp'].get_local_rank()}.json").write_text(json.dumps(found))
+        # every rank's too: routed tokens make each rank's all-to-all bytes its own
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(found))
     finally:
         dist.destroy_process_group()
 
@@ -265,6 +270,43 @@ def _assert_collectives_per_rank(predicted: dict, out: Path) -> None:
         rows = [c for c in r["collectives"] if c["source"] != "pp"]
         assert {(c["mesh_dim"], c["kind"]): c["count"] for c in rows} == count, r["pp_rank"]
         assert {(c["mesh_dim"], c["kind"]): c["bytes"] for c in rows} == nbytes, r["pp_rank"]
+
+
+def test_experts_all_to_all_under_pipeline_stages_matches_a_real_gloo_run(tmp_path):
+    """pp 2 × ep 2 on the tiny Qwen3-MoE (one MoE block per stage, 1F1B over 2 micro-batches,
+    routed for real): each rank's all-to-alls on ep, FSDP2's collectives and the stages' p2p
+    are the dry run's for its pp rank, counts per rank. Bytes per rank too, but for the
+    all-to-all: the combine sends back what arrived, which depends on the routing, so the
+    ep ranks of a stage together send ep × the dry run's balanced figure (each dispatch sends
+    its own tokens × top-k rows whatever the routing). The "experts' all-to-all" line is
+    a pp rank's own stages', as every per-rank figure."""
+    plan = str(PLANS / "qwen3-moe-ep-tiny.yaml")
+    overrides = ["mesh.ep=2", "mesh.pp=2", "train.seq_len=32", "train.global_batch_size=4",
+                 "pipeline={schedule: 1f1b, microbatches: 2}"]
+    result = dry_run(plan, 4, overrides, ANALYSES)
+    assert result.ok, (result.errors, result.analysis_errors)
+    predicted = json.loads(json.dumps(result.extra))
+    spawn(_worker, 4, overrides, str(tmp_path), plan)
+    _assert_p2p(predicted, tmp_path)
+    comm = predicted["comm_per_step"]
+    line = comm["ep_all_to_all"]
+    for r in comm["pp_ranks"]:
+        rows = {(c["mesh_dim"], c["kind"]): c for c in r["collectives"] if c["source"] != "pp"}
+        a2a = rows[("ep", "all_to_all")]
+        assert (a2a["count"], a2a["bytes"]) == (line["count"], line["balanced_bytes"])
+        sent = 0
+        for f in tmp_path.glob("rank*.json"):
+            real = json.loads(f.read_text())
+            if real["pp_rank"] != r["pp_rank"]:
+                continue
+            count, nbytes = Counter(), Counter()
+            for dim, kind, b in real["collectives"]:
+                count[(dim, kind)] += 1
+                nbytes[(dim, kind)] += b
+            sent += nbytes.pop(("ep", "all_to_all"))
+            assert {k: c["count"] for k, c in rows.items()} == count, (r, real)
+            assert {k: c["bytes"] for k, c in rows.items() if k[1] != "all_to_all"} == nbytes
+        assert sent == 2 * a2a["bytes"], (sent, a2a)
 
 
 def test_tp_and_fsdp_collectives_of_each_stage_match_a_real_8_process_run(tmp_path):

@@ -110,7 +110,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         a[0] += n
         a[1] += n * step.nbytes(module, nbytes)
     if dims.ep > 1:
-        comm["ep_all_to_all"] = _ep_bounds(result, param.itemsize)
+        comm["ep_all_to_all"] = _ep_bounds(result, param.itemsize, parts)
     result.extra["comm_per_step"] = dict(
         grad_accum=shape.grad_accum, **comm,
         tp_by_module=[{"module": m, "pass": p, "kind": k, "count": v[0], "bytes": v[1]}
@@ -127,15 +127,18 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         result.extra["cp_minimum"] = _cp_minimum(result, trace, step, param.itemsize)
 
 
-def _ep_bounds(result: DryRun, e: int) -> dict[str, Any]:
+def _ep_bounds(result: DryRun, e: int, stages: list | None = None) -> dict[str, Any]:
     """The experts' all-to-all per rank per step (:func:`tpplan.analysis.experts.expert_all_to_all`):
     the balanced count and bytes, as traced, its worst case (every token choosing experts
-    of one rank) and the minimum (each token to each distinct remote rank once)."""
+    of one rank) and the minimum (each token to each distinct remote rank once). ``stages``:
+    under pipeline stages, the reported pp rank's (``StageComm``): a rank dispatches for the
+    experts modules of its own stages only."""
     from .experts import expert_all_to_all, experts_modules
 
     res = result.resolved
-    return expert_all_to_all(experts_modules(result.model, res), res.dims, result.step, e,
-                             _recomputed(result))
+    parts = [(result.model, res)] if stages is None else [(s.module, s.res) for s in stages]
+    modules = [m for module, r in parts for m in experts_modules(module, r)]
+    return expert_all_to_all(modules, res.dims, result.step, e, _recomputed(result))
 
 
 def _recomputed(result: DryRun) -> set[str]:

@@ -18,6 +18,10 @@ Per experts module of ``E`` routed experts, ``k`` chosen per token, hidden size 
 - worst case: every rank's tokens choose experts of one rank, which receives (and sends
   back) ``ep · T · min(k, L)`` rows per data all-to-all: ``ep ×`` the balanced rows when
   ``k ≤ L``;
+- Llama 4's dense form (experts called with every token for every expert, pre-weighted:
+  :func:`tpplan.parallel.expert_forms.dense_forward`): no counts exchange, and each data
+  all-to-all sends the whole ``[E·T, H]`` input in equal splits, ``E·T·H·e`` bytes whatever
+  the routing (so the worst case is the balanced one);
 - the minimum (each token's hidden state to each distinct remote rank among its top-k, once;
   DeepSpeed-MoE/DeepEP's deduplicated dispatch): with the ``k`` experts uniform over the
   ``E``, a given remote rank holds none of them with probability ``C(E-L, k) / C(E, k)``, so
@@ -33,6 +37,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..parallel.expert_forms import call_form
 from ..parallel.expert_parallel import expert_count
 from ..plan.styles import EP_STYLES
 
@@ -40,14 +45,15 @@ __all__ = ["ExpertsModule", "experts_modules", "expert_memory", "expert_all_to_a
            "ep_figures", "distinct_remote_ranks", "COUNT_BYTES"]
 
 COUNT_BYTES = 8  # the counts exchanged first: one int64 per expert
-FORWARD, BACKWARD = 3, 2  # all-to-alls per experts module and micro-batch: counts+dispatch+combine
+BACKWARD = 2  # data all-to-alls per experts module and micro-batch in backward
 
 
 @dataclass(frozen=True)
 class ExpertsModule:
     """One experts container: its path, expert count, top-k, hidden size, its own
-    parameters' global shapes and bytes per element, whether they train, and whether a
-    ``expert_parallel`` rule spreads it."""
+    parameters' global shapes and bytes per element, whether they train, whether a
+    ``expert_parallel`` rule spreads it, and whether it is called in the dense form (every
+    token for every expert)."""
 
     path: str
     num_experts: int
@@ -59,6 +65,7 @@ class ExpertsModule:
     parallel: bool
     per_expert: bool = False  # a list of expert modules: ``shapes`` are one expert's, each
     # sharded by FSDP2 on its own (tpplan.parallel.expert_list)
+    dense: bool = False
 
 
 def _top_k(model: nn.Module, path: str) -> int:
@@ -96,7 +103,8 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
             path, n, _top_k(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),
             any(p.requires_grad for p in params),
-            rule is not None and rule.style.name in EP_STYLES, per_expert=listed))
+            rule is not None and rule.style.name in EP_STYLES, per_expert=listed,
+            dense=call_form(m) == "dense"))
     return out
 
 
@@ -146,12 +154,14 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
     (buffers, as the traced rows count them) and ``balanced_wire_bytes``, ``worst_case_bytes``
     (the busiest rank's buffers when every token picks one rank's experts) and the minimum's
     ``minimum_wire_bytes`` (hidden states only; ``over_minimum``: the hidden states tpplan
-    sends over it, the counts exchange left out of both). ``e``: bytes per activation element; ``recomputed``: paths of
-    experts modules whose forward activation checkpointing runs again."""
+    sends over it, the counts exchange left out of both), ``dense_modules`` (how many of the
+    spread modules take the dense form). ``e``: bytes per activation element;
+    ``recomputed``: paths of experts modules whose forward activation checkpointing runs
+    again."""
     ep, accum = dims.ep, shape.grad_accum
     # a rank routes its micro-batch's tokens; its sequence shard when ep borrows tp's ranks
     tokens = shape.micro_batch * shape.seq_len // getattr(dims, "ep_tp", 1)
-    count = balanced = wire = data_wire = worst = minimum = 0
+    count = balanced = wire = data_wire = worst = minimum = dense = 0
     for mod in modules:
         if not mod.parallel or ep <= 1:
             continue
@@ -162,20 +172,23 @@ def expert_all_to_all(modules: list[ExpertsModule], dims, shape, e: int,
         fw = 1 + (mod.path in recomputed)  # forward passes per micro-batch
         data = 2 * fw + BACKWARD  # dispatch and combine each forward, two transposes back
         row = mod.hidden * e
-        pairs = tokens * mod.top_k
-        count += accum * (FORWARD * fw + BACKWARD)
-        counts_bytes = mod.num_experts * COUNT_BYTES
+        # rows a rank sends per data all-to-all: one per (token, expert) pair, or in the
+        # dense form every token's row for every expert (and no counts exchanged first)
+        pairs = tokens * (mod.num_experts if mod.dense else mod.top_k)
+        count += accum * (data + (0 if mod.dense else fw))
+        counts_bytes = 0 if mod.dense else mod.num_experts * COUNT_BYTES
         balanced += accum * (fw * counts_bytes + data * pairs * row)
         wire += accum * (fw * counts_bytes + data * pairs * row) * (ep - 1) // ep
         data_wire += accum * data * pairs * row * (ep - 1) / ep
-        busiest = ep * tokens * min(mod.top_k, mod.num_experts // ep)
+        busiest = pairs if mod.dense else ep * tokens * min(mod.top_k, mod.num_experts // ep)
+        dense += mod.dense
         worst += accum * (fw * counts_bytes + data * busiest * row)
         minimum += accum * data * tokens * row * distinct_remote_ranks(
             mod.num_experts, mod.top_k, ep)
     return dict(count=count, balanced_bytes=balanced, balanced_wire_bytes=wire,
                 worst_case_bytes=worst, hidden_wire_bytes=int(data_wire),
                 minimum_wire_bytes=int(minimum),
-                over_minimum=(data_wire / minimum) if minimum else None)
+                over_minimum=(data_wire / minimum) if minimum else None, dense_modules=dense)
 
 
 def ep_figures(model: nn.Module, res, dims, shape, e: int,

@@ -214,16 +214,22 @@ def render_comm(out, comm: dict[str, Any], mini: dict[str, Any]) -> None:
                   size(r["wire_bytes"]))
     out.print(t)
     ep = comm.get("ep_all_to_all")
+    dense = bool(ep and ep.get("dense_modules"))  # Llama 4's: every token to every expert
     if ep:
         out.print(Text(f"experts' all-to-all: {ep['count']} per step, {size(ep['balanced_bytes'])}"
                        f" with balanced routing ({size(ep['balanced_wire_bytes'])} on the wire), "
                        f"at most {size(ep['worst_case_bytes'])} on one rank when every token "
-                       "chooses that rank's experts"))
+                       "chooses that rank's experts" + (
+                           f"; {ep['dense_modules']} experts module(s) take every token for "
+                           "every expert (dense form): the same bytes whatever the routing"
+                           if dense else "")))
     if mini.get("ep"):
         m = mini["ep"]
+        sent = "every token's row for every expert (dense form)" if dense else \
+            "one row per (token, expert) pair"
         out.print(Text(f"EP minimum: each token's hidden state to each distinct remote rank among"
                        f" its top-k, once: {size(m['wire_bytes'])} per rank per step over ep; "
-                       f"the dispatch sends one row per (token, expert) pair: "
+                       f"the dispatch sends {sent}: "
                        f"{size(m['measured_wire_bytes'])} ({m['ratio']:.2f}×)"))
     style = f"a Megatron-style {mini['style']} plan"
     if mini["at_minimum"]:
