@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss"]
+__all__ = ["aux_loss", "keep_aux_loss", "keep_aux_term", "micro_batch_aux", "with_aux_loss"]
 
 _KEPT = "_tpplan_aux_loss"
 
@@ -24,7 +24,12 @@ _KEPT = "_tpplan_aux_loss"
 def keep_aux_loss(module: nn.Module, output: Any) -> None:
     """Keep ``router_aux_loss_coef × output.aux_loss`` of this forward on ``module`` (or
     nothing: no aux loss asked for, or a coefficient of 0)."""
-    aux = getattr(output, "aux_loss", None)
+    keep_aux_term(module, getattr(output, "aux_loss", None))
+
+
+def keep_aux_term(module: nn.Module, aux: torch.Tensor | None) -> None:
+    """Keep ``router_aux_loss_coef × aux`` on ``module`` (the built-in MoE's own term, or
+    an HF output's ``aux_loss``); nothing when there is none or the coefficient is 0."""
     coef = getattr(module, "router_aux_loss_coef", None)
     module.__dict__[_KEPT] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
 
