@@ -201,7 +201,7 @@ def _a2a_worker(rank: int, world: int, port: int, plan_path: str, overrides: lis
     ep = plan.parallel_dims(world).ep
     efsdp = [(c.kind, c.bytes) for c in rec.collectives if c.kind != "all_to_all" and
              _ranks(c.group) == list(range(rank % ep, world, ep))]  # the efsdp group's
-    experts = [p for n, p in model.named_parameters() if ".mlp.experts." in n]
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
     optimizer = torch.optim.AdamW(experts)
     optimizer.step()
 
@@ -241,6 +241,16 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     The worst case: with every token routed to experts 0..k-1, the busiest rank's step
     (its dispatches as received, each data all-to-all's buffer that size: the combine sends
     back what arrived, backward transposes both) is the dry run's bound, exactly."""
+    overrides = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}")):
+        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh)
+        all_to_all_as_predicted(plan, overrides, tmp_path / family, efsdp=family == "qwen3_moe")
+
+
+def all_to_all_as_predicted(plan: str, overrides: list[str], out: Path, efsdp: bool) -> None:
+    """The dry run's experts' all-to-all, memory and efsdp traffic for ``plan`` on 4 ranks
+    against a real gloo run's (:func:`_a2a_worker`; the docstring above says what is held
+    equal); ``efsdp``: whether the experts have FSDP units of their own (efsdp > 1)."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
     from tpplan.analysis.experts import COUNT_BYTES, ep_figures
@@ -248,43 +258,40 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path):
     from tpplan.parallel.runtime import spawn
 
     comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
-    overrides = ["train.seq_len=16", "train.global_batch_size=8", "train.micro_batch_size=2"]
-    for family, mesh in (("qwen3_moe", "{ep: 2, dp_shard: 4}"), ("mixtral", "{ep: 4}")):
-        plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh)
-        predicted = dry_run(plan, 4, overrides, comm)
-        assert predicted.ok, (predicted.errors, predicted.analysis_errors)
-        ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
-        assert ep["count"] == 2 * 5  # per MoE block: counts, dispatch, combine; 2 in backward
-        traced = [r for r in predicted.extra["comm_per_step"]["collectives"]
-                  if r["mesh_dim"] == "ep"]  # the arithmetic is the trace, row for row
-        assert (ep["balanced_bytes"], ep["balanced_wire_bytes"]) == \
-            (sum(r["bytes"] for r in traced), sum(r["wire_bytes"] for r in traced))
-        figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
-                             predicted.step, 4)
-        assert figures["all_to_all"] == ep
-        out = tmp_path / family
-        out.mkdir()
-        spawn(_a2a_worker, 4, plan, overrides, str(out))
-        real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-        assert all(count == ep["count"] and groups == 1 for count, _, groups, *_ in real), real
-        assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
-        mem = figures["memory"]
-        for *_, memory, _ in real:
-            assert memory == [mem["parameters"], mem["gradients"], mem["optimizer"]], (memory, mem)
-        busiest = max(real, key=lambda r: sum(r[-1]))[-1]
-        counts = sum(COUNT_BYTES * m.num_experts for m in predicted.model.modules()
-                     if expert_count(m))  # the counts exchanged first, as balanced
-        assert counts + 4 * sum(busiest) == ep["worst_case_bytes"], (busiest, ep)
-        # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
-        rows = predicted.extra["comm_per_step"]["collectives"]
-        want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
-        assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
-        for _, _, _, efsdp, *_ in real:
-            got = Counter(k for k, _ in efsdp)
-            nbytes = Counter()
-            for k, b in efsdp:
-                nbytes[k] += b
-            assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
+    predicted = dry_run(plan, 4, overrides, comm)
+    assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+    ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
+    modules = sum(1 for m in predicted.model.modules() if expert_count(m))
+    assert ep["count"] == modules * 5  # per MoE block: counts, dispatch, combine; 2 in backward
+    traced = [r for r in predicted.extra["comm_per_step"]["collectives"]
+              if r["mesh_dim"] == "ep"]  # the arithmetic is the trace, row for row
+    assert (ep["balanced_bytes"], ep["balanced_wire_bytes"]) == \
+        (sum(r["bytes"] for r in traced), sum(r["wire_bytes"] for r in traced))
+    figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
+                         predicted.step, 4)
+    assert figures["all_to_all"] == ep
+    out.mkdir()
+    spawn(_a2a_worker, 4, plan, overrides, str(out))
+    real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(count == ep["count"] and groups == 1 for count, _, groups, *_ in real), real
+    assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
+    mem = figures["memory"]
+    for *_, memory, _ in real:
+        assert memory == [mem["parameters"], mem["gradients"], mem["optimizer"]], (memory, mem)
+    busiest = max(real, key=lambda r: sum(r[-1]))[-1]
+    counts = sum(COUNT_BYTES * m.num_experts for m in predicted.model.modules()
+                 if expert_count(m))  # the counts exchanged first, as balanced
+    assert counts + 4 * sum(busiest) == ep["worst_case_bytes"], (busiest, ep)
+    # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
+    rows = predicted.extra["comm_per_step"]["collectives"]
+    want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
+    assert bool(want) == efsdp  # nothing at efsdp 1
+    for _, _, _, efsdp_rows, *_ in real:
+        got = Counter(k for k, _ in efsdp_rows)
+        nbytes = Counter()
+        for k, b in efsdp_rows:
+            nbytes[k] += b
+        assert {(k, got[k], nbytes[k]) for k in got} == want, (plan, efsdp_rows, want)
 
 
 def test_a_run_on_ep_4_resumes_on_pp_2_ep_2_then_ep_1_along_one_curve(tmp_path):
