@@ -282,27 +282,65 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys)
     gathered form's, counted as issued. One spawn for the four plans."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
-    from tpplan.analysis.experts import COUNT_BYTES, ep_figures
-    from tpplan.parallel.expert_forms import call_form
-    from tpplan.parallel.expert_parallel import expert_count
-    from tpplan.parallel.runtime import spawn
 
-    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
-    cases = {}
-    for family, mesh, rule, per_block in (
-            ("qwen3_moe", "{ep: 2, dp_shard: 4}", RULE, 5),  # counts, dispatch, combine; 2 back
-            ("mixtral", "{ep: 4}", RULE, 5),
-            ("llama4_text", "{ep: 4}", RULE.replace("mlp", "feed_forward"), 4),  # no counts
-            ("qwen3_moe", None, None, 5)):  # tp 2 + SP, the MoE blocks on the sequence shard
+    cases = []
+    for family, mesh, rule in (
+            ("qwen3_moe", "{ep: 2, dp_shard: 4}", RULE),
+            ("mixtral", "{ep: 4}", RULE),
+            ("llama4_text", "{ep: 4}", RULE.replace("mlp", "feed_forward")),  # no counts
+            ("qwen3_moe", None, None)):  # tp 2 + SP, the MoE blocks on the sequence shard
         plan = _plan(tmp_path, f"{family}-a2a", configs[family], mesh, rule) if mesh else \
             _sp_plan(capsys, tmp_path, family, configs[family])
         batch = 8 if mesh else 4  # one micro-batch of 2 sequences per data-parallel rank
         overrides = ["train.seq_len=16", f"train.global_batch_size={batch}",
                      "train.micro_batch_size=2"]
+        # efsdp 2 at ep 2 over dp_shard 4, 1 (no experts' FSDP traffic) at ep 4 and tp 2 × ep 2
+        cases.append((plan, overrides, tmp_path / f"{family}-{bool(mesh)}", bool(mesh) and
+                      family == "qwen3_moe"))
+    results = all_to_all_as_predicted(cases)
+    assert [ep["dense_modules"] for _, ep in results] == [0, 0, 2, 0]
+    (plan, overrides, *_), (predicted, ep) = cases[-1], results[-1]
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    gathered = dry_run(_sp_plan(capsys, tmp_path, "qwen3_moe", configs["qwen3_moe"],
+                                gathered=True), 4, overrides, comm)
+    gathered = gathered.extra["comm_per_step"]["ep_all_to_all"]
+    counts = _counts_bytes(predicted.model)  # a rank routes its shard: half the rows
+    assert 2 * (ep["balanced_bytes"] - counts) == gathered["balanced_bytes"] - counts, \
+        (ep, gathered)
+
+
+def _counts_bytes(model) -> int:
+    """The bytes of the counts exchanged before each routed dispatch, one per expert."""
+    from tpplan.analysis.experts import COUNT_BYTES
+    from tpplan.parallel.expert_forms import call_form
+    from tpplan.parallel.expert_parallel import expert_count
+
+    return sum(COUNT_BYTES * m.num_experts for m in model.modules()
+               if expert_count(m) and call_form(m) != "dense")
+
+
+def all_to_all_as_predicted(cases: list) -> list:
+    """The dry run's experts' all-to-all, memory and efsdp traffic against a real gloo run's
+    on 4 ranks (:func:`_a2a_worker`, one spawn for every case; the docstring above says what
+    is held equal), for each ``(plan, overrides, out, efsdp)`` of ``cases`` (``efsdp``:
+    whether the experts have FSDP units of their own, efsdp > 1). Returns each case's dry
+    run and its all-to-all figures."""
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.analysis.experts import ep_figures
+    from tpplan.parallel.expert_forms import call_form
+    from tpplan.parallel.expert_parallel import expert_count
+    from tpplan.parallel.runtime import spawn
+
+    comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
+    checked = []
+    for plan, overrides, out, _ in cases:
         predicted = dry_run(plan, 4, overrides, comm)
         assert predicted.ok, (predicted.errors, predicted.analysis_errors)
         ep = predicted.extra["comm_per_step"]["ep_all_to_all"]
-        assert ep["count"] == 2 * per_block  # two MoE blocks
+        forms = [call_form(m) for m in predicted.model.modules() if expert_count(m)]
+        # per routed block: counts, dispatch, combine; 2 in backward (the dense form: no counts)
+        assert ep["count"] == sum(4 if f == "dense" else 5 for f in forms)
         traced = [r for r in predicted.extra["comm_per_step"]["collectives"]
                   if r["mesh_dim"] == "ep"]  # the arithmetic is the trace, row for row
         assert (ep["count"], ep["balanced_bytes"], ep["balanced_wire_bytes"]) == (
@@ -311,40 +349,32 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys)
         figures = ep_figures(predicted.model, predicted.resolved, predicted.resolved.dims,
                              predicted.step, 4)
         assert figures["all_to_all"] == ep
-        out = tmp_path / f"{family}-{bool(mesh)}"
         out.mkdir()
-        cases[out.name] = (family, mesh, plan, overrides, predicted, ep, figures, out)
-    spawn(_a2a_worker, 4, [(c[2], c[3], str(c[-1])) for c in cases.values()])
-    for family, mesh, _, overrides, predicted, ep, figures, out in cases.values():
+        checked.append((predicted, ep, figures))
+    spawn(_a2a_worker, 4, [(plan, overrides, str(out)) for plan, overrides, out, _ in cases])
+    for (plan, _, out, efsdp), (predicted, ep, figures) in zip(cases, checked):
         real = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         assert all(count == ep["count"] and groups == 1 for count, _, groups, *_ in real), real
         assert sum(r[1] for r in real) == 4 * ep["balanced_bytes"], (real, ep)
-        dense = family == "llama4_text"
-        assert ep["dense_modules"] == (2 if dense else 0)
-        if dense:  # equal splits of every row: each rank's bytes are the figure itself
+        if ep["dense_modules"]:  # equal splits of every row: each rank's bytes are the figure
             assert [r[1] for r in real] == [ep["balanced_bytes"]] * 4, (real, ep)
         mem = figures["memory"]
         for *_, memory, _ in real:
             assert memory == [mem["parameters"], mem["gradients"], mem["optimizer"]], (memory, mem)
         busiest = max(real, key=lambda r: sum(r[-1]))[-1]
-        counts = sum(COUNT_BYTES * m.num_experts for m in predicted.model.modules()
-                     if expert_count(m) and call_form(m) != "dense")  # exchanged first
-        assert counts + 4 * sum(busiest) == ep["worst_case_bytes"], (busiest, ep)
+        assert _counts_bytes(predicted.model) + 4 * sum(busiest) == ep["worst_case_bytes"], \
+            (busiest, ep)
         # the experts' own FSDP units: over the efsdp ranks, at their ep-local sizes
         rows = predicted.extra["comm_per_step"]["collectives"]
         want = {(r["kind"], r["count"], r["bytes"]) for r in rows if r["mesh_dim"] == "efsdp"}
-        assert bool(want) == (family == "qwen3_moe")  # efsdp 2 there, 1 (nothing) at ep 4
-        if not mesh:  # a rank routes its sequence shard: half the rows the gathered form sends
-            gathered = dry_run(_sp_plan(capsys, tmp_path, family, configs[family], gathered=True),
-                               4, overrides, comm).extra["comm_per_step"]["ep_all_to_all"]
-            assert 2 * (ep["balanced_bytes"] - counts) == gathered["balanced_bytes"] - counts, \
-                (ep, gathered)
-        for _, _, _, efsdp, *_ in real:
-            got = Counter(k for k, _ in efsdp)
+        assert bool(want) == efsdp, (plan, want)
+        for _, _, _, efsdp_rows, *_ in real:
+            got = Counter(k for k, _ in efsdp_rows)
             nbytes = Counter()
-            for k, b in efsdp:
+            for k, b in efsdp_rows:
                 nbytes[k] += b
-            assert {(k, got[k], nbytes[k]) for k in got} == want, (family, efsdp, want)
+            assert {(k, got[k], nbytes[k]) for k in got} == want, (plan, efsdp_rows, want)
+    return [(predicted, ep) for predicted, ep, _ in checked]
 
 
 def test_a_run_on_ep_4_resumes_on_pp_2_ep_2_then_ep_1_along_one_curve(tmp_path):

@@ -17,13 +17,14 @@ import torch.nn as nn
 
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
-from . import llama
+from . import llama, moe
 
 __all__ = ["BUILTIN", "build_model"]
 
 # name -> (builder(config, **kwargs), the named sizes)
 BUILTIN: dict[str, tuple[Callable[..., nn.Module], dict[str, Any]]] = {
     "llama3": (llama.build, llama.CONFIGS),
+    "moe": (moe.build, moe.CONFIGS),  # the Llama with MoE blocks (docs/moe.md)
 }
 
 

@@ -157,18 +157,28 @@ def small_hf_fields(config: Any, tp: int, layers: int = 2) -> dict[str, Any]:
 def shrink_overrides(spec: ModelSpec | None, tp: int, layers: int, seq_len: int) -> list[str]:
     """``--set`` lines that shrink the plan's model to a tiny one of the same architecture,
     keeping every split over ``tp`` divisible. The built-in Llama gets ``max(tp, 2)`` KV
-    heads, twice as many query heads of width 8, widths in multiples of 32·tp; a
+    heads, twice as many query heads of width 8, widths in multiples of 32·tp (the built-in
+    MoE keeps its experts, top-k and shared expert, and one MoE block at least); a
     HuggingFace model :func:`small_hf_fields`; a factory model is left as its kwargs say."""
     if spec is not None and spec.is_hf:
         from .hf import hf_config
 
         fields = small_hf_fields(hf_config(spec), tp, layers)
         return [f"model.config.{k}={json.dumps(v)}" for k, v in fields.items()]
-    if spec is None or spec.factory or spec.name != "llama3":
+    if spec is None or spec.factory or spec.name not in ("llama3", "moe"):
         return []
     kv = max(tp, 2)
     heads = 2 * kv
-    return [f"model.kwargs.n_layers={layers}", f"model.kwargs.n_heads={heads}",
-            f"model.kwargs.n_kv_heads={kv}", f"model.kwargs.dim={heads * 8}",
-            f"model.kwargs.multiple_of={32 * tp}", "model.kwargs.ffn_dim_multiplier=null",
-            f"model.kwargs.vocab_size={64 * tp}", f"model.kwargs.max_seq_len={seq_len}"]
+    out = [f"model.kwargs.n_layers={layers}", f"model.kwargs.n_heads={heads}",
+           f"model.kwargs.n_kv_heads={kv}", f"model.kwargs.dim={heads * 8}",
+           f"model.kwargs.multiple_of={32 * tp}", "model.kwargs.ffn_dim_multiplier=null",
+           f"model.kwargs.vocab_size={64 * tp}", f"model.kwargs.max_seq_len={seq_len}"]
+    if spec.name == "moe":  # expert count, top-k and shared expert kept; a MoE block at least
+        from .moe import CONFIGS
+
+        cfg = {**vars(CONFIGS.get(spec.config or "debug", CONFIGS["debug"])), **spec.kwargs}
+        every = cfg["moe_every"] if isinstance(cfg["moe_every"], int) else 1
+        out[0] = f"model.kwargs.n_layers={max(layers, every)}"
+        out += ["model.kwargs.ffn_hidden=null", f"model.kwargs.moe_hidden={32 * tp}"] + \
+            ([f"model.kwargs.shared_hidden={32 * tp}"] if cfg["shared_hidden"] else [])
+    return out

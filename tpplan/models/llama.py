@@ -202,12 +202,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, feed_forward: nn.Module | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        # None: the dense SwiGLU; the built-in MoE (tpplan.models.moe) puts its MoE here
+        self.feed_forward = FeedForward(cfg) if feed_forward is None else feed_forward
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,12 +225,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Not persistent: derived from the config, rebuilt by init_buffers after to_empty().
         self.register_buffer("rope", rope_table(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta,
                                                 scaling=cfg.rope_scaling), persistent=False)
+
+    def block(self, cfg: LlamaConfig, index: int) -> TransformerBlock:
+        """Block ``index`` of the stack (one class for all: a subclass varies what is inside)."""
+        return TransformerBlock(cfg)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         cfg = self.config

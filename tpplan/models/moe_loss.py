@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["aux_loss", "keep_aux_loss", "micro_batch_aux", "with_aux_loss", "aux_over_shards"]
+__all__ = ["aux_loss", "keep_aux_loss", "keep_aux_term", "micro_batch_aux", "with_aux_loss",
+           "aux_over_shards"]
 
 _KEPT = "_tpplan_aux_loss"
 _SHARDS = "_tpplan_router_shards"  # the tp mesh, when the routers see sequence shards (set by
@@ -52,10 +53,17 @@ def keep_aux_loss(module: nn.Module, output: Any) -> None:
     nothing: no aux loss asked for, or a coefficient of 0); over the whole micro-batch when
     the routers saw sequence shards (``sequence_local`` blocks: :func:`aux_over_shards`)."""
     aux = getattr(output, "aux_loss", None)
-    coef = getattr(module, "router_aux_loss_coef", None)
     mesh = module.__dict__.get(_SHARDS)
-    if mesh is not None and isinstance(aux, torch.Tensor) and coef:
+    if mesh is not None and isinstance(aux, torch.Tensor) and getattr(
+            module, "router_aux_loss_coef", None):
         aux = aux_over_shards(module, getattr(output, "router_logits", None), mesh)
+    keep_aux_term(module, aux)
+
+
+def keep_aux_term(module: nn.Module, aux: torch.Tensor | None) -> None:
+    """Keep ``router_aux_loss_coef × aux`` on ``module`` (the built-in MoE's own term, or
+    an HF output's ``aux_loss``); nothing when there is none or the coefficient is 0."""
+    coef = getattr(module, "router_aux_loss_coef", None)
     module.__dict__[_KEPT] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
 
 
