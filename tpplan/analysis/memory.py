@@ -27,8 +27,8 @@ from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "extrapolate", "describe_moment", "shallow_depths",
-           "kept_traces"]
+__all__ = ["memory_per_rank", "first_forward", "extrapolate", "describe_moment",
+           "shallow_depths", "kept_traces"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -117,15 +117,31 @@ def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool 
 
 def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
-           shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
+           shallow: tuple[dict, object] | None, first: bool = False
+           ) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut)
     if depths and same_in_every_block(spec, build()):  # else the first blocks tell not all
-        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
-                                                   for d in depths])
+        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io,
+                                                              first) for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths
-    return trace_step(spec, mesh, build, shape, io=io), []
+    return trace_step(spec, mesh, build, shape, io=io, first_forward=first), []
+
+
+def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                  n_blocks: int, blocks: str | None, cut: bool = True,
+                  io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
+                  ) -> dict[str, int]:
+    """The step's moment at the end of the first micro-batch's forward: its ``total`` and
+    its parts (``at``). Only the prefix of the step up to there is run (:func:`trace_step`
+    with ``first_forward``: the warm-up, the optimizer's state, one forward; a fraction of
+    the whole step), traced and extrapolated in depth as :func:`memory_per_rank` traces the
+    whole step, so it is that step's moment, at most its peak. Arguments as
+    :func:`memory_per_rank`'s (``shallow`` keeps this prefix's own traces)."""
+    moments, _ = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow, True)
+    m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
+    return dict(total=m.total, at={p: m.parts.get(p, 0) for p in PARTS})
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

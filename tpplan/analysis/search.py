@@ -100,6 +100,15 @@ def sharded_state(result: DryRun, units: list | None) -> int:
     return elements * size * (3 if trained else 1)
 
 
+def _floor(ev: Evaluator, result: DryRun) -> int:
+    """:meth:`Evaluator.floor`, or 0 where the first forward cannot run (the whole trace
+    then reports why, as ``validate`` does)."""
+    try:
+        return ev.floor(result)
+    except Exception:  # noqa: BLE001 - the memory analysis names the failure
+        return 0
+
+
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
            gpus_per_node: int = 8, options: Options | None = None, top: int = 10,
            constants: CostConstants | None = None, exhaustive: bool = False,
@@ -171,6 +180,10 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)
+                    continue
+                if needed(_floor(ev, r)) > device.memory:
+                    drop(f"does not fit {device.name} memory: already at the end of the first "
+                         "forward (its step not traced further)", c)
                     continue
                 ev.memory(r)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})
