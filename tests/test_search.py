@@ -251,14 +251,14 @@ def test_the_first_forward_bounds_the_traced_peak():
     tp, micro-batch, accumulation, each checkpointing mode, data-parallel splits (dp_shard 1
     among them: one probe serves every split), pipeline schedules with one and two stages
     per rank, expert and context parallelism. Its parts are what the trace holds: every
-    micro-batch's forward leaves the same activations, the prefix's moment is the whole
-    step's, and FSDP2's kept gradients are the arithmetic's."""
+    micro-batch's forward leaves the same activations (the first forward run alone too), and
+    the sharded state and FSDP2's kept gradients are the arithmetic's."""
     from tpplan.analysis.memfloor import state_elements
     from tpplan.analysis.steptrace import trace_step
     from tpplan.models import build_model
 
-    base = SMALL + ["train.global_batch_size=16"]
-    cases = [(PLAN, 8, base, [
+    base = SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=8"]  # 8 > 6 blocks:
+    cases = [(PLAN, 8, base, [  # the first forward is run at depths 1, 2, 3 and extrapolated
         ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 4, dp_shard: 1, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=2",
@@ -292,8 +292,8 @@ def test_the_first_forward_bounds_the_traced_peak():
                 args = (spec, mesh, lambda m=spec.model: build_model(m, "meta"), r.step)
                 whole, first = trace_step(*args), trace_step(*args, first_forward=True)
                 end = {m: whole[f"{m}/mark/end_forward"] for m in ("first", "middle", "last")}
-                assert first["first/mark/end_forward"].total == end["first"].total
-                assert len({m.parts["activations"] for m in end.values()}) == 1
+                assert len({m.parts["activations"] for m in end.values()} |
+                           {first["first/mark/end_forward"].parts["activations"]}) == 1
                 sharded, trained, unsharded = state_elements(r)
                 kept = end["last"].parts["accumulated_gradients"]  # fp32, and a few others
                 assert 0 <= kept - 4 * unsharded < 0.05 * kept

@@ -7,11 +7,11 @@ the end of the *last* micro-batch's forward, a moment of every step, and adds wh
 moment holds, each part a lower bound:
 
 - **one micro-batch's activations, run**: :func:`tpplan.analysis.memory.first_forward` runs
-  the step's prefix up to the end of the first micro-batch's forward (the warm-up, AdamW's
-  state, one forward; extrapolated in depth as the whole trace is) and reads its
-  ``activations`` part there. Every micro-batch's forward saves the same (the warm-up has
-  already run whatever runs once), and no data-parallel split or accumulation changes what
-  a forward saves: one prefix serves them all;
+  the step's warm-up and its first micro-batch's forward, as the whole trace runs them
+  (three shallow depths, extrapolated, for a deep model), and reads the ``activations``
+  part at the end of that forward. Every micro-batch's forward saves the same (the warm-up
+  has already run whatever runs once), and no data-parallel split or accumulation changes
+  what a forward saves: one run serves them all;
 - **the sharded state, from shapes** (:func:`state_elements`): each parameter's shard
   (FSDP2's, over ``dp_shard × cp``, an expert's over ``efsdp``; TP-local shapes, unpadded,
   rounded down) and AdamW's two moments of each trained one, in the smallest parameter
@@ -122,15 +122,14 @@ def memory_floor(result: DryRun, probe: Callable = first_forward) -> int:
 
     if spec.pipeline is None:
         blocks, n_blocks = model_blocks(result)
-        acts = probe(spec, result.mesh, build, shape, n_blocks, blocks)["at"]["activations"]
-        return acts + held()[1]
+        return probe(spec, result.mesh, build, shape, n_blocks, blocks) + held()[1]
     split, per_stage, _ = stage_traces(spec, result.mesh, build, shape, dims, probe)
     pipe = spec.pipeline
     actions = schedule_actions(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
     out = 0
     for rank in reported_ranks(dims.pp):
         mine = split.of_rank(rank)
-        acts = {s.index: per_stage[s.index]["at"]["activations"] for s in mine}
+        acts = {s.index: per_stage[s.index] for s in mine}
         state = {s.index: held(s.modules) for s in mine}
         bound = sum(h[0] for h in state.values()) + rank_in_flight(actions[rank], acts)
         beyond = in_flight_beyond_one(actions[rank], acts)

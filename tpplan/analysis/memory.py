@@ -27,8 +27,8 @@ from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "first_forward", "extrapolate", "describe_moment",
-           "shallow_depths", "kept_traces"]
+__all__ = ["memory_per_rank", "first_forward", "first_depths", "extrapolate",
+           "describe_moment", "shallow_depths", "kept_traces"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -117,31 +117,50 @@ def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool 
 
 def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
-           shallow: tuple[dict, object] | None, first: bool = False
-           ) -> tuple[dict[str, Moment], list[int]]:
+           shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut)
     if depths and same_in_every_block(spec, build()):  # else the first blocks tell not all
-        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io,
-                                                              first) for d in depths])
+        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
+                                                   for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths
-    return trace_step(spec, mesh, build, shape, io=io, first_forward=first), []
+    return trace_step(spec, mesh, build, shape, io=io), []
 
 
 def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                   n_blocks: int, blocks: str | None, cut: bool = True,
                   io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
-                  ) -> dict[str, int]:
-    """The step's moment at the end of the first micro-batch's forward: its ``total`` and
-    its parts (``at``). Only the prefix of the step up to there is run (:func:`trace_step`
-    with ``first_forward``: the warm-up, the optimizer's state, one forward; a fraction of
-    the whole step), traced and extrapolated in depth as :func:`memory_per_rank` traces the
-    whole step, so it is that step's moment, at most its peak. Arguments as
-    :func:`memory_per_rank`'s (``shallow`` keeps this prefix's own traces)."""
-    moments, _ = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow, True)
-    m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
-    return dict(total=m.total, at={p: m.parts.get(p, 0) for p in PARTS})
+                  ) -> int:
+    """The activations the step holds at the end of its first micro-batch's forward (bytes):
+    what one forward saves for backward, with its logits and loss. Only the warm-up and
+    that forward run (:func:`trace_step` with ``first_forward``). A model of more than 6k
+    identical blocks is run at depths k, 2k and 3k (k = 1, or the period of selective
+    checkpointing) and the bytes extrapolated when the three are affine in depth (each
+    block saves its own; else every block is run). Arguments as :func:`memory_per_rank`'s
+    (``shallow`` keeps the three runs for any depth)."""
+    def acts(depth: int | None) -> int:
+        moments = trace_step(spec, mesh, build, shape, depth, io, first_forward=True)
+        m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
+        return m.parts["activations"]
+
+    depths = first_depths(spec, n_blocks, blocks, cut)
+    if depths and same_in_every_block(spec, build()):
+        a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
+        if a3 - a2 == a2 - a1:
+            return a1 + (n_blocks // depths[0] - 1) * (a2 - a1)
+    return acts(None)
+
+
+def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
+                 ) -> list[int] | None:
+    """:func:`first_forward`'s three depths, k, 2k and 3k, or None where it runs every
+    block (a model of at most 6k blocks)."""
+    ac = spec.activation_checkpointing
+    k = ac.every if ac.enabled else 1
+    if cut and blocks is not None and n_blocks > 6 * k and n_blocks % k == 0:
+        return [k, 2 * k, 3 * k]
+    return None
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

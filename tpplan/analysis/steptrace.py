@@ -194,9 +194,9 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
     the step); ``io``: ``build`` makes one pipeline stage, whose micro-batches run one after
-    another; ``first_forward``: stop at the end of the first micro-batch's forward (its
-    ``end_forward`` mark observed): the moments of that prefix of the step, the same as the
-    whole step's. Needs the dry run's fake process group up."""
+    another; ``first_forward``: only the warm-up and the first micro-batch's forward, up to
+    its ``end_forward`` mark (no optimizer state: what that forward saves, its
+    ``activations``, is the whole step's). Needs the dry run's fake process group up."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
@@ -283,10 +283,11 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     with loss_context(spec):
         forward(batch[:micro])
     held.update({k: v.detach() for k, v in held.items() if v is not None})
-    for p in trained:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not first_forward:  # AdamW's state changes nothing a forward saves
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     tracker.register(model.parameters(), "parameters")
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
     tracker.register(held.values(), "activations")

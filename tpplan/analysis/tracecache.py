@@ -51,7 +51,7 @@ from ..plan.step import StepShape
 from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
 from .memfloor import memory_floor
-from .memory import first_forward, memory_per_rank, shallow_depths
+from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import StageIO
 from .tptrace import trace_tp
 
@@ -211,7 +211,8 @@ class Evaluator:
         if key not in self.memories:
             # The three shallow traces of a deep model or stage read its first 6k blocks
             # and what is around them: shared by every depth (pipeline stages of any pp).
-            depths = shallow_depths(spec, n_blocks, blocks, cut)
+            depths = first_depths(spec, n_blocks, blocks, cut) if first else \
+                shallow_depths(spec, n_blocks, blocks, cut)
             shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
                                                  _signature(module, blocks, depths[-1])))
             before = len(self.shallow)
