@@ -61,24 +61,31 @@ def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
     reasons = {d["reason"]: d for d in data["dropped"]}
     batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
-    assert reasons["does not fit tiny memory"]["count"] >= 1
-    # A split of a layout another split of which was traced is dropped on split_free.
-    assert any("traced for another split" in r for r in reasons)
-    assert data["ranked"] == []
+    # Nothing fits: each layout is dropped on its first forward, untraced further.
+    assert any("end of the first forward" in r for r in reasons)
+    assert data["ranked"] == [] and data["traces"].get("memory", 0) == 0
     counted = sum(d["count"] for d in data["dropped"]) + sum(data["not_ranked"].values())
     assert counted == data["candidates"]
 
 
 def test_best_first_ranks_exactly_as_estimating_every_candidate():
     """The bounds only skip analyses: the top layouts, their order and figures are those of
-    the exhaustive search, which estimates every candidate."""
-    args = (PLAN, 2, DEVICES["h100"], SMALL + ["train.global_batch_size=4", "model.kwargs.n_layers=2"])
+    the exhaustive search, which estimates (and traces) every candidate. Also on a device
+    that half the layouts do not fit, where the memory lower bounds (the first forward, the
+    part no data-parallel split changes) drop layouts untraced."""
+    overrides = SMALL + ["train.global_batch_size=4", "model.kwargs.n_layers=2"]
     opts = Options(max_tp=2, schedules=("1f1b",), ac_every=())
-    full = search(*args, options=opts, top=3, exhaustive=True)
-    fast = search(*args, options=opts, top=3)
+    full = search(PLAN, 2, DEVICES["h100"], overrides, options=opts, top=3, exhaustive=True)
+    fast = search(PLAN, 2, DEVICES["h100"], overrides, options=opts, top=3)
     assert fast["ranked"] == full["ranked"][:3]
     assert len(full["ranked"]) > 3 and sum(fast["not_ranked"].values()) > 0
     assert fast["traces"]["memory"] < full["traces"]["memory"]
+    needs = sorted(r["needed"] for r in full["ranked"])
+    small = dataclasses.replace(DEVICES["h100"], memory=needs[len(needs) // 2])
+    full = search(PLAN, 2, small, overrides, options=opts, top=3, exhaustive=True)
+    fast = search(PLAN, 2, small, overrides, options=opts, top=3)
+    assert fast["ranked"] == full["ranked"][:3] and len(full["ranked"]) > 3
+    assert any("end of the first forward" in d["reason"] for d in fast["dropped"])
 
 
 def test_best_first_is_exact_with_expert_and_context_parallelism_in_the_space():

@@ -102,11 +102,14 @@ def in_flight_beyond_one(actions: list[Action], weight: dict[int, int]) -> int |
     return best
 
 
-def memory_floor(result: DryRun, probe: Callable = first_forward) -> int:
+def memory_floor(result: DryRun, probe: Callable = first_forward,
+                 cache: dict | None = None) -> int:
     """A lower bound (bytes) of ``memory_per_rank``'s ``peak`` for ``result`` (checked, its
     ``mesh`` set, the fake process group up). ``probe``: :func:`first_forward` or a function
     with its signature that answers the same (``search``'s cache: the activations it reads
-    are the same for every data-parallel split and accumulation)."""
+    are the same for every data-parallel split and accumulation); ``cache``: a dict kept
+    across the variants of one plan for :func:`state_elements` (keyed by the degrees it
+    reads)."""
     spec, shape = result.plan.spec, result.step
     dims = result.resolved.dims
     accumulates = spec.fsdp is not None and shape.grad_accum > 1
@@ -114,9 +117,14 @@ def memory_floor(result: DryRun, probe: Callable = first_forward) -> int:
     reduce = compute_dtypes(result)[1].itemsize  # FSDP2 accumulates in the reduction dtype
     build = lambda: build_model(spec.model, "meta")  # noqa: E731
 
+    cache = {} if cache is None else cache
+
     def held(paths: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(sharded state, + the unsharded gradients of the micro-batches before)."""
-        sharded, trained, unsharded = state_elements(result, paths)
+        key = (dims.tp, dims.ep, dims.dp_shard, dims.cp, paths)
+        if key not in cache:
+            cache[key] = state_elements(result, paths)
+        sharded, trained, unsharded = cache[key]
         state = (sharded + 2 * trained) * size  # the shards and AdamW's two moments
         return state, state + unsharded * reduce * accumulates
 

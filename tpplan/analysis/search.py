@@ -175,13 +175,14 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
             r = checked(c)
             if level == 1:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
-                if split in floors and \
+                # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
+                if not exhaustive and split in floors and \
                         needed(floors[split] + sharded_state(r, ev.fsdp_units(r))) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)
                     continue
-                if needed(_floor(ev, r)) > device.memory:
+                if not exhaustive and needed(_floor(ev, r)) > device.memory:
                     drop(f"does not fit {device.name} memory: already at the end of the first "
                          "forward (its step not traced further)", c)
                     continue

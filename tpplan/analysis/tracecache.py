@@ -102,6 +102,7 @@ class Evaluator:
         self.shallow: dict[tuple, tuple] = {}  # memory's shallow traces, any depth
         self.tp_traces: dict[tuple, Any] = {}
         self.units: dict[tuple, list] = {}
+        self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
         self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
         self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
@@ -191,7 +192,7 @@ class Evaluator:
         memory peak from the first forward of its step (cached as the whole trace is, less
         the data-parallel split and the accumulation: only its activations are read)."""
         result.mesh = self._mesh(result.resolution.dims)
-        return memory_floor(result, functools.partial(self._memory, first=True))
+        return memory_floor(result, functools.partial(self._memory, first=True), self.states)
 
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
