@@ -61,24 +61,31 @@ def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
     reasons = {d["reason"]: d for d in data["dropped"]}
     batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
-    assert reasons["does not fit tiny memory"]["count"] >= 1
-    # A split of a layout another split of which was traced is dropped on split_free.
-    assert any("traced for another split" in r for r in reasons)
-    assert data["ranked"] == []
+    # Nothing fits: each layout is dropped on its first forward, untraced further.
+    assert any("end of the first forward" in r for r in reasons)
+    assert data["ranked"] == [] and data["traces"].get("memory", 0) == 0
     counted = sum(d["count"] for d in data["dropped"]) + sum(data["not_ranked"].values())
     assert counted == data["candidates"]
 
 
 def test_best_first_ranks_exactly_as_estimating_every_candidate():
     """The bounds only skip analyses: the top layouts, their order and figures are those of
-    the exhaustive search, which estimates every candidate."""
-    args = (PLAN, 2, DEVICES["h100"], SMALL + ["train.global_batch_size=4", "model.kwargs.n_layers=2"])
+    the exhaustive search, which estimates (and traces) every candidate. Also on a device
+    that half the layouts do not fit, where the memory lower bounds (the first forward, the
+    part no data-parallel split changes) drop layouts untraced."""
+    overrides = SMALL + ["train.global_batch_size=4", "model.kwargs.n_layers=2"]
     opts = Options(max_tp=2, schedules=("1f1b",), ac_every=())
-    full = search(*args, options=opts, top=3, exhaustive=True)
-    fast = search(*args, options=opts, top=3)
+    full = search(PLAN, 2, DEVICES["h100"], overrides, options=opts, top=3, exhaustive=True)
+    fast = search(PLAN, 2, DEVICES["h100"], overrides, options=opts, top=3)
     assert fast["ranked"] == full["ranked"][:3]
     assert len(full["ranked"]) > 3 and sum(fast["not_ranked"].values()) > 0
     assert fast["traces"]["memory"] < full["traces"]["memory"]
+    needs = sorted(r["needed"] for r in full["ranked"])
+    small = dataclasses.replace(DEVICES["h100"], memory=needs[len(needs) // 2])
+    full = search(PLAN, 2, small, overrides, options=opts, top=3, exhaustive=True)
+    fast = search(PLAN, 2, small, overrides, options=opts, top=3)
+    assert fast["ranked"] == full["ranked"][:3] and len(full["ranked"]) > 3
+    assert any("end of the first forward" in d["reason"] for d in fast["dropped"])
 
 
 def test_best_first_is_exact_with_expert_and_context_parallelism_in_the_space():
@@ -242,3 +249,60 @@ def test_a_plans_lora_is_taken_as_given():
         for part in ("gradients", "optimizer"):
             assert real.extra["memory_per_rank"][part] < full.extra["memory_per_rank"][part] / 2
         assert real.checkpoint_bytes < full.checkpoint_bytes / 2
+
+
+def test_the_first_forward_bounds_the_traced_peak():
+    """``memory_floor`` (one micro-batch's activations from the first forward, the sharded
+    state and the unsharded gradients kept between micro-batches from shapes; a pipeline
+    rank's in-flight micro-batches) is at most the traced peak, for every layout tried:
+    tp, micro-batch, accumulation, each checkpointing mode, data-parallel splits (dp_shard 1
+    among them: one probe serves every split), pipeline schedules with one and two stages
+    per rank, expert and context parallelism. Its parts are what the trace holds: every
+    micro-batch's forward leaves the same activations (the first forward run alone too), and
+    the sharded state and FSDP2's kept gradients are the arithmetic's."""
+    from tpplan.analysis.memfloor import state_elements
+    from tpplan.analysis.steptrace import trace_step
+    from tpplan.models import build_model
+
+    base = SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=8"]  # 8 > 6 blocks:
+    cases = [(PLAN, 8, base, [  # the first forward is run at depths 1, 2, 3 and extrapolated
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 4, dp_shard: 1, tp: 2}", "train.micro_batch_size=1"],
+        ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=2",
+         "activation_checkpointing={mode: selective, every: 2}"],
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 8, tp: 1}", "train.micro_batch_size=2",
+         "activation_checkpointing={mode: full}"],
+        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
+         "pipeline={schedule: 1f1b, microbatches: 4}"],
+        ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",
+         "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}"],
+        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 4, tp: 1}",
+         "pipeline={schedule: zbv, microbatches: 2, stages_per_rank: 2}",
+         "activation_checkpointing={mode: full}"],
+        ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, cp: 2, tp: 2}", "train.micro_batch_size=1"]]),
+        (str(PLANS / "qwen3-moe-ep-tiny.yaml"), 4, ["train.seq_len=32", "train.global_batch_size=8"],
+         [[f"mesh={{pp: 1, dp_replicate: 1, dp_shard: 4, ep: {e}, tp: 1}}",
+           "train.micro_batch_size=1"] for e in (2, 4)])]
+    for plan, world, overrides, variants in cases:
+        ev = Evaluator(plan, overrides, world)
+        with fake_process_group(world):
+            for s in variants:
+                r = ev.check(s)
+                floor = ev.floor(r)
+                ev.memory(r)
+                mem = r.extra["memory_per_rank"]
+                assert 0.25 * mem["peak"] < floor <= mem["peak"], (s, floor, mem["peak"])
+            if plan == PLAN:  # the parts, in the trace itself: 4 micro-batches (3 traced)
+                assert ev.traces["first_forward_cached"] >= 1  # one probe, two splits
+                r = ev.check(variants[0])
+                spec, mesh = r.plan.spec, ev._mesh(r.resolution.dims)
+                args = (spec, mesh, lambda m=spec.model: build_model(m, "meta"), r.step)
+                whole, first = trace_step(*args), trace_step(*args, first_forward=True)
+                end = {m: whole[f"{m}/mark/end_forward"] for m in ("first", "middle", "last")}
+                assert len({m.parts["activations"] for m in end.values()} |
+                           {first["first/mark/end_forward"].parts["activations"]}) == 1
+                sharded, trained, unsharded = state_elements(r)
+                kept = end["last"].parts["accumulated_gradients"]  # fp32, and a few others
+                assert 0 <= kept - 4 * unsharded < 0.05 * kept
+                held = end["last"].parts["parameters"] + end["last"].parts["optimizer"]
+                assert 0 <= held - 4 * (sharded + 2 * trained) < 0.01 * held

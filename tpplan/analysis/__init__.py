@@ -26,7 +26,7 @@ from .dryrun import Analysis, DryRun
 from .memory import memory_per_rank
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
-__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "compute_dtypes"]
+__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "compute_dtypes", "model_blocks"]
 
 
 def analyze_memory(result: DryRun, trace: Callable = memory_per_rank) -> None:
@@ -43,14 +43,20 @@ def analyze_memory(result: DryRun, trace: Callable = memory_per_rank) -> None:
         mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
         result.extra["memory_per_rank"] = mem
         return
-    found = identical_blocks(result.model, result.resolution.rule_of)
-    blocks = found[2] if found else None
-    n_blocks = len(result.model.get_submodule(blocks)) if blocks else 0
+    blocks, n_blocks = model_blocks(result)
     mem = trace(spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
                 n_blocks, blocks)
     mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
     _experts_memory(result, mem)
     result.extra["memory_per_rank"] = mem
+
+
+def model_blocks(result: DryRun) -> tuple[str | None, int]:
+    """The path of the model's identical repeated blocks and how many (None, 0 if none):
+    what the memory trace may cut to three shallow depths."""
+    found = identical_blocks(result.model, result.resolution.rule_of)
+    blocks = found[2] if found else None
+    return blocks, len(result.model.get_submodule(blocks)) if blocks else 0
 
 
 def _experts_memory(result: DryRun, mem: dict[str, Any]) -> None:

@@ -27,8 +27,8 @@ from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
-__all__ = ["memory_per_rank", "extrapolate", "describe_moment", "shallow_depths",
-           "kept_traces"]
+__all__ = ["memory_per_rank", "first_forward", "first_depths", "extrapolate",
+           "describe_moment", "shallow_depths", "kept_traces"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -126,6 +126,41 @@ def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShap
         if moments is not None:
             return moments, depths
     return trace_step(spec, mesh, build, shape, io=io), []
+
+
+def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                  n_blocks: int, blocks: str | None, cut: bool = True,
+                  io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
+                  ) -> int:
+    """The activations the step holds at the end of its first micro-batch's forward (bytes):
+    what one forward saves for backward, with its logits and loss. Only the warm-up and
+    that forward run (:func:`trace_step` with ``first_forward``). A model of more than 6k
+    identical blocks is run at depths k, 2k and 3k (k = 1, or the period of selective
+    checkpointing) and the bytes extrapolated when the three are affine in depth (each
+    block saves its own; else every block is run). Arguments as :func:`memory_per_rank`'s
+    (``shallow`` keeps the three runs for any depth)."""
+    def acts(depth: int | None) -> int:
+        moments = trace_step(spec, mesh, build, shape, depth, io, first_forward=True)
+        m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
+        return m.parts["activations"]
+
+    depths = first_depths(spec, n_blocks, blocks, cut)
+    if depths and same_in_every_block(spec, build()):
+        a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
+        if a3 - a2 == a2 - a1:
+            return a1 + (n_blocks // depths[0] - 1) * (a2 - a1)
+    return acts(None)
+
+
+def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
+                 ) -> list[int] | None:
+    """:func:`first_forward`'s three depths, k, 2k and 3k, or None where it runs every
+    block (a model of at most 6k blocks)."""
+    ac = spec.activation_checkpointing
+    k = ac.every if ac.enabled else 1
+    if cut and blocks is not None and n_blocks > 6 * k and n_blocks % k == 0:
+        return [k, 2 * k, 3 * k]
+    return None
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

@@ -100,6 +100,15 @@ def sharded_state(result: DryRun, units: list | None) -> int:
     return elements * size * (3 if trained else 1)
 
 
+def _floor(ev: Evaluator, result: DryRun) -> int:
+    """:meth:`Evaluator.floor`, or 0 where the first forward cannot run (the whole trace
+    then reports why, as ``validate`` does)."""
+    try:
+        return ev.floor(result)
+    except Exception:  # noqa: BLE001 - the memory analysis names the failure
+        return 0
+
+
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
            gpus_per_node: int = 8, options: Options | None = None, top: int = 10,
            constants: CostConstants | None = None, exhaustive: bool = False,
@@ -166,11 +175,16 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
             r = checked(c)
             if level == 1:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
-                if split in floors and \
+                # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
+                if not exhaustive and split in floors and \
                         needed(floors[split] + sharded_state(r, ev.fsdp_units(r))) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)
+                    continue
+                if not exhaustive and needed(_floor(ev, r)) > device.memory:
+                    drop(f"does not fit {device.name} memory: already at the end of the first "
+                         "forward (its step not traced further)", c)
                     continue
                 ev.memory(r)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})

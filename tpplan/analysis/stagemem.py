@@ -31,7 +31,8 @@ from .memtrace import PARTS
 from .schedule import rank_in_flight, schedule_actions, schedule_facts
 from .steptrace import StageIO
 
-__all__ = ["pipeline_schedule", "pipeline_memory", "p2p_per_rank", "reported_ranks"]
+__all__ = ["pipeline_schedule", "pipeline_memory", "stage_traces", "p2p_per_rank",
+           "reported_ranks"]
 
 
 def reported_ranks(pp: int) -> dict[int, str]:
@@ -56,22 +57,18 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
                              in_flight=flight[s.index]) for s in split.stages])
 
 
-def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                    dims: ParallelDims, trace: Callable = memory_per_rank,
-                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
-    usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
-    with the activation a stage sends (``boundary``) and the p2p traffic per rank. ``trace``:
-    :func:`memory_per_rank` or a function with its signature (``search``'s cache)."""
+def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                 dims: ParallelDims, trace: Callable = memory_per_rank,
+                 ) -> tuple[PipelineSplit, dict[int, Any], tuple | None]:
+    """``(split, per_stage, boundary)``: ``trace`` (:func:`memory_per_rank`'s signature) of
+    each stage of the :func:`reported_ranks`, by stage index, each stage taking the
+    activation the first one sends (``boundary``: its shape and dtype, None for one stage)."""
     whole = build()
     split = split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
-    pipe = pipeline_schedule(spec, dims, split)
-    actions = schedule_actions(spec.pipeline.schedule, dims.pp, spec.pipeline.stages_per_rank,
-                               spec.pipeline.microbatches)
     ranks = reported_ranks(dims.pp)
     last = len(split.stages) - 1
-    per_stage: dict[int, dict[str, Any]] = {}
+    per_stage: dict[int, Any] = {}
     boundary = None
     for stage in sorted((s for s in split.stages if s.rank in ranks), key=lambda s: s.index):
         io = StageIO(first=stage.index == 0, last=stage.index == last, received=boundary)
@@ -82,6 +79,21 @@ def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
             spec, mesh, lambda stage=stage: stage_module(whole, stage, split), shape, n_blocks,
             blocks, io=io)
         boundary = boundary or io.sent
+    return split, per_stage, boundary
+
+
+def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                    dims: ParallelDims, trace: Callable = memory_per_rank,
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
+    usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
+    with the activation a stage sends (``boundary``) and the p2p traffic per rank. ``trace``:
+    :func:`memory_per_rank` or a function with its signature (``search``'s cache)."""
+    split, per_stage, boundary = stage_traces(spec, mesh, build, shape, dims, trace)
+    pipe = pipeline_schedule(spec, dims, split)
+    actions = schedule_actions(spec.pipeline.schedule, dims.pp, spec.pipeline.stages_per_rank,
+                               spec.pipeline.microbatches)
+    ranks = reported_ranks(dims.pp)
     out = []
     for rank, position in ranks.items():
         mine = [s.index for s in split.of_rank(rank)]

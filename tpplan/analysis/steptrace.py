@@ -188,12 +188,15 @@ def _micro_name(m: int, n: int) -> str:
 
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-               depth: int | None = None, io: StageIO | None = None) -> dict[str, Moment]:
+               depth: int | None = None, io: StageIO | None = None,
+               first_forward: bool = False) -> dict[str, Moment]:
     """Run the trainer's step for ``spec`` on fake tensors and return its moments by label.
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
     the step); ``io``: ``build`` makes one pipeline stage, whose micro-batches run one after
-    another. Needs the dry run's fake process group up."""
+    another; ``first_forward``: only the warm-up and the first micro-batch's forward, up to
+    its ``end_forward`` mark (no optimizer state: what that forward saves, its
+    ``activations``, is the whole step's). Needs the dry run's fake process group up."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
@@ -207,11 +210,11 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
         apply_plan(spec, model, mesh, stage=io is not None)
         with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
-            return _run(spec, model, blocks, shape, io or StageIO(True, True))
+            return _run(spec, model, blocks, shape, io or StageIO(True, True), first_forward)
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
-         io: StageIO) -> dict[str, Moment]:
+         io: StageIO, first_forward: bool = False) -> dict[str, Moment]:
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -227,7 +230,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     # The trainer's loop variables: the last logits and loss live on until the next forward.
     held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
 
-    def step(micro_batches: int, on_forward=None, on_backward=None) -> None:
+    def step(micro_batches: int, on_forward=None, on_backward=None) -> bool:
         for m in range(micro_batches):
             where.stage = _micro_name(m, micro_batches)
             where.forward_started()
@@ -239,6 +242,8 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
                 forward(x)
                 if on_forward:
                     on_forward()
+                if first_forward:
+                    return False  # the prefix asked for: the rest of the step is not run
                 tracker.phase = "transients"
                 if io.last:
                     held["loss"].backward()
@@ -249,6 +254,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         where.stage = "optimizer"
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return True
 
     def forward(x: torch.Tensor) -> None:
         # the trainer's: under cp, this rank's part of the sequence, its positions to every stage
@@ -277,17 +283,18 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     with loss_context(spec):
         forward(batch[:micro])
     held.update({k: v.detach() for k, v in held.items() if v is not None})
-    for p in trained:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not first_forward:  # AdamW's state changes nothing a forward saves
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     tracker.register(model.parameters(), "parameters")
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
     tracker.register(held.values(), "activations")
     tracker.register((v for s in optimizer.state.values() for v in s.values()), "optimizer")
     with where, tracker:
         tracker.observe()
-        step(n, lambda: mark("end_forward"), settle)
-        where.stage = "optimizer"
-        tracker.observe()
+        if step(n, lambda: mark("end_forward"), settle):
+            where.stage = "optimizer"
+            tracker.observe()
     return tracker.moments

@@ -29,6 +29,7 @@ micro-batch and the pipeline section); docs/search.md says why each key is compl
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -50,7 +51,8 @@ from ..plan.step import StepShape
 from ..plan.styles import ep_borrows_tp
 from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
-from .memory import memory_per_rank, shallow_depths
+from .memfloor import memory_floor
+from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import StageIO
 from .tptrace import trace_tp
 
@@ -101,6 +103,7 @@ class Evaluator:
         self.shallow: dict[tuple, tuple] = {}  # memory's shallow traces, any depth
         self.tp_traces: dict[tuple, Any] = {}
         self.units: dict[tuple, list] = {}
+        self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
         self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
         self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
@@ -185,34 +188,49 @@ class Evaluator:
         result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
         return self.units[key]
 
+    def floor(self, result: DryRun) -> int:
+        """:func:`tpplan.analysis.memfloor.memory_floor` of ``result``: a lower bound of its
+        memory peak from the first forward of its step (cached as the whole trace is, less
+        the data-parallel split and the accumulation: only its activations are read)."""
+        result.mesh = self._mesh(result.resolution.dims)
+        return memory_floor(result, functools.partial(self._memory, first=True), self.states)
+
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
-                io: StageIO | None = None) -> dict[str, Any]:
+                io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
         ac = spec.activation_checkpointing
         module = build()
         stage = io and (io.first, io.last, io.received, _signature(module))
-        common = (_mesh_key(self._last, spec), shape.seq_len, shape.micro_batch,
-                  min(shape.grad_accum, 3),
+        # The whole step runs min(accumulation, 3) micro-batches. Its first forward is
+        # read for its activations only, which no data-parallel split or accumulation
+        # changes: keyed without them (the probe runs on the first candidate's mesh).
+        mesh_key = _mesh_key(self._last, spec)
+        common = (first, (mesh_key[0], *mesh_key[3:]) if first else mesh_key, shape.seq_len,
+                  shape.micro_batch, 1 if first else min(shape.grad_accum, 3),
                   shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
         key = (*common, n_blocks, stage)
+        name = "first_forward" if first else "memory"
         if key not in self.memories:
             # The three shallow traces of a deep model or stage read its first 6k blocks
             # and what is around them: shared by every depth (pipeline stages of any pp).
-            depths = shallow_depths(spec, n_blocks, blocks, cut)
+            depths = first_depths(spec, n_blocks, blocks, cut) if first else \
+                shallow_depths(spec, n_blocks, blocks, cut)
             shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
                                                  _signature(module, blocks, depths[-1])))
             before = len(self.shallow)
-            out = memory_per_rank(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
+            run = first_forward if first else memory_per_rank
+            out = run(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
             self.memories[key] = (out, io.sent if io else None)
-            self.traces["memory" if len(self.shallow) > before or not depths
-                        else "memory_from_shallow"] += 1
+            self.traces[name if len(self.shallow) > before or not depths
+                        else f"{name}_from_shallow"] += 1
         else:
-            self.traces["memory_cached"] += 1
+            self.traces[f"{name}_cached"] += 1
         out, sent = self.memories[key]
         if io is not None:
             io.sent = sent
         out = copy.deepcopy(out)
-        out["batch"]["grad_accum"] = shape.grad_accum  # the trace runs min(accumulation, 3)
+        if not first:
+            out["batch"]["grad_accum"] = shape.grad_accum  # the trace runs min(accumulation, 3)
         return out
 
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
