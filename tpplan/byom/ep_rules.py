@@ -45,12 +45,12 @@ def route_experts(sugg, paths: list[str], patterns: list[str], source: str) -> N
     sequence parallelism the MoE blocks then run on the sequence shard
     (:func:`on_sequence_shard`)."""
     routed = {p for rx in map(compile_pattern, patterns) for p in paths if rx.fullmatch(p)}
-    routed |= {p for p in paths if any(p.startswith(r + ".") for r in routed)}
+    covered = routed | {p for p in paths if any(p.startswith(r + ".") for r in routed)}
     comment = (f"{source}; each ep rank keeps 1/ep of the routed experts, tokens dispatched "
                "and combined by all-to-all")
     sugg.notes = [n for n in sugg.notes if PROPOSAL not in n]  # done, not proposed
     kept = [r for r in sugg.rules if r[0] in patterns or not any(
-        compile_pattern(r[0]).fullmatch(p) for p in routed)]
+        compile_pattern(r[0]).fullmatch(p) for p in covered)]
     have = {r[0] for r in kept}
     sugg.rules = [(r[0], "expert_parallel", comment) if r[0] in patterns else r
                   for r in kept] + [(p, "expert_parallel", comment) for p in patterns
