@@ -360,3 +360,26 @@ def test_calibration_fits_what_the_runs_tell_apart(tmp_path):
     one, report = fit_report(paths[1:], None, [], dev, 8, start)
     assert report[0]["fitted"] == ["compute_efficiency"] and one.intra_node_efficiency == 0.9
     assert report[0]["ratio"] == pytest.approx(1.0, rel=1e-4)
+
+
+@pytest.mark.parametrize("sets", [[], ["model.kwargs.top_k=1", "model.kwargs.moe_every=2",
+                                        "model.kwargs.shared_hidden=64"]])
+def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through(sets):
+    """The compute term of a MoE counts ``top_k`` experts' weights per token (the active
+    weights), not every expert's nor none: counted here from the parameters' own shapes."""
+    import torch
+
+    import tpplan
+    from tpplan.analysis.flops import model_flops
+    from tpplan.models import build_model
+
+    plan = tpplan.load(PLANS / "moe.yaml", sets)
+    model = build_model(plan.model, "meta")
+    k = plan.model.kwargs.get("top_k", 2)
+    expert = sum(p.numel() // p.shape[0] * k for name, p in model.named_parameters()
+                 if ".experts." in name)  # one expert's, k times
+    dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    flops = model_flops(model, 64)
+    assert flops.matmul_params == dense + expert
+    assert sum(flops.forward.values()) == 2 * (dense + expert) + \
+        4 * 64 * flops.attention_width * len(flops.blocks)

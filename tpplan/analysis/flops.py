@@ -8,6 +8,14 @@ torchtitan count it; causal kernels skip about half of it, which the compute eff
 absorbs). Backward costs twice forward, so a training step costs ``3 ×`` forward: the
 familiar ``6N + 12·L·d·s`` per token. Weights are counted from global shapes (a DTensor's
 ``shape`` is the whole tensor), so the same figure comes out at any tp.
+
+A mixture of experts' routed experts (``[num_experts, ...]`` parameters, or a list of
+per-expert modules) count as the experts a token runs through: ``top_k`` of them per token
+(every one in Llama 4's dense form), ``2 × top_k × (one expert's weights)`` per token — the
+*active* weights, as MoE MFU is reported (Mixtral: 12.9B of 46.7B). Their GEMM shapes enter
+:attr:`ModelFlops.linears` once per expert a token runs through (the rows each expert sees,
+``tokens × top_k / num_experts``, are fewer than the unit's tokens the efficiency is read at:
+the estimate's expert GEMMs are as efficient as a dense layer's of the same shape).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from ..models.introspect import find_blocks
+from ..parallel.expert_forms import call_form, expert_count
 
 __all__ = ["ModelFlops", "model_flops"]
 
@@ -96,18 +105,51 @@ def _units(model: nn.Module, blocks: str | None) -> list[tuple[str, nn.Module, b
     return out
 
 
-def _linear_weights(module: nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+def _experts(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """Each routed-experts container of ``model`` by path, with how many of its experts a
+    token runs through (its router's top-k, or all of them in the dense form)."""
+    from .experts import _top_k
+
+    out = {}
+    for path, m in model.named_modules():
+        n = expert_count(m)
+        if n:
+            out[path] = (m, n if call_form(m) == "dense" else (_top_k(model, path) or n))
+    return out
 
 
-def _linear_shapes(path: str, module: nn.Module) -> tuple[tuple[str, int, int], ...]:
+def _expert_gemms(path: str, m: nn.Module, active: int) -> list[tuple[str, int, int]]:
+    """One expert's GEMMs of the container ``m`` as ``(path, in, out)``, ``active`` times."""
+    if isinstance(m, nn.ModuleList):
+        one = _linear_shapes(f"{path}.{next(iter(m._modules))}", next(iter(m)))
+    else:  # [E, out, in] (gpt-oss's transposed [E, in, out] has the same product)
+        one = tuple((f"{path}.{n}", int(p.shape[2]), int(p.shape[1]))
+                    for n, p in m.named_parameters(recurse=False) if p.dim() == 3)
+    return list(one) * active
+
+
+def _linear_weights(module: nn.Module, experts: dict | None = None, prefix: str = "") -> int:
+    """The weights a token multiplies in ``module`` (at ``prefix``): its Linear layers', an
+    experts container's counted for the experts a token runs through (``experts``)."""
+    return sum(i * o for _, i, o in _linear_shapes(prefix, module, experts or {}))
+
+
+def _linear_shapes(path: str, module: nn.Module,
+                   experts: dict | None = None) -> tuple[tuple[str, int, int], ...]:
     """Each Linear under ``module`` as ``(path, in_features, out_features)``, global shapes
-    (a DTensor's ``shape`` is the whole tensor)."""
-    out = []
+    (a DTensor's ``shape`` is the whole tensor); an experts container (``experts``, by
+    path) as :func:`_expert_gemms`."""
+    out, inside = [], []
     for name, m in module.named_modules():
-        if isinstance(m, nn.Linear):
+        full = f"{path}.{name}" if name and path else (name or path)
+        if any(full.startswith(c + ".") for c in inside):
+            continue
+        if experts and full in experts:
+            inside.append(full)
+            out.extend(_expert_gemms(full, *experts[full]))
+        elif isinstance(m, nn.Linear):
             o, i = m.weight.shape
-            out.append((f"{path}.{name}" if name else path, int(i), int(o)))
+            out.append((full, int(i), int(o)))
     return tuple(out)
 
 
@@ -118,14 +160,16 @@ def model_flops(model: nn.Module, seq_len: int, blocks: str | None = None) -> Mo
     blocks = find_blocks(model) or blocks
     heads, head_dim = _attention_heads(model) if blocks else (0, 0)
     width = heads * head_dim
+    experts = _experts(model)
     forward: dict[str, float] = {}
     linears: dict[str, tuple[tuple[str, int, int], ...]] = {}
     block_units = []
     for path, module, is_block in _units(model, blocks):
-        f = 2.0 * _linear_weights(module)
-        linears[path] = _linear_shapes(path, module)
+        linears[path] = _linear_shapes(path, module, experts)
+        f = 2.0 * sum(i * o for _, i, o in linears[path])
         if is_block:
             f += 4.0 * seq_len * width
             block_units.append(path)
         forward[path] = f
-    return ModelFlops(forward, tuple(block_units), _linear_weights(model), width, linears, heads)
+    return ModelFlops(forward, tuple(block_units), _linear_weights(model, experts), width,
+                      linears, heads)
