@@ -199,6 +199,10 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
                                                       device=rows.device), *args, **kwargs)
         out = tie_experts(module, out)
+        if rows.requires_grad:  # an expert code whose output need not depend on the rows
+            # (transformers' eager loop returns zeros_like when no expert is hit) would skip
+            # this rank's backward all-to-all that its ep peers run: a hang. Tie it (a zero).
+            out = out + rows[:0].sum().to(out.dtype)
     finally:
         module.num_experts = num_experts
         restore_experts(module, held)
