@@ -202,7 +202,10 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     collective's start to its end (it runs beside the main thread, so it can overlap
     compute), on CUDA the NCCL kernels' time; and the trainer's own reductions (``clip``,
     ``loss``) apart. Times in milliseconds."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    # On CUDA each annotation (a step, a collective's) is also drawn on the GPU's timeline
+    # as a ``gpu_user_annotation``: only the host's copy is read (once per step).
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e
+              and e.get("cat") != "gpu_user_annotation"]
     steps = sorted((e for e in events if e["name"].startswith(STEP)), key=lambda e: e["ts"])
     if not steps:
         return {"steps": []}
