@@ -4,10 +4,9 @@ The plan is applied in full (TP, activation checkpointing, FSDP2) to the model b
 the meta device, on the dry run's fake process group; the parameters are then made fake
 tensors (``FakeTensorMode``: shapes, dtypes and storages, no bytes), so FSDP2 runs for real
 — all-gathers, resharding, reduce-scatters, gradient sync switched off between
-micro-batches — and so does AdamW. A warm-up forward and AdamW's state (made as its first
-step makes it) leave what earlier steps leave (FSDP2 initialized, AdamW's state, the last
-logits still held); the step after it is followed by a
-:class:`~tpplan.analysis.memtrace.MemoryTracker`.
+micro-batches — and so does AdamW. A warm-up forward and AdamW's state leave what earlier
+steps leave (FSDP2 initialized, the last logits still held); the step after them is
+followed by a :class:`~tpplan.analysis.memtrace.MemoryTracker`.
 
 The step is the trainer's (``tpplan/train/loop.py``): for each micro-batch, gradient sync
 on only for the last when FSDP2 runs and there is accumulation, forward, the loss
@@ -187,18 +186,6 @@ def _micro_name(m: int, n: int) -> str:
     return "only" if n == 1 else "first" if m == 0 else "last" if m == n - 1 else "middle"
 
 
-def _init_state(optimizer: torch.optim.Optimizer, trained: list) -> None:
-    """AdamW's state as its first step leaves it, made by AdamW's own lazy initialization
-    (``_init_group``, which ``step`` runs first) without the step's arithmetic: on fake
-    tensors only the state's tensors count, and the update writes them in place."""
-    for p in trained:
-        p.grad = torch.zeros_like(p)  # what marks a parameter as one the step updates
-    with torch.no_grad():  # as ``step`` runs it
-        for group in optimizer.param_groups:
-            optimizer._init_group(group, [], [], [], [], [], [])
-    optimizer.zero_grad(set_to_none=True)
-
-
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                depth: int | None = None, io: StageIO | None = None,
                first_forward: bool = False) -> dict[str, Moment]:
@@ -289,14 +276,18 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         tracker.settle(_local(p.grad) for p in trained)
         mark("end_backward")
 
-    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward),
-    # the last logits and loss still held (their graph freed, as backward frees it) and
-    # AdamW's state (its shapes are all that counts: made, not stepped).
+    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward), the
+    # last logits and loss still held (graph freed, as backward frees it) and AdamW's state.
     with loss_context(spec):
         forward(batch[:micro])
     held.update({k: v.detach() for k, v in held.items() if v is not None})
     if not first_forward:  # AdamW's state changes nothing a forward saves
-        _init_state(optimizer, trained)
+        for p in trained:  # a gradient marks a parameter as one AdamW's step updates
+            p.grad = torch.zeros_like(p)
+        with torch.no_grad():  # the state as ``step`` makes it (its lazy init), not stepped
+            for g in optimizer.param_groups:
+                optimizer._init_group(g, [], [], [], [], [], [])
+        optimizer.zero_grad(set_to_none=True)
     tracker.register(model.parameters(), "parameters")
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
     tracker.register(held.values(), "activations")
