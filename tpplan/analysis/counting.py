@@ -1,10 +1,12 @@
 """Counting collectives as the plan really issues them: CommDebugMode plus sizes.
 
 :class:`CollectiveRecorder` *is* a ``CommDebugMode`` (its ``get_comm_counts()`` is
-PyTorch's own count); it also writes down, for every collective, its kind, the process
-group it ran on, whether it ran in backward, the module it ran under, and the bytes of its
-full buffer — which CommDebugMode does not keep. Sizes come from the tensors the
-collective op receives, so they are right on meta tensors as well as real ones.
+PyTorch's own count: every collective goes through CommDebugMode's dispatch, the other ops
+skip its table of every operation, which nothing here reads); it also writes down, for
+every collective, its kind, the process group it ran on, whether it ran in backward, the
+module it ran under, and the bytes of its full buffer — which CommDebugMode does not keep.
+Sizes come from the tensors the collective op receives, so they are right on meta tensors
+as well as real ones.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker, c10d_collective_ops
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -155,10 +158,28 @@ class CollectiveRecorder(CommDebugMode):
         super().__init__()
         self.advanced_module_tracker = _ModuleTracker()
         self.collectives: list[Collective] = []
+        self._collective_ops: dict = {}  # op -> whether CommDebugMode counts it
+
+    def _counted(self, func) -> bool:
+        """Whether CommDebugMode counts ``func`` (its own test, remembered per op)."""
+        known = self._collective_ops.get(func)
+        if known is None:
+            packet = func._overloadpacket
+            known = self._collective_ops[func] = packet in self.comm_registry or \
+                packet in c10d_collective_ops
+        return known
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func):
+            # Not a collective: CommDebugMode would only add the op to its per-module
+            # operations table (input shapes, placements and ``str(device_mesh)`` for every
+            # DTensor op, which at 1,024 ranks prints the mesh), which nothing here reads.
+            # As it does: DTensor runs first, and its local ops come back here.
+            if any(t == DTensor for t in types):
+                return NotImplemented
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+        if out is NotImplemented:
             return out
         packet = func._overloadpacket
         namespace = getattr(func, "namespace", "")

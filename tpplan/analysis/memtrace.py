@@ -34,8 +34,9 @@ from collections import Counter
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["PARTS", "Moment", "MemoryTracker"]
@@ -59,8 +60,6 @@ class Moment:
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(t):
         attrs, _ = t.__tensor_flatten__()
         return [s for a in attrs for s in _storages(getattr(t, a))
@@ -144,8 +143,6 @@ class MemoryTracker(TorchDispatchMode):
 
     def register(self, tensors: Iterable[torch.Tensor | None], part: str) -> None:
         """Count tensors that exist already (parameters, optimizer state, inputs)."""
-        from torch.distributed.tensor import DTensor
-
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self.track(t.to_local() if isinstance(t, DTensor) else t, part, retag=True)
@@ -170,11 +167,12 @@ class MemoryTracker(TorchDispatchMode):
         m = self.moments.get(label)
         if m is None:
             m = self.moments[label] = Moment()
-        total = sum(self.live.values())
+        live = self.live
+        total = sum(live.values())
         if total > m.total:
             m.total, m.parts = total, self.snapshot()
         pm = m.part_max
-        for p, v in self.live.items():
+        for p, v in live.items():
             if v > pm.get(p, -1):
                 pm[p] = int(v)
 
@@ -213,8 +211,6 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(t is DTensor or issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which we see
         kwargs = kwargs or {}
@@ -237,7 +233,8 @@ class MemoryTracker(TorchDispatchMode):
             for t in tree_flatten(kwargs.get("out", args[-1]))[0]:
                 if isinstance(t, torch.Tensor):
                     self.track(t, "fsdp_unsharded", retag=True)
-        for t in tree_flatten(out)[0]:
+        # Most ops return one tensor: tracked without flattening the output.
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t, part)
         self.observe()

@@ -4,10 +4,9 @@ The plan is applied in full (TP, activation checkpointing, FSDP2) to the model b
 the meta device, on the dry run's fake process group; the parameters are then made fake
 tensors (``FakeTensorMode``: shapes, dtypes and storages, no bytes), so FSDP2 runs for real
 — all-gathers, resharding, reduce-scatters, gradient sync switched off between
-micro-batches — and so does AdamW. A warm-up forward and an optimizer step on zero
-gradients leave what earlier steps leave (FSDP2 initialized, AdamW's state, the last
-logits still held); the step after it is followed by a
-:class:`~tpplan.analysis.memtrace.MemoryTracker`.
+micro-batches — and so does AdamW. A warm-up forward and AdamW's state leave what earlier
+steps leave (FSDP2 initialized, the last logits still held); the step after them is
+followed by a :class:`~tpplan.analysis.memtrace.MemoryTracker`.
 
 The step is the trainer's (``tpplan/train/loop.py``): for each micro-batch, gradient sync
 on only for the last when FSDP2 runs and there is accumulation, forward, the loss
@@ -277,16 +276,17 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         tracker.settle(_local(p.grad) for p in trained)
         mark("end_backward")
 
-    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward),
-    # the last logits and loss still held (their graph freed, as backward frees it) and
-    # AdamW's state (one step on zero gradients: the state's shapes are all that counts).
+    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward), the
+    # last logits and loss still held (graph freed, as backward frees it) and AdamW's state.
     with loss_context(spec):
         forward(batch[:micro])
     held.update({k: v.detach() for k, v in held.items() if v is not None})
     if not first_forward:  # AdamW's state changes nothing a forward saves
-        for p in trained:
+        for p in trained:  # a gradient marks a parameter as one AdamW's step updates
             p.grad = torch.zeros_like(p)
-        optimizer.step()
+        with torch.no_grad():  # the state as ``step`` makes it (its lazy init), not stepped
+            for g in optimizer.param_groups:
+                optimizer._init_group(g, [], [], [], [], [], [])
         optimizer.zero_grad(set_to_none=True)
     tracker.register(model.parameters(), "parameters")
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
