@@ -137,8 +137,8 @@ def test_cached_analyses_equal_uncached_dry_runs():
          "activation_checkpointing={mode: selective, every: 2}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: 1f1b, microbatches: 4}"],
-        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",  # the stages above, cached
-         "pipeline={schedule: gpipe, microbatches: 8}"],
+        ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",  # the stages above, cached
+         "pipeline={schedule: gpipe, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: gpipe, microbatches: 4}"],
         # cp: its own traces (keyed by cp), one resolution for two checkpointing modes
@@ -276,8 +276,8 @@ def test_the_first_forward_bounds_the_traced_peak():
          "activation_checkpointing={mode: full}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: 1f1b, microbatches: 4}"],
-        ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",  # the stages above, cached
-         "pipeline={schedule: gpipe, microbatches: 8}"],
+        ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",  # the stages above, cached
+         "pipeline={schedule: gpipe, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",
          "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 4, tp: 1}",
