@@ -137,6 +137,8 @@ def test_cached_analyses_equal_uncached_dry_runs():
          "activation_checkpointing={mode: selective, every: 2}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: 1f1b, microbatches: 4}"],
+        ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",  # the stages above, cached
+         "pipeline={schedule: gpipe, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: gpipe, microbatches: 4}"],
         # cp: its own traces (keyed by cp), one resolution for two checkpointing modes
@@ -260,7 +262,7 @@ def test_the_first_forward_bounds_the_traced_peak():
     per rank, expert and context parallelism. Its parts are what the trace holds: every
     micro-batch's forward leaves the same activations (the first forward run alone too), and
     the sharded state and FSDP2's kept gradients are the arithmetic's."""
-    from tpplan.analysis.memfloor import state_elements
+    from tpplan.analysis.memfloor import memory_floor, state_elements
     from tpplan.analysis.steptrace import trace_step
     from tpplan.models import build_model
 
@@ -274,6 +276,8 @@ def test_the_first_forward_bounds_the_traced_peak():
          "activation_checkpointing={mode: full}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
          "pipeline={schedule: 1f1b, microbatches: 4}"],
+        ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",  # the stages above, cached
+         "pipeline={schedule: gpipe, microbatches: 4}"],
         ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",
          "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}"],
         ["mesh={pp: 2, dp_replicate: 1, dp_shard: 4, tp: 1}",
@@ -289,11 +293,15 @@ def test_the_first_forward_bounds_the_traced_peak():
             for s in variants:
                 r = ev.check(s)
                 floor = ev.floor(r)
+                # The cache's answer (a pipeline's stages kept across schedules and their
+                # micro-batches) is the floor run afresh, uncached.
+                assert floor == memory_floor(r), s
                 ev.memory(r)
                 mem = r.extra["memory_per_rank"]
                 assert 0.25 * mem["peak"] < floor <= mem["peak"], (s, floor, mem["peak"])
             if plan == PLAN:  # the parts, in the trace itself: 4 micro-batches (3 traced)
                 assert ev.traces["first_forward_cached"] >= 1  # one probe, two splits
+                assert ev.traces["first_forward_stages_cached"] == 1  # gpipe: 1f1b's stages
                 r = ev.check(variants[0])
                 spec, mesh = r.plan.spec, ev._mesh(r.resolution.dims)
                 args = (spec, mesh, lambda m=spec.model: build_model(m, "meta"), r.step)

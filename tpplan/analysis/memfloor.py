@@ -103,13 +103,15 @@ def in_flight_beyond_one(actions: list[Action], weight: dict[int, int]) -> int |
 
 
 def memory_floor(result: DryRun, probe: Callable = first_forward,
-                 cache: dict | None = None) -> int:
+                 cache: dict | None = None, stages: tuple | None = None) -> int:
     """A lower bound (bytes) of ``memory_per_rank``'s ``peak`` for ``result`` (checked, its
     ``mesh`` set, the fake process group up). ``probe``: :func:`first_forward` or a function
     with its signature that answers the same (``search``'s cache: the activations it reads
     are the same for every data-parallel split and accumulation); ``cache``: a dict kept
     across the variants of one plan for :func:`state_elements` (keyed by the degrees it
-    reads)."""
+    reads) and, under a pipeline, for the stage split with each stage's activations, kept
+    under ``stages`` when given (a key the caller makes of everything ``probe`` and the
+    split read: ``search`` leaves out the schedule's number of micro-batches)."""
     spec, shape = result.plan.spec, result.step
     dims = result.resolved.dims
     accumulates = spec.fsdp is not None and shape.grad_accum > 1
@@ -131,7 +133,12 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     if spec.pipeline is None:
         blocks, n_blocks = model_blocks(result)
         return probe(spec, result.mesh, build, shape, n_blocks, blocks) + held()[1]
-    split, per_stage, _ = stage_traces(spec, result.mesh, build, shape, dims, probe)
+    if stages is not None and stages in cache:
+        split, per_stage = cache[stages]
+    else:
+        split, per_stage, _ = stage_traces(spec, result.mesh, build, shape, dims, probe)
+        if stages is not None:
+            cache[stages] = split, per_stage
     pipe = spec.pipeline
     actions = schedule_actions(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
     out = 0

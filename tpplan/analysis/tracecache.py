@@ -192,25 +192,41 @@ class Evaluator:
         """:func:`tpplan.analysis.memfloor.memory_floor` of ``result``: a lower bound of its
         memory peak from the first forward of its step (cached as the whole trace is, less
         the data-parallel split and the accumulation: only its activations are read)."""
-        result.mesh = self._mesh(result.resolution.dims)
-        return memory_floor(result, functools.partial(self._memory, first=True), self.states)
+        dims = result.resolution.dims
+        result.mesh = self._mesh(dims)
+        spec, pipe = result.plan.spec, result.plan.spec.pipeline
+        # A pipeline's stages and their activations: the probe's key less the stage (the
+        # split gives it), and what the split reads (not the schedule's micro-batches).
+        stages = pipe and ("stages", self._key(spec, result.step, None, True, True), dims.pp,
+                           pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape,
+                           pipe.split if isinstance(pipe.split, str) else tuple(pipe.split))
+        if stages in self.states:
+            self.traces["first_forward_stages_cached"] += 1
+        return memory_floor(result, functools.partial(self._memory, first=True), self.states,
+                            stages)
 
-    def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                n_blocks: int, blocks: str | None, cut: bool = True,
-                io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
+    def _key(self, spec: PlanSpec, shape: StepShape, blocks: str | None, cut: bool,
+             first: bool) -> tuple:
+        """A memory trace's key (``first``: a first forward's) but its depth and stage."""
         ac = spec.activation_checkpointing
-        module = build()
-        stage = io and (io.first, io.last, io.received, _signature(module))
         # The whole step runs min(accumulation, 3) micro-batches. Its first forward is
         # read for its activations only, which no data-parallel split or accumulation
         # changes: keyed without them (the probe runs on the first candidate's mesh).
         mesh_key = _mesh_key(self._last, spec)
-        common = (first, (mesh_key[0], *mesh_key[3:]) if first else mesh_key, shape.seq_len,
-                  shape.micro_batch, 1 if first else min(shape.grad_accum, 3),
-                  shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
+        return (first, (mesh_key[0], *mesh_key[3:]) if first else mesh_key, shape.seq_len,
+                shape.micro_batch, 1 if first else min(shape.grad_accum, 3),
+                shape.param_dtype, shape.reduce_dtype, ac.mode, ac.every, blocks, cut)
+
+    def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                n_blocks: int, blocks: str | None, cut: bool = True,
+                io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
+        module = build() if io is not None else None  # a whole model's is built if run
+        stage = io and (io.first, io.last, io.received, _signature(module))
+        common = self._key(spec, shape, blocks, cut, first)
         key = (*common, n_blocks, stage)
         name = "first_forward" if first else "memory"
         if key not in self.memories:
+            module = build() if module is None else module
             # The three shallow traces of a deep model or stage read its first 6k blocks
             # and what is around them: shared by every depth (pipeline stages of any pp).
             depths = first_depths(spec, n_blocks, blocks, cut) if first else \
