@@ -61,8 +61,9 @@ def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
     reasons = {d["reason"]: d for d in data["dropped"]}
     batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
-    # Nothing fits: each layout is dropped on its first forward, untraced further.
-    assert any("end of the first forward" in r for r in reasons)
+    # Nothing fits: each layout is dropped on its sharded state (arithmetic) or its first
+    # forward, untraced further.
+    assert any("alone (arithmetic, nothing traced)" in r for r in reasons)
     assert data["ranked"] == [] and data["traces"].get("memory", 0) == 0
     counted = sum(d["count"] for d in data["dropped"]) + sum(data["not_ranked"].values())
     assert counted == data["candidates"]

@@ -156,9 +156,56 @@ def _worker(rank, world, port):
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
         got = one(mine)
         assert isinstance(got, tuple) and len(got) == 1 and torch.equal(got[0], mine * 2)
+        _raising_forwards_give_back_what_they_swapped(mesh, mine)
     finally:
         dist.destroy_process_group()
 
 
+class _Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fail:
+            raise RuntimeError("halfway")
+        return y
+
+
+def _raising_forwards_give_back_what_they_swapped(mesh, mine):
+    """``sequence_local``'s hooks and a list of experts' local call swap parameters or
+    children in for the length of a forward: one that raises halfway puts them back."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tpplan.parallel.expert_list import _local_call
+    from tpplan.parallel.sequence_local import SequenceLocal
+
+    block = parallelize_module(_Raises(), mesh, SequenceLocal())
+    x = DTensor.from_local(mine, mesh, [Shard(1)])
+    ok = block(x)
+    block.fail = True
+    with pytest.raises(RuntimeError, match="halfway"):
+        block(x)
+    assert all(isinstance(p, DTensor) for p in block.parameters())
+    block.fail = False
+    assert torch.equal(block(x), ok)  # and it runs as before
+
+    experts = nn.ModuleList(nn.Linear(2, 2) for _ in range(4))
+    experts._modules.pop("0")  # global indices 1..3 left, as an ep rank keeps its own
+    held = dict(experts._modules)
+
+    def boom():
+        assert list(experts._modules) == ["0", "1", "2"]  # seen from 0 inside the call
+        raise RuntimeError("halfway")
+    with pytest.raises(RuntimeError, match="halfway"):
+        _local_call(experts, boom)
+    assert experts._modules == held
+
+
 def test_whole_sequence_modules_hand_back_flattened_tokens_and_one_tuples_as_shards():
+    """(And a forward that raises halfway gives back what ``sequence_local`` and a list of
+    experts swapped in for it.)"""
     spawn(_worker, 2)

@@ -173,6 +173,11 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                 say(f"{analysed} analyses, {fitting} fit, {len(ranked)} ranked; bound "
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
+            if level == 0 and not exhaustive:  # arithmetic alone, before any trace
+                if needed(sharded_state(r, ev.fsdp_units(r))) > device.memory:
+                    drop(f"does not fit {device.name} memory: its parameter shards and AdamW "
+                         "state alone (arithmetic, nothing traced)", c)
+                    continue
             if level == 1:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
                 # The two lower bounds only skip traces: ``exhaustive`` traces every layout.

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from ..plan.errors import ErrorList
+from ..plan.patterns import enclosing
 from ..plan.specs import Rule
 from ..plan.styles import EP_STYLES
 from .expert_forms import param_owner, call_form, list_expert_count
@@ -101,7 +102,7 @@ def check_rules_inside_lists(res, modules: dict[str, nn.Module]) -> None:
     lists = [p for p, r in res.rule_of.items()
              if r.style.name in EP_STYLES and isinstance(modules[p], nn.ModuleList)]
     for path, rule in res.rule_of.items():
-        owner = next((p for p in lists if path.startswith(p + ".")), None)
+        owner = enclosing(path, lists)
         if owner is not None:
             res.errors.add(f"module '{path}' is inside '{owner}', a list of experts that "
                            f"{res.rule_of[owner].style.name} spreads over ep: expert TP inside "

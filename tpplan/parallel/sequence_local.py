@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..plan.errors import ErrorList
+from ..plan.patterns import enclosing
 from ..plan.styles import EP_STYLES, SEQUENCE_LOCAL
 
 __all__ = ["SequenceLocal", "check_sequence_local"]
@@ -117,7 +118,7 @@ def check_sequence_local(res, modules: dict[str, nn.Module], errs: ErrorList) ->
     if not blocks:
         return
     for path, rule in res.rule_of.items():
-        above = next((b for b in blocks if path.startswith(b + ".")), None)
+        above = enclosing(path, blocks)
         if above is not None and rule.style.name not in EP_STYLES:
             errs.add(f"module '{path}' is inside '{above}', which runs on the sequence shard "
                      f"({SEQUENCE_LOCAL}: every parameter below it replicated on tp, its "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-__all__ = ["compile_pattern", "generalize", "is_in_blocks", "matches"]
+__all__ = ["compile_pattern", "enclosing", "generalize", "is_in_blocks", "matches"]
 
 
 @lru_cache(maxsize=4096)
@@ -74,3 +74,9 @@ def generalize(path: str) -> str:
 def is_in_blocks(path: str) -> bool:
     """Whether ``path`` lies inside a numbered container (a repeated block)."""
     return generalize(path) != path
+
+
+def enclosing(path: str, owners) -> str | None:
+    """The first of ``owners`` (module paths) that ``path`` lies strictly inside, or None:
+    ``enclosing("layers.0.moe.experts.3.w1", ["layers.0.moe.experts"])`` is the list."""
+    return next((o for o in owners if path.startswith(o + ".")), None)
