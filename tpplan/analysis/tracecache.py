@@ -104,8 +104,9 @@ class Evaluator:
         self.tp_traces: dict[tuple, Any] = {}
         self.units: dict[tuple, list] = {}
         self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
-        self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
+        # pipeline_comm's cache of stages and their traces; it counts into ours
+        self.stages: dict[Any, Any] = {"counts": self.traces}
         self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
         self.params = {n for n, _ in self.model.named_parameters()}
         self._last: ParallelDims | None = None
