@@ -1,7 +1,8 @@
-"""``tpplan search``'s cache of a pipeline's stages (tpplan/analysis/stagecomm.py): stage
-resolutions and traces shared across pp, stages per rank, schedules and checkpointing modes
-where they read none of them, and a stage's trace past three micro-batch sizes extrapolated
-from them (checked affine); every pp rank's communication rows equal an uncached dry run's."""
+"""``tpplan search``'s cache of TP traces: a pipeline's stage resolutions and traces
+(tpplan/analysis/stagecomm.py) shared across pp, stages per rank, schedules and
+checkpointing modes where they read none of them, and a trace (a stage's or a whole
+model's) past three micro-batch sizes extrapolated from them, checked affine; every
+communication row (every pp rank's) equal to an uncached dry run's."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from tpplan.analysis.tracecache import Evaluator
 COMM = [a for a in ANALYSES if a[0] == "comm_per_step"]
 
 
-def _pp_ranks(plan: str, world: int, overrides: list[str], variants: list[list[str]]
-              ) -> tuple[Counter, list]:
-    """Every variant's per-rank communication rows through one :class:`Evaluator`."""
+def _pp_ranks(plan: str, world: int, overrides: list[str], variants: list[list[str]],
+              part: str = "pp_ranks") -> tuple[Counter, list]:
+    """Every variant's communication rows (per pp rank) through one :class:`Evaluator`, and
+    the same from uncached dry runs."""
     ev = Evaluator(plan, overrides, world)
     out = []
     with fake_process_group(world):
@@ -29,12 +31,13 @@ def _pp_ranks(plan: str, world: int, overrides: list[str], variants: list[list[s
             assert not r.errors, r.errors
             ev.comm(r)
             assert r.ok, r.analysis_errors
-            out.append(r.extra["comm_per_step"]["pp_ranks"])
+            out.append(r.extra["comm_per_step"][part])
     return ev.traces, out
 
 
-def _uncached(plan: str, world: int, overrides: list[str], variants: list[list[str]]) -> list:
-    return [dry_run(plan, world, overrides + s, COMM).extra["comm_per_step"]["pp_ranks"]
+def _uncached(plan: str, world: int, overrides: list[str], variants: list[list[str]],
+              part: str = "pp_ranks") -> list:
+    return [dry_run(plan, world, overrides + s, COMM).extra["comm_per_step"][part]
             for s in variants]
 
 
@@ -113,3 +116,19 @@ def test_a_trace_is_extrapolated_only_where_its_three_points_are_affine():
     received = [(b, ((b, 32, 128), "bf16"), at(b), s) for b, s in zip((1, 2, 4), sent)]
     assert extrapolated(received, 8, ((8, 32, 128), "bf16"))[0].counts == at(8).counts
     assert extrapolated(received, 8, ((8, 16, 128), "bf16")) is None
+
+
+@pytest.mark.parametrize("plan,world,mesh,overrides", [
+    ("llama.yaml", 4, "dp_shard: 2, tp: 2", ["activation_checkpointing={mode: selective, every: 2}"]),
+    ("llama.yaml", 8, "dp_shard: 2, cp: 2, tp: 2", []),  # ring attention's sends
+    ("qwen3-moe-ep-tiny.yaml", 2, "dp_shard: 2, ep: 2, tp: 1", []),  # the experts' all-to-all
+])
+def test_whole_model_traces_extrapolated_in_the_micro_batch_equal_uncached(plan, world, mesh,
+                                                                           overrides):
+    """Without a pipeline: micro-batches of 1, 2, 4 and 8, the fourth from the first three."""
+    overrides = ["train.seq_len=32", "train.global_batch_size=32", *overrides]
+    variants = [[f"mesh={{pp: 1, dp_replicate: 1, {mesh}}}", f"train.micro_batch_size={b}"]
+                for b in (1, 2, 4, 8)]
+    traces, cached = _pp_ranks(str(PLANS / plan), world, overrides, variants, "collectives")
+    assert traces["tp_from_batches"] == 1 and traces["tp"] == 3, traces
+    assert cached == _uncached(str(PLANS / plan), world, overrides, variants, "collectives")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
 from .stagemem import p2p_per_rank, reported_ranks
 from .steptrace import StageIO
-from .tptrace import TPTrace, extrapolated, identical_blocks, trace_tp
+from .tptrace import TPTrace, identical_blocks, trace_tp, traced_in_batch
 
 __all__ = ["pipeline_comm", "StageComm"]
 
@@ -56,7 +56,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     module by the blocks and extras it owns; its resolution by those and the degrees
     resolve reads (tp, data parallelism as it sees it, cp, ep), checkpointing's blocks
     matched on the stage afterwards (:func:`_resolved`); its FSDP units by that and
-    dp_shard; its TP trace by what :func:`_traced` says, so that alike stages (same ends,
+    dp_shard; its TP trace by what :func:`traced_in_batch` says, so that alike stages (same ends,
     extras and length, where the model's blocks are identical) of any pp, stages per rank
     and schedule share one trace, and micro-batches past three share theirs."""
     cache = {} if cache is None else cache
@@ -96,7 +96,8 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
             return _trace(result, cache, (reads, ends[:3] if cache["alike", rkey] else ends),
                           lambda: stage_module(whole, stage, split), res, b, dtype,
                           StageIO(*io, received))
-        trace, sent = _traced(cache, (reads, ends), shape.micro_batch, boundary, run)
+        trace, sent = traced_in_batch(cache, (reads, ends), shape.micro_batch, boundary, run,
+                                      cache.get("counts"), "stage_tp")
         boundary = boundary or sent
         ukey = ("units", rkey, own, dims.dp_shard)
         if ukey not in cache:
@@ -149,7 +150,6 @@ def _trace(result, cache: dict, shallow_key: tuple, build, res, micro_batch: int
     blocks reads only its ends and the rules, not the stage's length, so pp does not
     change them)."""
     spec, dims, shape, mesh = result.plan.spec, result.resolution.dims, result.step, result.mesh
-    _count(cache, "stage_tp")
     if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # TP's, the experts' and cp's
         deep = ("shallow", shallow_key, io.received, micro_batch)
         trace = trace_tp(spec, res, mesh, build, shape.seq_len, micro_batch, dtype, io=io,
@@ -159,32 +159,6 @@ def _trace(result, cache: dict, shallow_key: tuple, build, res, micro_batch: int
         if not io.last:  # no TP: the stage's output is the whole activation
             io.sent = _output(build(), io, micro_batch, shape.seq_len, dtype)
     return trace, io.sent
-
-
-def _traced(cache: dict, key: tuple, micro_batch: int, received: tuple | None,
-            run: Callable[[int, tuple | None], tuple[TPTrace, tuple | None]]
-            ) -> tuple[TPTrace, tuple | None]:
-    """``run(micro_batch, received)`` (a stage's trace and what it sends), cached under
-    ``key``, the micro-batch and ``received``. A stage's collectives are affine in the
-    micro-batch: its activations' collectives grow with it, the gradients' reductions after
-    backward and any scalar's do not. So past the first three micro-batch sizes traced under
-    ``key`` (:func:`tpplan.analysis.tptrace.extrapolated`), a trace is those three
-    extrapolated, where they are affine (every collective's bytes, and what the stage
-    receives and sends) and the input extrapolates to ``received``; else it is traced."""
-    exact = ("trace", key, micro_batch, received)
-    if exact in cache:
-        _count(cache, "stage_tp_cached")
-        return cache[exact]
-    points = cache.setdefault(("points", key, received and (len(received[0]), received[1])), [])
-    got = extrapolated(points, micro_batch, received) if len(points) >= 3 else None
-    if got is None:
-        got = run(micro_batch, received)
-        if len(points) < 3:
-            points.append((micro_batch, received, *got))
-    else:
-        _count(cache, "stage_tp_from_batches")
-    cache[exact] = got
-    return got
 
 
 def _output(module, io: StageIO, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple:

@@ -41,7 +41,7 @@ from .counting import CollectiveRecorder
 from .memory import kept_traces
 from .steptrace import StageIO
 
-__all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks", "extrapolated"]
+__all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks", "extrapolated", "traced_in_batch"]
 
 log = logging.getLogger("tpplan")
 
@@ -312,3 +312,31 @@ def extrapolated(points: list[tuple], micro_batch: int, received: tuple | None
             kind, dim, bw, module = key
             counts[(kind, dim, bw, nbytes, module)] += n
     return TPTrace(counts, list(traces[0].depths), traces[0].blocks), sent
+
+
+def traced_in_batch(cache: dict, key: tuple, micro_batch: int, received: tuple | None,
+                    run: Callable[[int, tuple | None], tuple[TPTrace, tuple | None]],
+                    counts: Counter | None = None, name: str = "tp"
+                    ) -> tuple[TPTrace, tuple | None]:
+    """``run(micro_batch, received)`` (a trace and the (shape, dtype) it sends on, a stage's;
+    None for a whole model) cached in ``cache`` under ``key`` (all the trace reads but the
+    micro-batch and ``received``), the micro-batch and ``received``. Past the first three
+    micro-batch sizes traced under ``key``, a trace is those three :func:`extrapolated`
+    where their check holds, else traced. ``counts[name]`` counts the traces run,
+    ``_cached`` the answers from the cache, ``_from_batches`` the extrapolated ones."""
+    counts = Counter() if counts is None else counts
+    exact = ("trace", key, micro_batch, received)
+    if exact in cache:
+        counts[f"{name}_cached"] += 1
+        return cache[exact]
+    points = cache.setdefault(("points", key, received and (len(received[0]), received[1])), [])
+    got = extrapolated(points, micro_batch, received) if len(points) >= 3 else None
+    if got is None:
+        got = run(micro_batch, received)
+        counts[name] += 1
+        if len(points) < 3:
+            points.append((micro_batch, received, *got))
+    else:
+        counts[f"{name}_from_batches"] += 1
+    cache[exact] = got
+    return got
