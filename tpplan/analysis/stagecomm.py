@@ -25,6 +25,7 @@ import torch
 
 from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_sizes
+from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.pipeline import split_stages, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
 from ..plan import ErrorList
@@ -74,8 +75,9 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     split = cache[skey]
     rkey = (dims.tp, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep,
             dims.ep_borrows_tp)
-    if ("alike", rkey) not in cache:
-        cache["alike", rkey] = identical_blocks(whole, result.resolution.rule_of) is not None
+    if ("alike", rkey) not in cache:  # LoRA or freeze on some blocks only: not alike
+        cache["alike", rkey] = identical_blocks(whole, result.resolution.rule_of) is not None \
+            and same_in_every_block(spec, whole)
     # What a stage's trace reads besides the stage, its input and the micro-batch: the
     # degrees of the meshes it runs on (not dp: the trace applies TP, cp and ep only),
     # checkpointing, the sequence and the dtype.
