@@ -10,29 +10,21 @@ from collections import Counter
 
 import pytest
 from helpers import PLANS, TEST_PLANS
+from test_search import _evaluated
 
 from tpplan.analysis import ANALYSES
-from tpplan.analysis.dryrun import dry_run, fake_process_group
-from tpplan.analysis.tptrace import TPTrace, extrapolated
-from tpplan.analysis.tracecache import Evaluator
+from tpplan.analysis.dryrun import dry_run
+from tpplan.analysis.batchtrace import extrapolated
+from tpplan.analysis.tptrace import TPTrace
 
 COMM = [a for a in ANALYSES if a[0] == "comm_per_step"]
 
 
 def _pp_ranks(plan: str, world: int, overrides: list[str], variants: list[list[str]],
               part: str = "pp_ranks") -> tuple[Counter, list]:
-    """Every variant's communication rows (per pp rank) through one :class:`Evaluator`, and
-    the same from uncached dry runs."""
-    ev = Evaluator(plan, overrides, world)
-    out = []
-    with fake_process_group(world):
-        for s in variants:
-            r = ev.check(s)
-            assert not r.errors, r.errors
-            ev.comm(r)
-            assert r.ok, r.analysis_errors
-            out.append(r.extra["comm_per_step"][part])
-    return ev.traces, out
+    """Every variant's communication rows (per pp rank) through one :class:`Evaluator`."""
+    ev, results = _evaluated(overrides, world, variants, plan, memory=False)
+    return ev.traces, [r.extra["comm_per_step"][part] for r in results]
 
 
 def _uncached(plan: str, world: int, overrides: list[str], variants: list[list[str]],

@@ -35,7 +35,8 @@ from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
 from .stagemem import p2p_per_rank, reported_ranks
 from .steptrace import StageIO
-from .tptrace import TPTrace, identical_blocks, trace_tp, traced_in_batch
+from .batchtrace import traced_in_batch
+from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["pipeline_comm", "StageComm"]
 

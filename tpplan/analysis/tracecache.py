@@ -23,7 +23,7 @@ micro-batch and the pipeline section); docs/search.md says why each key is compl
   (:mod:`tpplan.analysis.stagemem`), per candidate.
 - TP collectives (:func:`tpplan.analysis.tptrace.trace_tp`): keyed by tp, seq_len,
   micro-batch, compute dtype, checkpointing mode and period; past three micro-batch sizes,
-  extrapolated from them where checked affine (:func:`tpplan.analysis.tptrace.
+  extrapolated from them where checked affine (:func:`tpplan.analysis.batchtrace.
   traced_in_batch`). Accumulation, FSDP and pipeline traffic are arithmetic on top, per
   candidate (``analyze_comm``); a pipeline's stages are cached by
   :mod:`tpplan.analysis.stagecomm` in :attr:`Evaluator.stages`.
@@ -57,7 +57,8 @@ from .dryrun import DryRun, forget_meshes, run_analysis
 from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import StageIO
-from .tptrace import trace_tp, traced_in_batch
+from .batchtrace import traced_in_batch
+from .tptrace import trace_tp
 
 __all__ = ["Evaluator"]
 
@@ -240,7 +241,7 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         # Keyed without the micro-batch: past three sizes, extrapolated from them where
-        # that is checked to hold (tptrace.traced_in_batch).
+        # that is checked to hold (batchtrace.traced_in_batch).
         ac = plan.activation_checkpointing
         cp = plan.context_parallel
         key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,
