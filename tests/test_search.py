@@ -114,16 +114,18 @@ def _comparable(result) -> tuple:
     return mem, result.extra["comm_per_step"]["collectives"], result.extra.get("pipeline")
 
 
-def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: str = PLAN
-               ) -> tuple:
-    """One :class:`Evaluator` over ``sets``, each checked, memory and communication analysed."""
+def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: str = PLAN,
+               memory: bool = True) -> tuple:
+    """One :class:`Evaluator` over ``sets``, each checked, memory (unless not ``memory``)
+    and communication analysed."""
     ev = Evaluator(plan, overrides, world)
     out = []
     with fake_process_group(world):
         for s in sets:
             r = ev.check(s)
             assert not r.errors, r.errors
-            ev.memory(r)
+            if memory:
+                ev.memory(r)
             ev.comm(r)
             assert r.ok, r.analysis_errors
             out.append(r)

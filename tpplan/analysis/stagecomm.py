@@ -16,20 +16,26 @@ stages".
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_sizes
+from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.pipeline import split_stages, stage_module
-from ..parallel.resolve import resolve
+from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
+from ..plan import ErrorList
 from ..plan.pipeline import SCHEDULES
+from ..plan.specs import ACSpec
 from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
 from .stagemem import p2p_per_rank, reported_ranks
 from .steptrace import StageIO
+from .batchtrace import traced_in_batch
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["pipeline_comm", "StageComm"]
@@ -46,66 +52,121 @@ class StageComm:
 def _stages(result, dtype: torch.dtype, cache: dict | None = None
             ) -> tuple[Any, dict[int, StageComm], tuple | None]:
     """Every stage's :class:`StageComm` and the activation a stage sends (shape, dtype).
-    Stages alike (same ends, extras and number of identical blocks) share one trace.
-    ``cache`` (``search``'s, across the candidates of one plan): the split and each stage's
-    resolution, keyed by what they read (tp, pp, the stages per rank and their placement,
-    checkpointing, data parallelism as the resolution sees it); a stage's TP trace by that,
-    its ends, the micro-batch, sequence and dtype; its FSDP units by that and dp_shard; and
-    the shallow traces of alike stages without pp, placement and length (:func:`trace_tp`:
-    a stage of identical blocks reads only its ends and the rules, which pp does not
-    change)."""
+    ``cache`` (``search``'s, across the candidates of one plan; docs/search.md, "The
+    cache"): each part keyed by what it reads. The model, built once (the candidates share
+    its section); the split by pp, stages per rank, V placement and split points; a stage's
+    module by the blocks and extras it owns; its resolution by those and the degrees
+    resolve reads (tp, data parallelism as it sees it, cp, ep), checkpointing's blocks
+    matched on the stage afterwards (:func:`_resolved`); its FSDP units by that and
+    dp_shard; its TP trace by what :func:`traced_in_batch` says, so that alike stages (same ends,
+    extras and length, where the model's blocks are identical) of any pp, stages per rank
+    and schedule share one trace, and micro-batches past three share theirs."""
     cache = {} if cache is None else cache
-    spec, dims, shape, mesh = result.plan.spec, result.resolution.dims, result.step, result.mesh
-    ac, pipe = spec.activation_checkpointing, spec.pipeline
-    key = (dims.tp, dims.pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape, ac.mode,
-           ac.every, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep)
-    if key not in cache:
-        whole = build_model(spec.model, "meta")
+    spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
+    ac, pipe, cp = spec.activation_checkpointing, spec.pipeline, spec.context_parallel
+    if "model" not in cache:
+        cache["model"] = build_model(spec.model, "meta")
+    whole = cache["model"]
+    skey = ("split", dims.pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape,
+            pipe.split if isinstance(pipe.split, str) else tuple(pipe.split))
+    if skey not in cache:
         split = split_stages(whole, spec, dims.pp)
         split.errors.raise_if_any()
-        alike = identical_blocks(whole, result.resolution.rule_of) is not None
-        parts = []
-        for stage in split.stages:
-            module = stage_module(whole, stage, split)
-            res = resolve(spec, module, dims.world_size, stage=True)
-            res.errors.raise_if_any()
-            ends = (stage.index == 0, stage.index == len(split.stages) - 1)
-            parts.append((stage, module, res, (*ends, tuple(stage.extras), len(stage.blocks))
-                          if alike else stage.index))
-        cache[key] = (whole, split, parts)
-    whole, split, parts = cache[key]
+        cache[skey] = split
+    split = cache[skey]
+    rkey = (dims.tp, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep,
+            dims.ep_borrows_tp)
+    if ("alike", rkey) not in cache:  # LoRA or freeze on some blocks only: not alike
+        cache["alike", rkey] = identical_blocks(whole, result.resolution.rule_of) is not None \
+            and same_in_every_block(spec, whole)
+    # What a stage's trace reads besides the stage, its input and the micro-batch: the
+    # degrees of the meshes it runs on (not dp: the trace applies TP, cp and ep only),
+    # checkpointing, the sequence and the dtype.
+    reads = (dims.tp, dims.cp, dims.ep, dims.ep_borrows_tp, cp.method, cp.load_balance,
+             ac.mode, ac.every, shape.seq_len, dtype)
     out: dict[int, StageComm] = {}
     boundary = None
-    for stage, module, res, alike in parts:
-        io = StageIO(first=stage.index == 0, last=stage.index == len(parts) - 1,
-                     received=boundary)
-        tkey = (key, alike, shape.seq_len, shape.micro_batch, dtype)
-        if tkey not in cache:
-            if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # TP's, the experts' and cp's
-                # Alike stages of any length (any pp) share their shallow traces.
-                # (Not dp either: the trace applies TP only, with rules dp does not change.)
-                deep = ("shallow", key[0], *key[4:6], *key[7:], alike[:3] if isinstance(alike, tuple)
-                        else (key, alike), shape.seq_len, shape.micro_batch, dtype)
-                trace = trace_tp(spec, res, mesh, lambda s=stage: stage_module(whole, s, split),
-                                 shape.seq_len, shape.micro_batch, dtype, io=io,
-                                 shallow=(cache, deep))
-            else:
-                trace = TPTrace(Counter(), [], None)
-                if not io.last:  # no TP: the stage's output is the whole activation
-                    io.sent = _output(stage_module(whole, stage, split), io, shape, dtype)
-            cache[tkey] = (trace, io.sent)
-        trace, sent = cache[tkey]
+    for stage in split.stages:
+        own = (stage.blocks, stage.extras)
+        module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
+        first, last = stage.index == 0, stage.index == len(split.stages) - 1
+        # Identical blocks: a stage's collectives read its ends, extras and length only
+        # (the module names in a trace's keys are generalized, layers.* for layers.17).
+        ends = (first, last, stage.extras, len(stage.blocks)) if cache["alike", rkey] else own
+
+        def run(b: int, received: tuple | None, stage=stage, res=res, ends=ends,
+                io=(first, last)):
+            return _trace(result, cache, (reads, ends[:3] if cache["alike", rkey] else ends),
+                          lambda: stage_module(whole, stage, split), res, b, dtype,
+                          StageIO(*io, received))
+        trace, sent = traced_in_batch(cache, (reads, ends), shape.micro_batch, boundary, run,
+                                      cache.get("counts"), "stage_tp")
         boundary = boundary or sent
-        ukey = (key, stage.index, dims.dp_shard)
+        ukey = ("units", rkey, own, dims.dp_shard)
         if ukey not in cache:
             cache[ukey] = unit_sizes(module, res, dims, spec)
         out[stage.index] = StageComm(module, res, cache[ukey], trace)
     return split, out, boundary
 
 
-def _output(module, io: StageIO, shape, dtype: torch.dtype) -> tuple:
+def _resolved(cache: dict, whole, split, stage, spec, dims, rkey: tuple) -> tuple[Any, Any]:
+    """A stage's module and its resolution, with this candidate's degrees and checkpointing
+    blocks. The module reads only the blocks and extras the stage owns (not which stage it
+    is, pp or the placement), the resolution that module and ``rkey``; resolved without
+    checkpointing, whose blocks are matched here by resolve's own :func:`match_modules`
+    (all resolve reads of that section), as the search's whole-model resolutions are."""
+    own = (stage.blocks, stage.extras)
+    if ("module", own) not in cache:
+        module = stage_module(whole, stage, split)
+        cache["module", own] = (module, dict(module.named_modules()),
+                                {n for n, _ in module.named_parameters()})
+    module, modules, params = cache["module", own]
+    key = ("resolution", rkey, own)
+    if key not in cache:
+        res = resolve(replace(spec, activation_checkpointing=ACSpec()), module,
+                      dims.world_size, stage=True)
+        res.errors.raise_if_any()
+        cache[key] = res
+        _count(cache, "stage_resolutions")
+    res = copy.copy(cache[key])
+    res.dims = dims
+    ac = spec.activation_checkpointing
+    if ac.enabled:
+        errs = ErrorList()
+        res.ac_blocks = match_modules(ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc, modules,
+                                      params, True, errs)
+        errs.raise_if_any()
+    return module, res
+
+
+def _count(cache: dict, what: str) -> None:
+    """Counted in the cache's ``counts`` (the search's trace counts), when it has one."""
+    if "counts" in cache:
+        cache["counts"][what] += 1
+
+
+def _trace(result, cache: dict, shallow_key: tuple, build, res, micro_batch: int,
+           dtype: torch.dtype, io: StageIO) -> tuple[TPTrace, tuple | None]:
+    """One stage's TP collectives of one micro-batch of ``micro_batch`` sequences and the
+    (shape, dtype) it sends on. A deep stage's three shallow traces are kept under
+    ``shallow_key`` with the micro-batch and input (:func:`trace_tp`: the trace of identical
+    blocks reads only its ends and the rules, not the stage's length, so pp does not
+    change them)."""
+    spec, dims, shape, mesh = result.plan.spec, result.resolution.dims, result.step, result.mesh
+    if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # TP's, the experts' and cp's
+        deep = ("shallow", shallow_key, io.received, micro_batch)
+        trace = trace_tp(spec, res, mesh, build, shape.seq_len, micro_batch, dtype, io=io,
+                         shallow=(cache, deep))
+    else:
+        trace = TPTrace(Counter(), [], None)
+        if not io.last:  # no TP: the stage's output is the whole activation
+            io.sent = _output(build(), io, micro_batch, shape.seq_len, dtype)
+    return trace, io.sent
+
+
+def _output(module, io: StageIO, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple:
     module.to(dtype)
-    x = torch.zeros(shape.micro_batch, shape.seq_len, dtype=torch.long, device="meta") \
+    x = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta") \
         if io.first else torch.zeros(io.received[0], dtype=io.received[1], device="meta")
     with torch.no_grad():
         y = module(x)

@@ -22,8 +22,11 @@ micro-batch and the pipeline section); docs/search.md says why each key is compl
   The schedule and its number of micro-batches are not in it: they are combined afterwards
   (:mod:`tpplan.analysis.stagemem`), per candidate.
 - TP collectives (:func:`tpplan.analysis.tptrace.trace_tp`): keyed by tp, seq_len,
-  micro-batch, compute dtype, checkpointing mode and period. Accumulation, FSDP and
-  pipeline traffic are arithmetic on top, per candidate (``analyze_comm``).
+  micro-batch, compute dtype, checkpointing mode and period; past three micro-batch sizes,
+  extrapolated from them where checked affine (:func:`tpplan.analysis.batchtrace.
+  traced_in_batch`). Accumulation, FSDP and pipeline traffic are arithmetic on top, per
+  candidate (``analyze_comm``); a pipeline's stages are cached by
+  :mod:`tpplan.analysis.stagecomm` in :attr:`Evaluator.stages`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from .dryrun import DryRun, forget_meshes, run_analysis
 from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import StageIO
+from .batchtrace import traced_in_batch
 from .tptrace import trace_tp
 
 __all__ = ["Evaluator"]
@@ -104,8 +108,9 @@ class Evaluator:
         self.tp_traces: dict[tuple, Any] = {}
         self.units: dict[tuple, list] = {}
         self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
-        self.stages: dict[Any, Any] = {}  # pipeline_comm's cache of stages and their traces
         self.traces: Counter = Counter()
+        # pipeline_comm's cache of stages and their traces; it counts into ours
+        self.stages: dict[Any, Any] = {"counts": self.traces}
         self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
         self.params = {n for n, _ in self.model.named_parameters()}
         self._last: ParallelDims | None = None
@@ -251,16 +256,16 @@ class Evaluator:
 
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
+        # Keyed without the micro-batch: past three sizes, extrapolated from them where
+        # that is checked to hold (batchtrace.traced_in_batch).
         ac = plan.activation_checkpointing
         cp = plan.context_parallel
         key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,
-               micro_batch, dtype, ac.mode, ac.every)
-        if key not in self.tp_traces:
-            self.tp_traces[key] = trace_tp(plan, res, mesh, build, seq_len, micro_batch, dtype)
-            self.traces["tp"] += 1
-        else:
-            self.traces["tp_cached"] += 1
-        return self.tp_traces[key]
+               dtype, ac.mode, ac.every)
+        return traced_in_batch(
+            self.tp_traces, key, micro_batch, None,
+            lambda b, _: (trace_tp(plan, res, mesh, build, seq_len, b, dtype), None),
+            self.traces, "tp")[0]
 
 
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
