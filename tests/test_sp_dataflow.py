@@ -180,7 +180,7 @@ def _raising_forwards_give_back_what_they_swapped(mesh, mine):
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.parallel.expert_list import _local_call
+    from tpplan.parallel.expert_list import local_experts_call
     from tpplan.parallel.sequence_local import SequenceLocal
 
     block = parallelize_module(_Raises(), mesh, SequenceLocal())
@@ -201,7 +201,7 @@ def _raising_forwards_give_back_what_they_swapped(mesh, mine):
         assert list(experts._modules) == ["0", "1", "2"]  # seen from 0 inside the call
         raise RuntimeError("halfway")
     with pytest.raises(RuntimeError, match="halfway"):
-        _local_call(experts, boom)
+        local_experts_call(experts, boom)
     assert experts._modules == held
 
 

@@ -44,7 +44,7 @@ from ..plan.styles import EP_STYLES
 from .expert_forms import param_owner, call_form, list_expert_count
 
 __all__ = ["check_expert_list", "check_rules_inside_lists", "split_expert_list",
-           "gather_expert_lists", "is_split_list", "expert_list_groups"]
+           "gather_expert_lists", "is_split_list", "expert_list_groups", "local_experts_call"]
 
 
 def is_split_list(module: nn.Module) -> bool:
@@ -110,7 +110,7 @@ def check_rules_inside_lists(res, modules: dict[str, nn.Module]) -> None:
                            "stay whole on every tp rank, so drop this rule", rule.loc)
 
 
-def _local_call(module: nn.ModuleList, forward, *args, **kwargs):
+def local_experts_call(module: nn.ModuleList, forward, *args, **kwargs):
     """The list's own forward, seeing its local experts as ``self[0 .. E/ep - 1]``."""
     held = module._modules
     module.__dict__["_modules"] = {str(j): m for j, m in enumerate(held.values())}
@@ -146,7 +146,7 @@ def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: in
     module._tpplan_ep_mesh = mesh
     module._tpplan_ep_params = tuple(f"{e}.{n}" for e in mine for n in names)
     module.forward = functools.partial(ep_forward, module,
-                                       functools.partial(_local_call, module, module.forward),
+                                       functools.partial(local_experts_call, module, module.forward),
                                        mesh, num)
     return module
 
