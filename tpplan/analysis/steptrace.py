@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_plan, loss_context
 from ..parallel.context import shard_batch
+from ..parallel.pipeline import StageBuilder
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
@@ -200,7 +201,8 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
     spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
-    model = build()
+    # A stage's builder copies only the blocks kept (the cut below is then the same cut).
+    model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
     blocks = find_blocks(model)
     if depth is not None and blocks is not None:
         _truncate(model, blocks, depth)

@@ -41,6 +41,7 @@ from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.lora_sizes import checkpointed
 from ..parallel.mesh import ParallelDims
+from ..parallel.pipeline import StageBuilder
 from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
@@ -199,7 +200,8 @@ class Evaluator:
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
         ac = spec.activation_checkpointing
-        module = build()
+        # A stage's copy is only read here: left for the trace (StageBuilder.peek).
+        module = build.peek() if isinstance(build, StageBuilder) else build()
         stage = io and (io.first, io.last, io.received, _signature(module))
         # The whole step runs min(accumulation, 3) micro-batches. Its first forward is
         # read for its activations only, which no data-parallel split or accumulation
