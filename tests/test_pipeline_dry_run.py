@@ -364,7 +364,8 @@ def test_the_issue_405b_command_fits_80gb_per_stage_and_reports_the_bubble():
 
 
 @pytest.mark.parametrize("plan, overrides", [
-    (PLAN, ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16"]),
+    (PLAN, ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
+            "activation_checkpointing={mode: none}"]),
     (str(TEST_PLANS / "hf" / "llama-pp.yaml"), ["model.config.num_hidden_layers=32",
                                                 "train.seq_len=32",
                                                 "train.global_batch_size=8"]),
