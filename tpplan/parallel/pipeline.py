@@ -268,9 +268,8 @@ def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,
 
 class StageBuilder:
     """A new copy of ``stage``'s module (:func:`stage_module`) at each call, the first one
-    ``built`` where given (a copy made already and only read since); called with ``blocks``,
-    only the first ``blocks`` of its blocks are copied (a shallow trace runs no more, and a
-    deep stage's copy costs its blocks' modules)."""
+    ``built`` where given (made already, only read since); with ``blocks``, only the first
+    ``blocks`` of its blocks are copied (all a shallow trace runs: a block costs a copy)."""
 
     def __init__(self, model: nn.Module, stage: Stage, split: PipelineSplit,
                  built: nn.Module | None = None):
