@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PLANS
+from helpers import PLANS, TEST_PLANS
 
 import tpplan
 from tpplan.analysis import ANALYSES
@@ -361,3 +361,43 @@ def test_the_issue_405b_command_fits_80gb_per_stage_and_reports_the_bubble():
         assert 0 < r["peak"] < 80e9
     assert pipe["bubble_fraction"] == pytest.approx((p - 1) / m)
     assert pipe["bubble_closed_form"] == pytest.approx((p - 1) / m)
+
+
+@pytest.mark.parametrize("plan, overrides", [
+    (PLAN, ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
+            "activation_checkpointing={mode: none}"]),
+    (str(TEST_PLANS / "hf" / "llama-pp.yaml"), ["model.config.num_hidden_layers=32",
+                                                "train.seq_len=32",
+                                                "train.global_batch_size=8"]),
+])
+def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrides):
+    """A deep stage's shallow traces (the whole step at depths 4-6, the first forward at
+    1-3) build the stage with only those blocks copied (``StageBuilder``): each figure is
+    the one the whole stage, copied and then cut, gives."""
+    from tpplan.analysis.memory import first_forward, memory_per_rank
+    from tpplan.analysis.stagemem import stage_traces
+    from tpplan.models import build_model
+    from tpplan.parallel.pipeline import stage_module
+
+    def whole_copies(run):  # the stage copied whole at every build, the trace cutting it
+        def trace(spec, mesh, build, *args, **kwargs):
+            assert build.peek() is not None
+            return run(spec, mesh, lambda: stage_module(build.model, build.stage, build.split),
+                       *args, **kwargs)
+        return trace
+
+    out = {}
+
+    def traces(r) -> None:
+        spec, dims = r.plan.spec, r.resolution.dims
+        build = lambda: build_model(spec.model, "meta")  # noqa: E731
+        for run in (memory_per_rank, first_forward):
+            cut = stage_traces(spec, r.mesh, build, r.step, dims, run)[1:]
+            whole = stage_traces(spec, r.mesh, build, r.step, dims, whole_copies(run))[1:]
+            out[run.__name__] = cut, whole
+
+    r = dry_run(plan, 4, ["mesh.pp=2", "mesh.tp=2", *overrides], [("copies", traces)])
+    assert not r.errors and not r.analysis_errors, (r.errors, r.analysis_errors)
+    (mem, whole_mem), (first, whole_first) = out["memory_per_rank"], out["first_forward"]
+    assert all(m["traced"]["depths"] == [4, 5, 6] for m in mem[0].values())
+    assert mem == whole_mem and first == whole_first

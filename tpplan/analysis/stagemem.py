@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..models.introspect import find_blocks
 from ..parallel.mesh import ParallelDims
-from ..parallel.pipeline import PipelineSplit, split_stages, stage_module
+from ..parallel.pipeline import PipelineSplit, StageBuilder, split_stages, stage_module
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .memory import memory_per_rank
@@ -75,21 +75,10 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
         module = stage_module(whole, stage, split)
         blocks = find_blocks(module)
         n_blocks = len(module.get_submodule(blocks)) if blocks else 0
-        per_stage[stage.index] = trace(spec, mesh, _builder(whole, stage, split, module),
+        per_stage[stage.index] = trace(spec, mesh, StageBuilder(whole, stage, split, module),
                                        shape, n_blocks, blocks, io=io)
         boundary = boundary or io.sent
     return split, per_stage, boundary
-
-
-def _builder(whole: nn.Module, stage, split: PipelineSplit, built: nn.Module
-             ) -> Callable[[], nn.Module]:
-    """A new copy of ``stage``'s module at each call, the first one ``built`` (a copy made
-    already and only read since: each copy of a deep stage costs its blocks' modules)."""
-    fresh = [built]
-
-    def build() -> nn.Module:
-        return fresh.pop() if fresh else stage_module(whole, stage, split)
-    return build
 
 
 def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

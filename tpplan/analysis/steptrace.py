@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_plan, loss_context
 from ..parallel.context import shard_batch
+from ..parallel.pipeline import StageBuilder
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
@@ -192,15 +193,14 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     """Run the trainer's step for ``spec`` on fake tensors and return its moments by label.
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
-    the step); ``io``: ``build`` makes one pipeline stage, whose micro-batches run one after
-    another; ``first_forward``: only the warm-up and the first micro-batch's forward, up to
-    its ``end_forward`` mark (no optimizer state: what that forward saves, its
-    ``activations``, is the whole step's). Needs the dry run's fake process group up."""
+    the step, nor copied by a :class:`StageBuilder`); ``io``: ``build`` makes one pipeline
+    stage, its micro-batches run in turn; ``first_forward``: the warm-up and the first
+    micro-batch's forward only (no optimizer state). Needs the dry run's fake process group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
     spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
-    model = build()
+    model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
     blocks = find_blocks(model)
     if depth is not None and blocks is not None:
         _truncate(model, blocks, depth)

@@ -44,6 +44,7 @@ from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.lora_sizes import checkpointed
 from ..parallel.mesh import ParallelDims
+from ..parallel.pipeline import StageBuilder
 from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
@@ -225,7 +226,10 @@ class Evaluator:
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
-        module = build() if io is not None else None  # a whole model's is built if run
+        # A whole model's is built if run; a stage's copy is only read here, and left for
+        # the trace (StageBuilder.peek).
+        module = None if io is None else \
+            build.peek() if isinstance(build, StageBuilder) else build()
         stage = io and (io.first, io.last, io.received, _signature(module))
         common = self._key(spec, shape, blocks, cut, first)
         key = (*common, n_blocks, stage)

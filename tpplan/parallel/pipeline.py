@@ -21,7 +21,8 @@ from ..plan.errors import ErrorList, nearest
 from ..plan.pipeline import SCHEDULES
 from ..plan.specs import PipelineSpec, PlanSpec
 
-__all__ = ["PipelineSplit", "Stage", "StageBlocks", "split_stages", "stage_module", "stage_ranks"]
+__all__ = ["PipelineSplit", "Stage", "StageBlocks", "StageBuilder", "split_stages", "stage_module",
+           "stage_ranks"]
 
 
 class StageBlocks(nn.ModuleDict):
@@ -224,15 +225,18 @@ def _explicit(pipe: PipelineSpec, paths: list[str], errs: ErrorList) -> list[int
     return starts
 
 
-def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit) -> nn.Module:
+def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,
+                 keep: int | None = None) -> nn.Module:
     """A new root holding only what ``stage`` owns, copied from ``model`` (whose parts are
     left as they were): the modules around the blocks it does not own are ``None`` and the
     blocks container holds only its blocks under their whole-model keys
     (:class:`StageBlocks`). Only the owned parts are copied, so a meta model costs nothing
     and a real one costs what the stage holds. A model with a ``stage_forward`` (an HF
-    decoder) runs it on the stage in place of its own forward."""
+    decoder) runs it on the stage in place of its own forward. ``keep``: only the first
+    ``keep`` of the stage's blocks are copied (what a shallow trace of the stage runs: the
+    stage cut there after a whole copy, without copying the rest)."""
     owned = set(stage.extras)
-    mine = {p.rsplit(".", 1)[1] for p in stage.blocks}
+    mine = {p.rsplit(".", 1)[1] for p in stage.blocks[:keep]}
     edits: dict[str, nn.Module | None] = {p: None for p in split.first + split.last
                                           if p not in owned}
     container = model.get_submodule(split.blocks_path)
@@ -260,6 +264,29 @@ def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit) -> nn.Mod
     if forward is not None:
         out.__class__ = _stage_class(type(model), forward)
     return out
+
+
+class StageBuilder:
+    """A new copy of ``stage``'s module (:func:`stage_module`) at each call, the first one
+    ``built`` where given (made already, only read since); with ``blocks``, only the first
+    ``blocks`` of its blocks are copied (all a shallow trace runs: a block costs a copy)."""
+
+    def __init__(self, model: nn.Module, stage: Stage, split: PipelineSplit,
+                 built: nn.Module | None = None):
+        self.model, self.stage, self.split = model, stage, split
+        self.built = built
+
+    def peek(self) -> nn.Module:
+        """The whole stage, to be read only (the copy the next call hands out)."""
+        if self.built is None:
+            self.built = stage_module(self.model, self.stage, self.split)
+        return self.built
+
+    def __call__(self, blocks: int | None = None) -> nn.Module:
+        if self.built is not None:  # already paid for: cut by the caller where it must be
+            built, self.built = self.built, None
+            return built
+        return stage_module(self.model, self.stage, self.split, blocks)
 
 
 _STAGE_CLASSES: dict[tuple[type, object], type] = {}
