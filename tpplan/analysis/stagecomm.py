@@ -29,7 +29,7 @@ from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.pipeline import split_stages, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
 from ..plan import ErrorList
-from ..plan.pipeline import SCHEDULES
+from ..plan.pipeline import split_reads
 from ..plan.specs import ACSpec
 from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
@@ -67,8 +67,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     if "model" not in cache:
         cache["model"] = build_model(spec.model, "meta")
     whole = cache["model"]
-    skey = ("split", dims.pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape,
-            pipe.split if isinstance(pipe.split, str) else tuple(pipe.split))
+    skey = ("split", *split_reads(pipe, dims.pp))
     if skey not in cache:
         split = split_stages(whole, spec, dims.pp)
         split.errors.raise_if_any()

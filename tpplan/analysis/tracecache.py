@@ -48,7 +48,7 @@ from ..parallel.pipeline import StageBuilder
 from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
-from ..plan.pipeline import SCHEDULES
+from ..plan.pipeline import SCHEDULES, split_reads
 from ..plan.sections import require_model
 from ..plan.specs import ACSpec, PlanSpec
 from ..plan.step import StepShape
@@ -203,9 +203,8 @@ class Evaluator:
         spec, pipe = result.plan.spec, result.plan.spec.pipeline
         # A pipeline's stages and their activations: the probe's key less the stage (the
         # split gives it), and what the split reads (not the schedule's micro-batches).
-        stages = pipe and ("stages", self._key(spec, result.step, None, True, True), dims.pp,
-                           pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape,
-                           pipe.split if isinstance(pipe.split, str) else tuple(pipe.split))
+        stages = pipe and ("stages", self._key(spec, result.step, None, True, True),
+                           *split_reads(pipe, dims.pp))
         if stages in self.states:
             self.traces["first_forward_stages_cached"] += 1
         return memory_floor(result, functools.partial(self._memory, first=True), self.states,

@@ -18,7 +18,7 @@ from .reader import Reader
 from .specs import MeshSpec, PipelineSpec
 from .yamlio import LMap, LSeq
 
-__all__ = ["SCHEDULES", "Schedule", "check_microbatches", "parse_pipeline"]
+__all__ = ["SCHEDULES", "Schedule", "check_microbatches", "parse_pipeline", "split_reads"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,14 @@ def check_microbatches(name: str, microbatches: int, pp: int, stages: int) -> st
                     f"so microbatches must be a multiple of {rounds}, got {microbatches} "
                     f"(e.g. {microbatches // pp * pp} or {(microbatches // pp + 1) * pp})")
     return None
+
+
+def split_reads(pipe: PipelineSpec, pp: int) -> tuple:
+    """What the stage split (``parallel.pipeline.split_stages``) reads of a plan's pipeline
+    section at ``pp`` ranks, as a key: the stages per rank, whether the schedule lays them
+    out in a V, and the split points. Not the schedule's number of micro-batches."""
+    split = pipe.split if isinstance(pipe.split, str) else tuple(pipe.split)
+    return pp, pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape, split
 
 
 def parse_pipeline(doc: LMap, mesh: MeshSpec, compiled: bool, errs: ErrorList) -> PipelineSpec | None:
