@@ -175,7 +175,7 @@ class CollectiveRecorder(CommDebugMode):
             # operations table (input shapes, placements and ``str(device_mesh)`` for every
             # DTensor op, which at 1,024 ranks prints the mesh), which nothing here reads.
             # As it does: DTensor runs first, and its local ops come back here.
-            if any(t == DTensor for t in types):
+            if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
             return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
