@@ -217,19 +217,37 @@ def test_what_no_data_parallel_split_changes_bounds_every_split():
 
 def test_deep_stages_of_any_pp_share_their_shallow_traces():
     """Stages of 32 and 16 identical blocks (pp 2 and pp 4) are each traced at the same three
-    shallow depths: the second pp reuses the first's traces, and equals an uncached run."""
-    base = ["model.kwargs.n_layers=64", "train.seq_len=32", "train.global_batch_size=32",
+    shallow depths: the second pp reuses the first's traces. Stages of 8 blocks (pp 8),
+    which alone are traced whole, take them too once they are kept, as the first forwards
+    of 4-block stages (pp 16) take the three runs (depths 1, 2, 3) a deeper stage's kept.
+    Each equals an uncached run, which traces every block of the short stages."""
+    from tpplan.analysis.memfloor import memory_floor
+
+    base = ["model.kwargs.n_layers=64", "train.seq_len=32", "train.global_batch_size=64",
             "activation_checkpointing={mode: none}"]
-    sets = [["mesh={pp: 2, dp_replicate: 4, dp_shard: 2, tp: 2}",
-             "pipeline={schedule: 1f1b, microbatches: 4}"],
-            ["mesh={pp: 4, dp_replicate: 2, dp_shard: 2, tp: 2}",
-             "pipeline={schedule: 1f1b, microbatches: 8}"]]
-    ev, results = _evaluated(base, 32, sets)
+    # One micro-batch of one sequence, 3 of them traced, dp_shard 2 under dp_replicate.
+    sets = [[f"mesh={{pp: {pp}, dp_replicate: {16 // pp}, dp_shard: 2, tp: 2}}",
+             f"pipeline={{schedule: 1f1b, microbatches: {2 * pp}}}"] for pp in (2, 4, 8)]
+    ev, results = _evaluated(base, 64, sets)
     assert all(r.extra["memory_per_rank"]["traced"]["depths"] == [4, 5, 6] for r in results)
-    cached = [_comparable(r) for r in results]
-    assert ev.traces["memory_from_shallow"] >= 1
-    # The second is the one served from the first's traces (the first is traced as any is).
-    assert cached[1] == _comparable(dry_run(PLAN, 32, base + sets[1], ANALYSES))
+    assert ev.traces["memory_from_shallow"] >= 2
+    # The second and third are the ones served from the first's traces.
+    for s, r in zip(sets[1:], results[1:]):
+        real = dry_run(PLAN, 64, base + s, ANALYSES)
+        if s is sets[2]:
+            assert real.extra["memory_per_rank"]["traced"]["depths"] == []  # every block
+        got, want = _comparable(r), _comparable(real)
+        assert {k: v for k, v in got[0].items() if k != "traced"} == \
+            {k: v for k, v in want[0].items() if k != "traced"} and got[1:] == want[1:], s
+    floors = [sets[0], ["mesh={pp: 16, dp_replicate: 2, dp_shard: 1, tp: 2}",
+                        "pipeline={schedule: 1f1b, microbatches: 32}"]]
+    ev = Evaluator(PLAN, base, 64)
+    with fake_process_group(64):
+        for s in floors:  # micro-batches of one sequence each: one key
+            r = ev.check(s)
+            before = ev.traces["first_forward_from_shallow"]
+            assert ev.floor(r) == memory_floor(r), s
+        assert ev.traces["first_forward_from_shallow"] == before + 2  # pp 16's first and last
 
 
 LORA = ('lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", "layers.*.feed_forward.{w1,w2,w3}"], '

@@ -5,8 +5,9 @@ step of the plan (TP, activation checkpointing, FSDP2, gradient accumulation wit
 until the last micro-batch, AdamW) on fake tensors at the plan's world size, and
 :class:`~tpplan.analysis.memtrace.MemoryTracker` follows every storage the step holds.
 
-Deep models (more than 15k blocks) are traced at depths 4k, 5k and 6k of their identical
-repeated blocks (k = 1, or the period of selective checkpointing). Every labelled moment (in
+Deep models (more than 15k blocks; 6k where ``search``'s cache holds those three traces of
+an alike model already) are traced at depths 4k, 5k and 6k of their identical repeated
+blocks (k = 1, or the period of selective checkpointing). Every labelled moment (in
 one of the first or last 2k blocks, in a module outside the blocks, a mark) is then affine
 in depth, and is extrapolated to the model's depth when the three traces show it is (the
 same check as the TP trace); otherwise every block is traced. Moments in the blocks between
@@ -104,21 +105,38 @@ def kept_traces(shallow: tuple[dict, object] | None, io: StageIO | None,
     return traces
 
 
-def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
-                   ) -> list[int] | None:
-    """The depths of the three shallow traces for a model of ``n_blocks`` blocks, or None
-    when it is traced whole (three shallow traces cost 15k blocks: deeper models pay)."""
+def _depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool, first: int,
+            worth: int, kept: bool) -> list[int] | None:
+    """``first``, ``first + 1`` and ``first + 2`` periods (k: 1, or selective
+    checkpointing's period) for a model of ``n_blocks`` blocks, or None where it is traced
+    whole: at most ``worth`` periods deep, running it whole costs less than three shallow
+    traces, unless those are ``kept`` already (a cache holds them), where any model at least
+    as deep as the deepest of them takes them (the extrapolation is the same arithmetic)."""
     ac = spec.activation_checkpointing
     k = ac.every if ac.enabled else 1
-    if cut and blocks is not None and n_blocks > 15 * k and n_blocks % k == 0:
-        return [4 * k, 5 * k, 6 * k]
+    least = (first + 2) * k if kept else worth * k + 1
+    if cut and blocks is not None and n_blocks >= least and n_blocks % k == 0:
+        return [first * k, (first + 1) * k, (first + 2) * k]
     return None
+
+
+def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
+                   kept: bool = False) -> list[int] | None:
+    """The depths of the three shallow traces for a model of ``n_blocks`` blocks, or None
+    when it is traced whole (three shallow traces cost 15k blocks: deeper models pay; with
+    ``kept``, the three are cached already and every model of 6k blocks or more takes them)."""
+    return _depths(spec, n_blocks, blocks, cut, 4, 15, kept)
+
+
+def _kept(shallow: tuple[dict, object] | None) -> bool:
+    """Whether ``shallow = (cache, key)`` holds its traces already."""
+    return shallow is not None and shallow[1] in shallow[0]
 
 
 def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
            shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
-    depths = shallow_depths(spec, n_blocks, blocks, cut)
+    depths = shallow_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build()):  # else the first blocks tell not all
         traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
                                                    for d in depths])
@@ -144,7 +162,7 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
         m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
         return m.parts["activations"]
 
-    depths = first_depths(spec, n_blocks, blocks, cut)
+    depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build()):
         a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
         if a3 - a2 == a2 - a1:
@@ -152,15 +170,12 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     return acts(None)
 
 
-def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
-                 ) -> list[int] | None:
+def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
+                 kept: bool = False) -> list[int] | None:
     """:func:`first_forward`'s three depths, k, 2k and 3k, or None where it runs every
-    block (a model of at most 6k blocks)."""
-    ac = spec.activation_checkpointing
-    k = ac.every if ac.enabled else 1
-    if cut and blocks is not None and n_blocks > 6 * k and n_blocks % k == 0:
-        return [k, 2 * k, 3 * k]
-    return None
+    block (a model of at most 6k blocks; with ``kept``, the three runs cached already: one
+    of fewer than 3k)."""
+    return _depths(spec, n_blocks, blocks, cut, 1, 6, kept)
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

@@ -237,10 +237,15 @@ class Evaluator:
             module = build() if module is None else module
             # The three shallow traces of a deep model or stage read its first 6k blocks
             # and what is around them: shared by every depth (pipeline stages of any pp).
-            depths = first_depths(spec, n_blocks, blocks, cut) if first else \
-                shallow_depths(spec, n_blocks, blocks, cut)
+            # Any depth from the shallowest that takes them (the deepest traced) shares
+            # them: a shorter alike model or stage reuses them where they are kept already.
+            depths = first_depths(spec, n_blocks, blocks, cut, True) if first else \
+                shallow_depths(spec, n_blocks, blocks, cut, True)
             shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
                                                  _signature(module, blocks, depths[-1])))
+            if shallow and shallow[1] not in self.shallow:  # the usual rule: worth tracing?
+                depths = first_depths(spec, n_blocks, blocks, cut) if first else \
+                    shallow_depths(spec, n_blocks, blocks, cut)
             before = len(self.shallow)
             run = first_forward if first else memory_per_rank
             out = run(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
