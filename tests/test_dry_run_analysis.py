@@ -239,11 +239,14 @@ def test_colwise_feeding_colwise_is_flagged_with_its_gathers():
                                      "reduce_scatter (backward)": layers}
 
 
-@pytest.mark.parametrize("plan, ac", [
-    ("llama.yaml", "{mode: none}"), ("llama-tp.yaml", "{mode: full}"),
-    ("llama.yaml", "{mode: selective, every: 2}"),
+@pytest.mark.parametrize("plan, ac, layers", [
+    ("llama.yaml", "{mode: none}", 12), ("llama-tp.yaml", "{mode: full}", 12),
+    ("llama.yaml", "{mode: selective, every: 2}", 12),
+    # a period that does not divide the depth: r, r + k, r + 2k blocks
+    ("llama.yaml", "{mode: selective, every: 2}", 13),
+    ("llama-tp.yaml", "{mode: selective, every: 3}", 11),
 ])
-def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac):
+def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan, ac, layers):
     def whole(result) -> None:  # the same trace, every block run
         spec, res, step = result.plan.spec, result.report.resolution, result.step
         result.extra["whole"] = trace_tp(spec, res, result.mesh,
@@ -251,7 +254,7 @@ def test_tracing_three_blocks_and_extrapolating_equals_tracing_every_block(plan,
                                          step.micro_batch, torch_dtype(step.param_dtype),
                                          extrapolate=False)
 
-    overrides = ["model.kwargs.n_layers=12", f"activation_checkpointing={ac}"]
+    overrides = [f"model.kwargs.n_layers={layers}", f"activation_checkpointing={ac}"]
     result = dry_run(str(PLANS / plan), 8, overrides, COMM + [("whole", whole)])
     assert result.ok, (result.errors, result.analysis_errors)
     cut, every = result.tp_trace, result.extra["whole"]

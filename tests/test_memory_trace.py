@@ -7,7 +7,7 @@ import pytest
 from helpers import PLANS
 
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.memory import memory_per_rank
+from tpplan.analysis.memory import first_forward, memory_per_rank
 from tpplan.models import build_model
 
 
@@ -36,3 +36,40 @@ def test_tracing_three_depths_and_extrapolating_equals_tracing_every_block(ac, l
                 "accumulated_gradients", "activations", "transients", "peak", "at_peak",
                 "peak_at"):
         assert cut[key] == every[key], key
+
+
+@pytest.mark.parametrize("every, layers", [(1, 9), (2, 13), (3, 20)])
+def test_a_first_forward_at_three_depths_equals_running_every_block(every, layers, monkeypatch):
+    """The first forward (the memory floor's probe) run at three shallow depths and
+    extrapolated equals running every block, where k divides the depth and where it
+    leaves a remainder (13 blocks, every second checkpointed: depths 1, 3, 5; 20 blocks,
+    every third: 2, 5, 8)."""
+    import tpplan.analysis.memory as memory
+
+    depths = []
+    run = memory.trace_step
+
+    def counting(spec, mesh, build, shape, depth=None, *args, **kwargs):
+        depths.append(depth)
+        return run(spec, mesh, build, shape, depth, *args, **kwargs)
+
+    monkeypatch.setattr(memory, "trace_step", counting)
+
+    def both(result) -> None:
+        spec, step = result.plan.spec, result.step
+
+        def build():
+            return build_model(spec.model, "meta")
+
+        result.extra["both"] = [first_forward(spec, result.mesh, build, step, layers,
+                                              "layers", cut) for cut in (True, False)]
+
+    ac = "{mode: none}" if every == 1 else f"{{mode: selective, every: {every}}}"
+    overrides = [f"model.kwargs.n_layers={layers}", f"activation_checkpointing={ac}",
+                 "train.seq_len=8", "train.micro_batch_size=1", "train.global_batch_size=6"]
+    result = dry_run(str(PLANS / "llama.yaml"), 4, overrides, [("both", both)])
+    assert result.ok, (result.errors, result.analysis_errors)
+    cut, every_block = result.extra["both"]
+    assert cut == every_block > 0
+    start = layers % every or every
+    assert depths == [start, start + every, start + 2 * every, None], depths

@@ -106,17 +106,26 @@ def kept_traces(shallow: tuple[dict, object] | None, io: StageIO | None,
 
 
 def _depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool, first: int,
-            worth: int, kept: bool) -> list[int] | None:
+            worth: int, kept: bool, remainder: bool = False) -> list[int] | None:
     """``first``, ``first + 1`` and ``first + 2`` periods (k: 1, or selective
     checkpointing's period) for a model of ``n_blocks`` blocks, or None where it is traced
     whole: at most ``worth`` periods deep, running it whole costs less than three shallow
     traces, unless those are ``kept`` already (a cache holds them), where any model at least
-    as deep as the deepest of them takes them (the extrapolation is the same arithmetic)."""
+    as deep as the deepest of them takes them (the extrapolation is the same arithmetic).
+    With ``remainder``, a depth that k does not divide (a stage of odd length under
+    checkpointing of every second block) takes its remainder r on top of ``first - 1``,
+    ``first`` and ``first + 1`` periods: each shallow model ends as it does, its
+    checkpointed blocks at the same places counted from the first, a period more each."""
     ac = spec.activation_checkpointing
     k = ac.every if ac.enabled else 1
-    least = (first + 2) * k if kept else worth * k + 1
-    if cut and blocks is not None and n_blocks >= least and n_blocks % k == 0:
-        return [first * k, (first + 1) * k, (first + 2) * k]
+    r = n_blocks % k
+    if r and not remainder:
+        return None
+    start = r + (first - 1) * k if r else first * k
+    depths = [start, start + k, start + 2 * k]
+    least = depths[-1] if kept else worth * k + 1
+    if cut and blocks is not None and n_blocks >= least:
+        return depths
     return None
 
 
@@ -154,8 +163,9 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     what one forward saves for backward, with its logits and loss. Only the warm-up and
     that forward run (:func:`trace_step` with ``first_forward``). A model of more than 6k
     identical blocks is run at depths k, 2k and 3k (k = 1, or the period of selective
-    checkpointing) and the bytes extrapolated when the three are affine in depth (each
-    block saves its own; else every block is run). Arguments as :func:`memory_per_rank`'s
+    checkpointing; r, r + k, r + 2k where k leaves a remainder r) and the bytes
+    extrapolated when the three are affine in depth (each block saves its own; else every
+    block is run). Arguments as :func:`memory_per_rank`'s
     (``shallow`` keeps the three runs for any depth)."""
     def acts(depth: int | None) -> int:
         moments = trace_step(spec, mesh, build, shape, depth, io, first_forward=True)
@@ -166,16 +176,16 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     if depths and same_in_every_block(spec, build()):
         a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
         if a3 - a2 == a2 - a1:
-            return a1 + (n_blocks // depths[0] - 1) * (a2 - a1)
+            return a1 + (n_blocks - depths[0]) // (depths[1] - depths[0]) * (a2 - a1)
     return acts(None)
 
 
 def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
                  kept: bool = False) -> list[int] | None:
-    """:func:`first_forward`'s three depths, k, 2k and 3k, or None where it runs every
-    block (a model of at most 6k blocks; with ``kept``, the three runs cached already: one
-    of fewer than 3k)."""
-    return _depths(spec, n_blocks, blocks, cut, 1, 6, kept)
+    """:func:`first_forward`'s three depths, k, 2k and 3k (r, r + k and r + 2k where k
+    leaves a remainder r), or None where it runs every block (a model of at most 6k blocks;
+    with ``kept``, the three runs cached already: one as deep as the deepest of them)."""
+    return _depths(spec, n_blocks, blocks, cut, 1, 6, kept, remainder=True)
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

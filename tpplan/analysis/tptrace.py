@@ -10,7 +10,8 @@ blocks (same module types, parameter shapes and plan rules) every block receives
 in the layout the previous one produced, so the count is affine in depth:
 ``c(L) = c(1) + (L-1)·(c(2)-c(1))``. The third trace checks that (``c(3)-c(2) = c(2)-c(1)``);
 if it does not hold, or the blocks differ, the whole model is traced instead. Selective
-checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same way.
+checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same way
+(r, r + k, r + 2k where k leaves a remainder r of the depth).
 """
 
 from __future__ import annotations
@@ -218,9 +219,13 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         # Selective checkpointing of every k-th block repeats with period k, not 1.
         ac = plan.activation_checkpointing
         period = ac.every
-        if depth % period or depth < 3 * period:
+        # A depth that the period does not divide (a stage of odd length under every
+        # second block checkpointed) ends as the shallow ones do: its remainder r on top of
+        # 0, 1 and 2 periods, its checkpointed blocks at the same places from the first.
+        r = depth % period
+        depths = [r, r + period, r + 2 * period] if r else [period, 2 * period, 3 * period]
+        if depth < depths[-1]:
             return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
-        depths = [period, 2 * period, 3 * period]
 
         def shallow_runs() -> list[Counter]:
             # Cut before applying TP: the blocks past the traced ones are never run.
@@ -233,12 +238,13 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
                 out.append(_run(model, plan, tokens, groups, io))
             return out
 
-        traced = kept_traces(shallow, io, shallow_runs)
+        # The remainder is part of the key: a stage of even length runs other depths.
+        traced = kept_traces(shallow and (shallow[0], (shallow[1], r)), io, shallow_runs)
         c1, c2, c3 = traced
         keys = set(c1) | set(c2) | set(c3)
         delta = {k: c2[k] - c1[k] for k in keys}
         if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
             log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
             return TPTrace(_run(prepared(build()), plan, tokens, groups, io), [], None)
-        total = Counter({k: c1[k] + (depth // period - 1) * delta[k] for k in keys})
+        total = Counter({k: c1[k] + (depth - depths[0]) // period * delta[k] for k in keys})
         return TPTrace(+total, depths, path)
