@@ -401,3 +401,52 @@ def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrid
     (mem, whole_mem), (first, whole_first) = out["memory_per_rank"], out["first_forward"]
     assert all(m["traced"]["depths"] == [4, 5, 6] for m in mem[0].values())
     assert mem == whole_mem and first == whole_first
+
+
+def test_a_stage_of_odd_length_under_selective_checkpointing_is_extrapolated_exactly():
+    """A stage of 13 blocks with every second one checkpointed: its first forward and its
+    TP collectives (first and last stage, the last taking the first's activation) run at
+    depths 1, 3 and 5 (the remainder on top of 0, 1, 2 periods) and equal running every
+    block of the stage."""
+    from tpplan.analysis.memory import first_forward
+    from tpplan.analysis.stagemem import stage_traces
+    from tpplan.analysis.steptrace import StageIO
+    from tpplan.analysis.tptrace import trace_tp
+    from tpplan.models import build_model
+    from tpplan.parallel.pipeline import split_stages, stage_module
+    from tpplan.parallel.resolve import resolve
+
+    out = {}
+
+    def traces(r) -> None:
+        spec, dims, step = r.plan.spec, r.resolution.dims, r.step
+        build = lambda: build_model(spec.model, "meta")  # noqa: E731
+        whole = lambda *a, **k: first_forward(*a, **k, cut=False)  # noqa: E731
+        out["first"] = [stage_traces(spec, r.mesh, build, step, dims, run)[1]
+                        for run in (first_forward, whole)]
+        model = build()
+        split = split_stages(model, spec, dims.pp)
+        received = None
+        for stage in split.stages:
+            module = stage_module(model, stage, split)
+            res = resolve(spec, module, dims.world_size, stage=True)
+            res.dims = dims
+            counts = []
+            for extrapolate in (True, False):
+                io = StageIO(stage.index == 0, stage.index == 1, received)
+                t = trace_tp(spec, res, r.mesh, lambda s=stage: stage_module(model, s, split),
+                             step.seq_len, step.micro_batch, torch.float32, extrapolate, io)
+                counts.append((t.depths, t.counts))
+            received = received or io.sent
+            out[stage.index] = counts
+
+    r = dry_run(PLAN, 4, ["mesh.pp=2", "mesh.tp=2", "model.kwargs.n_layers=26",
+                          "train.seq_len=32", "train.global_batch_size=16",
+                          "activation_checkpointing={mode: selective, every: 2}"],
+                [("odd", traces)])
+    assert not r.errors and not r.analysis_errors, (r.errors, r.analysis_errors)
+    cut, whole = out["first"]
+    assert cut == whole and len(cut) == 2
+    for index in (0, 1):
+        (depths, counts), (none, every) = out[index]
+        assert depths == [1, 3, 5] and none == [] and counts == every
