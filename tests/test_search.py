@@ -8,8 +8,6 @@ import copy
 import dataclasses
 import json
 
-import pytest
-
 from helpers import PLANS
 
 from tpplan.analysis import ANALYSES
@@ -259,37 +257,37 @@ def test_a_plans_lora_is_taken_as_given():
         assert real.checkpoint_bytes < full.checkpoint_bytes / 2
 
 
-@pytest.mark.parametrize("extra", [
-    'lora={targets: ["layers.{0,1,20}.attention.{wq,wv}"], rank: 8}',  # some blocks: whole
-    'freeze=["layers.{3,4}"]',  # the first stage's blocks not alike, the second's alike
-])
-def test_stages_with_lora_or_freeze_on_some_blocks_equal_uncached(extra):
-    """Deep stages (16 blocks each) of a plan whose LoRA or freeze differs between blocks:
-    the cache reads each stage in place (its blocks, its key, whether its blocks are
-    alike, without a copy), and its memory, communication and first-forward floor equal
-    an uncached dry run's; the second layout is served from the first's stages."""
+def test_stages_with_frozen_blocks_in_one_stage_equal_uncached():
+    """Deep stages (16 blocks each) where ``freeze`` takes two blocks of the first stage:
+    its blocks are not alike (traced whole), the second stage's are (shallow traces). The
+    cache reads each stage in place (its blocks, its keys, whether its blocks are alike,
+    without a copy); the second schedule, served from the first's stages, has the memory,
+    communication and first-forward floor of uncached runs."""
     from tpplan.analysis.memfloor import memory_floor
     from tpplan.models import build_model
 
     base = ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
-            "activation_checkpointing={mode: none}", extra]
-    sets = [["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
-             "pipeline={schedule: 1f1b, microbatches: 4}"],
-            ["mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",
-             "pipeline={schedule: gpipe, microbatches: 4}"]]
-    ev, results = _evaluated(base, 8, sets)
-    assert ev.traces["memory_cached"] >= 1 and ev.traces["stage_tp_cached"] >= 1, ev.traces
-    for s, r in zip(sets, results):
-        real = dry_run(PLAN, 8, base + s, ANALYSES)
-        assert _comparable(r) == _comparable(real), s
-        # The floor through the cache, against one run afresh on a model of its own.
+            "activation_checkpointing={mode: none}", 'freeze=["layers.{3,4}"]']
+    sets = [["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}", f"pipeline={{schedule: {s}, "
+             "microbatches: 4}"] for s in ("1f1b", "gpipe")]
+    ev = Evaluator(PLAN, base, 8)
+    floors = []
+    with fake_process_group(8):
+        for s in sets:
+            r = ev.check(s)
+            floors.append(ev.floor(r))
+            ev.memory(r)
+            ev.comm(r)
+        # The second layout's floor, from the first's stages, against one run afresh on a
+        # model of its own.
         fresh = copy.copy(r)
         fresh.model = build_model(r.plan.spec.model, "meta")
-        with fake_process_group(8):
-            r.mesh = fresh.mesh = ev._mesh(r.resolution.dims)
-            floor = ev.floor(r)
-            assert floor == memory_floor(fresh), s
-        assert 0 < floor <= real.extra["memory_per_rank"]["peak"]
+        assert floors[-1] == memory_floor(fresh)
+    assert ev.traces["memory_cached"] >= 1 and ev.traces["stage_tp_cached"] >= 1, ev.traces
+    assert ev.traces["first_forward_stages_cached"] == 1, ev.traces
+    real = dry_run(PLAN, 8, base + sets[1], ANALYSES)  # the one served from the cache
+    assert r.ok and _comparable(r) == _comparable(real)
+    assert 0 < floors[-1] <= real.extra["memory_per_rank"]["peak"]
 
 
 def test_the_first_forward_bounds_the_traced_peak():
