@@ -377,7 +377,8 @@ def test_the_issue_405b_command_fits_80gb_per_stage_and_reports_the_bubble():
 def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrides):
     """A deep stage's shallow traces (the whole step at depths 4-6, the first forward at
     1-3) build the stage with only those blocks copied (``StageBuilder``): each figure is
-    the one the whole stage, copied and then cut, gives."""
+    the one the whole stage, copied and then cut, gives (a stage whose blocks ``freeze``
+    takes differently: every block traced, as from a whole copy)."""
     from tpplan.analysis.memory import first_forward, memory_per_rank
     from tpplan.analysis.stagemem import stage_traces
     from tpplan.models import build_model
