@@ -369,19 +369,24 @@ def test_the_issue_405b_command_fits_80gb_per_stage_and_reports_the_bubble():
     (str(TEST_PLANS / "hf" / "llama-pp.yaml"), ["model.config.num_hidden_layers=32",
                                                 "train.seq_len=32",
                                                 "train.global_batch_size=8"]),
+    # frozen blocks in the first stage only (read off the stage in place): its every block
+    # traced, from a whole copy; the second stage's shallow
+    (PLAN, ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
+            "activation_checkpointing={mode: none}", 'freeze=["layers.{2,3}"]']),
 ])
 def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrides):
     """A deep stage's shallow traces (the whole step at depths 4-6, the first forward at
     1-3) build the stage with only those blocks copied (``StageBuilder``): each figure is
-    the one the whole stage, copied and then cut, gives."""
+    the one the whole stage, copied and then cut, gives (a stage whose blocks ``freeze``
+    takes differently: every block traced, as from a whole copy)."""
     from tpplan.analysis.memory import first_forward, memory_per_rank
     from tpplan.analysis.stagemem import stage_traces
     from tpplan.models import build_model
-    from tpplan.parallel.pipeline import stage_module
+    from tpplan.parallel.pipeline import StageBuilder, stage_module
 
     def whole_copies(run):  # the stage copied whole at every build, the trace cutting it
         def trace(spec, mesh, build, *args, **kwargs):
-            assert build.peek() is not None
+            assert isinstance(build, StageBuilder)
             return run(spec, mesh, lambda: stage_module(build.model, build.stage, build.split),
                        *args, **kwargs)
         return trace
@@ -399,7 +404,9 @@ def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrid
     r = dry_run(plan, 4, ["mesh.pp=2", "mesh.tp=2", *overrides], [("copies", traces)])
     assert not r.errors and not r.analysis_errors, (r.errors, r.analysis_errors)
     (mem, whole_mem), (first, whole_first) = out["memory_per_rank"], out["first_forward"]
-    assert all(m["traced"]["depths"] == [4, 5, 6] for m in mem[0].values())
+    frozen = any(o.startswith("freeze") for o in overrides)
+    assert [m["traced"]["depths"] for m in mem[0].values()] == \
+        [[] if frozen and i == 0 else [4, 5, 6] for i in mem[0]]
     assert mem == whole_mem and first == whole_first
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import tpplan
 from tpplan.models import build_model
-from tpplan.parallel.pipeline import StageBlocks, split_stages, stage_module, stage_ranks
+from tpplan.models.introspect import find_blocks
+from tpplan.parallel.lora_sizes import same_in_every_block
+from tpplan.parallel.pipeline import (StageBlocks, StageBuilder, split_stages, stage_module, stage_ranks,
+                                      stage_view)
 from tpplan.plan import PlanErrors
 
 PLAN_3D = "plans/llama-3d.yaml"
@@ -143,6 +147,63 @@ def test_stage_module_keeps_whole_model_names_on_meta(root):
         assert (part.output is None) == (stage.index != 3)
     assert seen == whole
     assert {n for n, _ in model.named_parameters()} == whole  # the whole model is left whole
+
+
+class _KeyedBlocks(nn.Module):
+    """Blocks in a ModuleDict under their own keys, between an embedding and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.layers = nn.ModuleDict({f"b{i}": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+                                     for i in range(6)})
+        self.output = nn.Linear(8, 16, bias=False)
+
+
+def _structure(module: nn.Module) -> list:
+    """Every module below the root (a copy's root may be a ``stage_forward`` class), with
+    its own parameters' names, shapes and dtypes, in order."""
+    return [(n, type(m).__name__, [(k, tuple(p.shape), p.dtype)
+                                   for k, p in m.named_parameters(recurse=False)])
+            for n, m in module.named_modules() if n]
+
+
+LORA_SOME = 'lora={targets: ["layers.0.attention.{wq,wv}", "model.layers.0.self_attn.q_proj"], rank: 4}'
+
+
+@pytest.mark.parametrize("which", ["llama", "hf", "keyed"])
+def test_a_stage_view_reads_what_the_stage_copy_holds(root, which):
+    """``stage_view`` (what the dry run and ``search`` read a stage's blocks, cache key and
+    LoRA choice from, without a copy) holds the modules, parameters and blocks of
+    :func:`stage_module`'s copy of each stage, cut (``keep``) or not, LoRA on the first
+    block alike; and the whole model is put back as it was, also when the reader raises."""
+    overrides = ["model.kwargs.n_layers=6", LORA_SOME]
+    if which == "hf":
+        pytest.importorskip("transformers")
+        plan = tpplan.load(str(root / "tests/plans/hf/llama-pp.yaml"),
+                           ["model.config.num_hidden_layers=6", LORA_SOME])
+    else:
+        plan = tpplan.load(str(root / PLAN_3D), overrides)
+    model = _KeyedBlocks() if which == "keyed" else build_model(plan.model, device="meta")
+    before = [(n, id(m)) for n, m in model.named_modules()]
+    split = split_stages(model, plan.spec, 2)
+    assert not split.errors and len(split.stages) >= 2
+    alike = []
+    for stage in split.stages:
+        for keep in (None, 1):
+            part = stage_module(model, stage, split, keep)
+            with stage_view(model, stage, split, keep) as view:
+                assert _structure(view) == _structure(part)
+                assert find_blocks(view) == find_blocks(part)
+            assert [(n, id(m)) for n, m in model.named_modules()] == before
+        build = StageBuilder(model, stage, split)
+        alike.append(same_in_every_block(plan.spec, build))
+        assert alike[-1] == same_in_every_block(plan.spec, stage_module(model, stage, split))
+        with pytest.raises(KeyError):
+            build.read(lambda m: m.get_submodule(split.blocks_path)["nothing"])
+        assert [(n, id(m)) for n, m in model.named_modules()] == before
+    if which != "keyed":  # LoRA on the first block only: its stage's blocks are not alike
+        assert alike[0] is False and alike[-1] is True
 
 
 def test_a_stage_runs_the_model_forward_unchanged():

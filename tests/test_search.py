@@ -4,6 +4,7 @@ lines giving ``validate`` the same memory and estimate."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -272,6 +273,39 @@ def test_a_plans_lora_is_taken_as_given():
         for part in ("gradients", "optimizer"):
             assert real.extra["memory_per_rank"][part] < full.extra["memory_per_rank"][part] / 2
         assert real.checkpoint_bytes < full.checkpoint_bytes / 2
+
+
+def test_stages_with_frozen_blocks_in_one_stage_equal_uncached():
+    """Deep stages (16 blocks each) where ``freeze`` takes two blocks of the first stage:
+    its blocks are not alike (traced whole), the second stage's are (shallow traces). The
+    cache reads each stage in place (its blocks, its keys, whether its blocks are alike,
+    without a copy); the second schedule, served from the first's stages, has the memory,
+    communication and first-forward floor of uncached runs."""
+    from tpplan.analysis.memfloor import memory_floor
+    from tpplan.models import build_model
+
+    base = ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
+            "activation_checkpointing={mode: none}", 'freeze=["layers.{3,4}"]']
+    sets = [["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}", f"pipeline={{schedule: {s}, "
+             "microbatches: 4}"] for s in ("1f1b", "gpipe")]
+    ev = Evaluator(PLAN, base, 8)
+    floors = []
+    with fake_process_group(8):
+        for s in sets:
+            r = ev.check(s)
+            floors.append(ev.floor(r))
+            ev.memory(r)
+            ev.comm(r)
+        # The second layout's floor, from the first's stages, against one run afresh on a
+        # model of its own.
+        fresh = copy.copy(r)
+        fresh.model = build_model(r.plan.spec.model, "meta")
+        assert floors[-1] == memory_floor(fresh)
+    assert ev.traces["memory_cached"] >= 1 and ev.traces["stage_tp_cached"] >= 1, ev.traces
+    assert ev.traces["first_forward_stages_cached"] == 1, ev.traces
+    real = dry_run(PLAN, 8, base + sets[1], ANALYSES)  # the one served from the cache
+    assert r.ok and _comparable(r) == _comparable(real)
+    assert 0 < floors[-1] <= real.extra["memory_per_rank"]["peak"]
 
 
 def test_the_first_forward_bounds_the_traced_peak():

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch.nn as nn
+
 from ..models import build_model
 from ..parallel.fsdp_units import _parameters, tp_local_shape
 from ..plan.styles import EP_STYLES
@@ -48,18 +50,24 @@ from .memory import first_forward
 from .schedule import Action, _last_backward, rank_in_flight, schedule_actions
 from .stagemem import reported_ranks, stage_traces
 
-__all__ = ["memory_floor", "state_elements", "in_flight_beyond_one"]
+__all__ = ["memory_floor", "state_elements", "in_flight_beyond_one", "smallest_element"]
 
 
-def state_elements(result: DryRun, paths: tuple[str, ...] | None = None
-                   ) -> tuple[int, int, int]:
+def smallest_element(model: nn.Module) -> int:
+    """Bytes of the smallest parameter dtype of ``model`` (0 without parameters)."""
+    return min((p.element_size() for p in model.parameters()), default=0)
+
+
+def state_elements(result: DryRun, paths: tuple[str, ...] | None = None,
+                   params: list[tuple[str, tuple, bool]] | None = None) -> tuple[int, int, int]:
     """``(sharded, sharded trained, unsharded trained)``: elements per rank of the
     parameters' shards (FSDP2's over ``dp_shard × cp``, an expert's over ``efsdp``; none
     without FSDP), of the trained ones' shards (what AdamW keeps two moments of), and of
     the trained ones unsharded (the gradients FSDP2 keeps between micro-batches with
     gradient sync off). Each parameter at its TP-local shape (an expert at ``num_experts /
     ep`` of its experts), unpadded and rounded down: lower bounds. ``paths``: only the
-    parameters under these module paths (a pipeline stage's)."""
+    parameters under these module paths (a pipeline stage's); ``params``: the model's
+    :func:`_parameters` under the plan, where the caller has them already."""
     res, spec = result.resolved, result.plan.spec
     dims = res.dims
     modules = dict(result.model.named_modules())
@@ -68,7 +76,7 @@ def state_elements(result: DryRun, paths: tuple[str, ...] | None = None
     fsdp = spec.fsdp is not None
     prefixes = paths and tuple(p + "." for p in paths)
     sharded = trained = unsharded = 0
-    for name, shape, trains in _parameters(result.model, spec):
+    for name, shape, trains in params or _parameters(result.model, spec):
         if prefixes is not None and not name.startswith(prefixes):
             continue
         path = name.rpartition(".")[0]
@@ -109,23 +117,28 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     with its signature that answers the same (``search``'s cache: the activations it reads
     are the same for every data-parallel split and accumulation); ``cache``: a dict kept
     across the variants of one plan for :func:`state_elements` (keyed by the degrees it
-    reads) and, under a pipeline, for the stage split with each stage's activations, kept
-    under ``stages`` when given (a key the caller makes of everything ``probe`` and the
-    split read: ``search`` leaves out the schedule's number of micro-batches)."""
+    reads; the parameters and the smallest dtype once) and, under a pipeline, for the
+    stage split with each stage's activations, kept under ``stages`` when given (a key the
+    caller makes of everything ``probe`` and the split read: ``search`` leaves out the
+    schedule's number of micro-batches)."""
     spec, shape = result.plan.spec, result.step
     dims = result.resolved.dims
     accumulates = spec.fsdp is not None and shape.grad_accum > 1
-    size = min((p.element_size() for p in result.model.parameters()), default=0)
     reduce = compute_dtypes(result)[1].itemsize  # FSDP2 accumulates in the reduction dtype
     build = lambda: build_model(spec.model, "meta")  # noqa: E731
 
     cache = {} if cache is None else cache
+    # What the model and the plan's lora and freeze give, the same for every variant of a
+    # plan: the smallest parameter dtype, and the parameters with whether each trains.
+    if "model" not in cache:
+        cache["model"] = smallest_element(result.model), _parameters(result.model, spec)
+    size, params = cache["model"]
 
     def held(paths: tuple[str, ...] | None = None) -> tuple[int, int]:
         """(sharded state, + the unsharded gradients of the micro-batches before)."""
         key = (dims.tp, dims.ep, dims.dp_shard, dims.cp, paths)
         if key not in cache:
-            cache[key] = state_elements(result, paths)
+            cache[key] = state_elements(result, paths, params)
         sharded, trained, unsharded = cache[key]
         state = (sharded + 2 * trained) * size  # the shards and AdamW's two moments
         return state, state + unsharded * reduce * accumulates
@@ -136,7 +149,10 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     if stages is not None and stages in cache:
         split, per_stage = cache[stages]
     else:
-        split, per_stage, _ = stage_traces(spec, result.mesh, build, shape, dims, probe)
+        # The stages read in place from ``result``'s model (never applied; each copied by
+        # the probe only where it runs), not from one built for the split.
+        split, per_stage, _ = stage_traces(spec, result.mesh, lambda: result.model, shape,
+                                           dims, probe)
         if stages is not None:
             cache[stages] = split, per_stage
     pipe = spec.pipeline

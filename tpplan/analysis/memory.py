@@ -146,7 +146,7 @@ def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShap
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
            shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut, _kept(shallow))
-    if depths and same_in_every_block(spec, build()):  # else the first blocks tell not all
+    if depths and same_in_every_block(spec, build):  # else the first blocks tell not all
         traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
                                                    for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)
@@ -173,7 +173,7 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
         return m.parts["activations"]
 
     depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
-    if depths and same_in_every_block(spec, build()):
+    if depths and same_in_every_block(spec, build):
         a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
         if a3 - a2 == a2 - a1:
             return a1 + (n_blocks - depths[0]) // (depths[1] - depths[0]) * (a2 - a1)

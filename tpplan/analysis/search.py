@@ -38,6 +38,7 @@ from .candidates import Options, candidates
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
+from .memfloor import smallest_element
 from .stagemem import pipeline_schedule
 from .tracecache import Evaluator
 
@@ -83,18 +84,19 @@ def split_free(memory: dict[str, Any]) -> int:
     return sum(memory["at_peak"][p] for p in SPLIT_FREE)
 
 
-def sharded_state(result: DryRun, units: list | None) -> int:
+def sharded_state(result: DryRun, units: list | None, size: int | None = None) -> int:
     """A lower bound, from arithmetic alone, of the bytes every moment of ``result``'s step
     holds on its busiest rank: rank 0's padded FSDP2 shard of every unit (``units``, from
     shapes: :func:`tpplan.parallel.fsdp_units.unit_sizes`), in the smallest parameter dtype,
     and AdamW's two moments of each where every parameter is trained. 0 under a pipeline
-    (``units`` None: a stage's units are its own)."""
+    (``units`` None: a stage's units are its own). ``size``: that dtype's bytes, where the
+    caller has them (:func:`tpplan.analysis.memfloor.smallest_element`)."""
     if not units:
         return 0
     dims = result.resolution.dims
     shards = {"dp_shard": dims.dp_shard * dims.cp, "efsdp": dims.efsdp}
     elements = sum(u.elements // shards.get(u.mesh_dim, 1) for u in units)
-    size = min((p.element_size() for p in result.model.parameters()), default=0)
+    size = smallest_element(result.model) if size is None else size
     spec = result.plan.spec
     trained = spec.lora is None and not spec.freeze  # else AdamW holds only what is trained
     return elements * size * (3 if trained else 1)
@@ -126,6 +128,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     dropped: Counter = Counter()
     examples: dict[str, list[str]] = {}
     flops: list = []  # the model's FLOPs, the same for every candidate
+    size = smallest_element(ev.model)  # its smallest parameter dtype (every candidate's model)
 
     def drop(reason: str, c) -> None:
         dropped[reason] += 1
@@ -174,7 +177,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
             if level == 0 and not exhaustive:  # arithmetic alone, before any trace
-                if needed(sharded_state(r, ev.fsdp_units(r))) > device.memory:
+                if needed(sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
                     drop(f"does not fit {device.name} memory: its parameter shards and AdamW "
                          "state alone (arithmetic, nothing traced)", c)
                     continue
@@ -182,7 +185,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
                 # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
                 if not exhaustive and split in floors and \
-                        needed(floors[split] + sharded_state(r, ev.fsdp_units(r))) > device.memory:
+                        needed(floors[split] + sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
                     drop(f"does not fit {device.name} memory: the part no data-parallel "
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)

@@ -26,7 +26,7 @@ import torch
 from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_sizes
 from ..parallel.lora_sizes import same_in_every_block
-from ..parallel.pipeline import split_stages, stage_module
+from ..parallel.pipeline import StageBuilder, split_stages, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
 from ..plan import ErrorList
 from ..plan.pipeline import split_reads
@@ -96,7 +96,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
         def run(b: int, received: tuple | None, stage=stage, res=res, ends=ends,
                 io=(first, last)):
             return _trace(result, cache, (reads, ends[:3] if cache["alike", rkey] else ends),
-                          lambda: stage_module(whole, stage, split), res, b, dtype,
+                          StageBuilder(whole, stage, split), res, b, dtype,
                           StageIO(*io, received))
         trace, sent = traced_in_batch(cache, (reads, ends), shape.micro_batch, boundary, run,
                                       cache.get("counts"), "stage_tp")

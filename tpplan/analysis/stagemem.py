@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..models.introspect import find_blocks
 from ..parallel.mesh import ParallelDims
-from ..parallel.pipeline import PipelineSplit, StageBuilder, split_stages, stage_module
+from ..parallel.pipeline import PipelineSplit, StageBuilder, split_stages
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .memory import memory_per_rank
@@ -62,7 +62,9 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
                  ) -> tuple[PipelineSplit, dict[int, Any], tuple | None]:
     """``(split, per_stage, boundary)``: ``trace`` (:func:`memory_per_rank`'s signature) of
     each stage of the :func:`reported_ranks`, by stage index, each stage taking the
-    activation the first one sends (``boundary``: its shape and dtype, None for one stage)."""
+    activation the first one sends (``boundary``: its shape and dtype, None for one stage).
+    A stage is copied only where ``trace`` builds it (:class:`StageBuilder`: a cached
+    trace reads the stage's structure in place, without a copy)."""
     whole = build()
     split = split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
@@ -72,13 +74,17 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
     boundary = None
     for stage in sorted((s for s in split.stages if s.rank in ranks), key=lambda s: s.index):
         io = StageIO(first=stage.index == 0, last=stage.index == last, received=boundary)
-        module = stage_module(whole, stage, split)
-        blocks = find_blocks(module)
-        n_blocks = len(module.get_submodule(blocks)) if blocks else 0
-        per_stage[stage.index] = trace(spec, mesh, StageBuilder(whole, stage, split, module),
-                                       shape, n_blocks, blocks, io=io)
+        build_stage = StageBuilder(whole, stage, split)
+        blocks, n_blocks = build_stage.read(_blocks)
+        per_stage[stage.index] = trace(spec, mesh, build_stage, shape, n_blocks, blocks, io=io)
         boundary = boundary or io.sent
     return split, per_stage, boundary
+
+
+def _blocks(module: nn.Module) -> tuple[str | None, int]:
+    """The path of ``module``'s repeated blocks (:func:`find_blocks`) and how many."""
+    blocks = find_blocks(module)
+    return blocks, len(module.get_submodule(blocks)) if blocks else 0
 
 
 def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

@@ -35,6 +35,7 @@ from ..parallel.freeze import apply_freeze
 from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes
+from ..parallel.pipeline import StageBuilder
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
@@ -165,7 +166,9 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     gradient of its output, whose (shape, dtype) goes to ``io.sent``. ``shallow``: ``(cache,
     key)``: the three shallow traces of identical blocks kept under ``key``, which the caller
     makes of everything they read except the depth (``search``: pipeline stages of every
-    length share them; the extrapolation to this depth is the same arithmetic)."""
+    length share them; the extrapolation to this depth is the same arithmetic). A stage's
+    ``build`` as a :class:`StageBuilder`: read in place for its blocks, copied only to be
+    run (its first ``3k`` blocks for the shallow traces)."""
     import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
@@ -206,36 +209,43 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
             apply_freeze(plan.freeze, model)
         return model
 
+    def blocks_of(m: nn.Module) -> tuple[str, int] | None:
+        # LoRA on some blocks only (or `freeze`): not identical blocks, traced whole.
+        found = identical_blocks(m, res.rule_of) \
+            if extrapolate and same_in_every_block(plan, m) else None
+        return found and (found[2], len(getattr(found[0], found[1])))
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
-        model = build()
-        # LoRA on some blocks only (or `freeze`): not identical blocks, traced whole.
-        found = identical_blocks(model, res.rule_of) \
-            if extrapolate and same_in_every_block(plan, model) else None
-        if found is None:
-            return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
-        parent, attr, path = found
-        depth = len(getattr(parent, attr))
+        staged = isinstance(build, StageBuilder)
+        model = None if staged else build()
+        found = build.read(blocks_of) if staged else blocks_of(model)
         # Selective checkpointing of every k-th block repeats with period k, not 1.
-        ac = plan.activation_checkpointing
-        period = ac.every
+        period = plan.activation_checkpointing.every
         # A depth that the period does not divide (a stage of odd length under every
         # second block checkpointed) ends as the shallow ones do: its remainder r on top of
         # 0, 1 and 2 periods, its checkpointed blocks at the same places from the first.
-        r = depth % period
+        r = found[1] % period if found else 0
         depths = [r, r + period, r + 2 * period] if r else [period, 2 * period, 3 * period]
-        if depth < depths[-1]:
-            return TPTrace(_run(prepared(model), plan, tokens, groups, io), [], None)
+        if found is None or found[1] < depths[-1]:
+            whole = build() if model is None else model
+            return TPTrace(_run(prepared(whole), plan, tokens, groups, io), [], None)
+        path, depth = found
 
         def shallow_runs() -> list[Counter]:
-            # Cut before applying TP: the blocks past the traced ones are never run.
+            # Cut before applying TP: the blocks past the traced ones are never run (nor
+            # copied, from a stage whose blocks they are).
+            run = model if model is not None else \
+                build(depths[-1]) if path == build.split.blocks_path else build()
+            parent_path, _, attr = path.rpartition(".")
+            parent = run.get_submodule(parent_path)
             kept = _truncated(getattr(parent, attr), depths[-1])
             setattr(parent, attr, kept)
-            prepared(model)
+            prepared(run)
             out = []
             for k in depths:
                 setattr(parent, attr, _truncated(kept, k))
-                out.append(_run(model, plan, tokens, groups, io))
+                out.append(_run(run, plan, tokens, groups, io))
             return out
 
         # The remainder is part of the key: a stage of even length runs other depths.

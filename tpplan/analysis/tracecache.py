@@ -78,6 +78,14 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
                  for m in module.modules() if id(m) not in skipped)
 
 
+def _signed(build: Callable[[], nn.Module], blocks: str | None = None, depth: int = 0) -> tuple:
+    """:func:`_signature` of what ``build`` makes: a stage's read in place
+    (:meth:`StageBuilder.read`, no copy), a whole model's built."""
+    if isinstance(build, StageBuilder):
+        return build.read(lambda module: _signature(module, blocks, depth))
+    return _signature(build(), blocks, depth)
+
+
 def _mesh_key(dims: ParallelDims, spec: PlanSpec) -> tuple:
     """What a memory trace reads of the mesh: every degree but dp_replicate's size (no
     storage depends on it), and the context-parallel method where there is cp."""
@@ -225,16 +233,12 @@ class Evaluator:
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
-        # A whole model's is built if run; a stage's copy is only read here, and left for
-        # the trace (StageBuilder.peek).
-        module = None if io is None else \
-            build.peek() if isinstance(build, StageBuilder) else build()
-        stage = io and (io.first, io.last, io.received, _signature(module))
+        signature = functools.partial(_signed, build)  # a stage's read in place, not copied
+        stage = io and (io.first, io.last, io.received, signature())
         common = self._key(spec, shape, blocks, cut, first)
         key = (*common, n_blocks, stage)
         name = "first_forward" if first else "memory"
         if key not in self.memories:
-            module = build() if module is None else module
             # The three shallow traces of a deep model or stage read its first 6k blocks
             # and what is around them: shared by every depth (pipeline stages of any pp).
             # Any depth from the shallowest that takes them (the deepest traced) shares
@@ -242,7 +246,7 @@ class Evaluator:
             depths = first_depths(spec, n_blocks, blocks, cut, True) if first else \
                 shallow_depths(spec, n_blocks, blocks, cut, True)
             shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
-                                                 _signature(module, blocks, depths[-1])))
+                                                 signature(blocks, depths[-1])))
             if shallow and shallow[1] not in self.shallow:  # the usual rule: worth tracing?
                 depths = first_depths(spec, n_blocks, blocks, cut) if first else \
                     shallow_depths(spec, n_blocks, blocks, cut)

@@ -5,6 +5,7 @@ extrapolate). The adapters themselves: :mod:`tpplan.parallel.lora`."""
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from torch import nn
 
@@ -52,14 +53,21 @@ def trained_names(spec: LoraSpec, model: nn.Module) -> set[str]:
     return out
 
 
-def same_in_every_block(plan, model: nn.Module) -> bool:
+def same_in_every_block(plan, model: nn.Module | Callable[[], nn.Module]) -> bool:
     """Whether ``plan``'s ``lora`` and ``freeze`` choose alike in every repeated block (a
     block's parameter is chosen iff its kin in every other block is), as the dry run's
-    shallow traces assume when they extrapolate from a model's first blocks."""
+    shallow traces assume when they extrapolate from a model's first blocks. ``model``: a
+    module, or what builds one (a :class:`StageBuilder`, read in place): built only where
+    the plan has ``lora`` or ``freeze`` (without them the answer needs no module)."""
     from .freeze import frozen_names
+    from .pipeline import StageBuilder
 
     if plan.lora is None and not plan.freeze:
         return True
+    if isinstance(model, StageBuilder):
+        return model.read(lambda stage: same_in_every_block(plan, stage))
+    if not isinstance(model, nn.Module):
+        model = model()
     names = [n for n, _ in model.named_parameters()]
     paths = [p for p, _ in model.named_modules()]
     universe = set(names) | set(paths)

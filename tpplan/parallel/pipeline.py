@@ -12,8 +12,10 @@ must meet is in docs/pipeline.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch.nn as nn
 
@@ -22,7 +24,7 @@ from ..plan.pipeline import SCHEDULES
 from ..plan.specs import PipelineSpec, PlanSpec
 
 __all__ = ["PipelineSplit", "Stage", "StageBlocks", "StageBuilder", "split_stages", "stage_module",
-           "stage_ranks"]
+           "stage_ranks", "stage_view"]
 
 
 class StageBlocks(nn.ModuleDict):
@@ -225,6 +227,33 @@ def _explicit(pipe: PipelineSpec, paths: list[str], errs: ErrorList) -> list[int
     return starts
 
 
+@contextlib.contextmanager
+def stage_view(model: nn.Module, stage: Stage, split: PipelineSplit, keep: int | None = None):
+    """``model`` itself cut in place to what :func:`stage_module` copies of ``stage`` (same
+    modules, same order; the root keeps ``model``'s class), put back on leaving: a stage
+    read (its blocks, its parameters' names and shapes) without a copy."""
+    owned = set(stage.extras)
+    mine = {p.rsplit(".", 1)[1] for p in stage.blocks[:keep]}
+    edits: dict[str, nn.Module | None] = {p: None for p in split.first + split.last if p not in owned}
+    container = model.get_submodule(split.blocks_path)
+    if isinstance(container, nn.ModuleList):
+        kept = StageBlocks({k: b for k, b in container.named_children() if k in mine})
+    else:
+        kept = copy.copy(container)
+        kept._modules = {k: v for k, v in container._modules.items() if k in mine}
+    edits[split.blocks_path] = kept
+    saved = {p: dict(model.get_submodule(p)._modules) for p in {e.rpartition(".")[0] for e in edits}}
+    try:
+        for path, module in edits.items():
+            parent, _, name = path.rpartition(".")
+            model.get_submodule(parent)._modules[name] = module
+        yield model
+    finally:
+        for p, modules in saved.items():
+            model.get_submodule(p)._modules.clear()
+            model.get_submodule(p)._modules.update(modules)
+
+
 def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,
                  keep: int | None = None) -> nn.Module:
     """A new root holding only what ``stage`` owns, copied from ``model`` (whose parts are
@@ -235,31 +264,8 @@ def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,
     decoder) runs it on the stage in place of its own forward. ``keep``: only the first
     ``keep`` of the stage's blocks are copied (what a shallow trace of the stage runs: the
     stage cut there after a whole copy, without copying the rest)."""
-    owned = set(stage.extras)
-    mine = {p.rsplit(".", 1)[1] for p in stage.blocks[:keep]}
-    edits: dict[str, nn.Module | None] = {p: None for p in split.first + split.last
-                                          if p not in owned}
-    container = model.get_submodule(split.blocks_path)
-    if isinstance(container, nn.ModuleList):
-        kept = StageBlocks()
-        for key, block in container.named_children():
-            if key in mine:
-                kept[key] = block
-    else:
-        kept = copy.copy(container)
-        kept._modules = {k: v for k, v in container._modules.items() if k in mine}
-    edits[split.blocks_path] = kept
-    parents = {p.rpartition(".")[0] for p in edits}
-    saved = {p: dict(model.get_submodule(p)._modules) for p in parents}
-    try:
-        for path, module in edits.items():
-            parent, _, name = path.rpartition(".")
-            model.get_submodule(parent)._modules[name] = module
-        out = copy.deepcopy(model)
-    finally:
-        for p, modules in saved.items():
-            model.get_submodule(p)._modules.clear()
-            model.get_submodule(p)._modules.update(modules)
+    with stage_view(model, stage, split, keep) as view:  # nothing but the stage is copied
+        out = copy.deepcopy(view)
     forward = getattr(model, "stage_forward", None)
     if forward is not None:
         out.__class__ = _stage_class(type(model), forward)
@@ -267,25 +273,19 @@ def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,
 
 
 class StageBuilder:
-    """A new copy of ``stage``'s module (:func:`stage_module`) at each call, the first one
-    ``built`` where given (made already, only read since); with ``blocks``, only the first
-    ``blocks`` of its blocks are copied (all a shallow trace runs: a block costs a copy)."""
+    """A new copy of ``stage``'s module (:func:`stage_module`) at each call, with
+    ``blocks`` only its first ``blocks`` blocks (all a shallow trace runs); :meth:`read`
+    reads the stage without a copy."""
 
-    def __init__(self, model: nn.Module, stage: Stage, split: PipelineSplit,
-                 built: nn.Module | None = None):
+    def __init__(self, model: nn.Module, stage: Stage, split: PipelineSplit):
         self.model, self.stage, self.split = model, stage, split
-        self.built = built
 
-    def peek(self) -> nn.Module:
-        """The whole stage, to be read only (the copy the next call hands out)."""
-        if self.built is None:
-            self.built = stage_module(self.model, self.stage, self.split)
-        return self.built
+    def read(self, fn: Callable[[nn.Module], Any]) -> Any:
+        """``fn`` of :func:`stage_view` of the stage (to read only, keeping nothing of it)."""
+        with stage_view(self.model, self.stage, self.split) as view:
+            return fn(view)
 
     def __call__(self, blocks: int | None = None) -> nn.Module:
-        if self.built is not None:  # already paid for: cut by the caller where it must be
-            built, self.built = self.built, None
-            return built
         return stage_module(self.model, self.stage, self.split, blocks)
 
 
