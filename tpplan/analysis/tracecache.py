@@ -11,7 +11,7 @@ candidates of one plan (they differ only in the mesh, activation checkpointing, 
 micro-batch and the pipeline section); docs/search.md says why each key is complete.
 
 - Check (sections, resolution): a candidate's resolution keyed by tp, pp, cp, ep, its data
-  parallelism as resolve reads it, the pipeline's stages per rank and placement and the
+  parallelism as resolve reads it, what the stage split reads of the pipeline and the
   checkpointing blocks, the candidate's own mesh degrees put back in; each of its parts and
   each section of the plan cached by what it reads (:mod:`tpplan.analysis.checkcache`).
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
@@ -46,7 +46,7 @@ from ..parallel.mesh import ParallelDims
 from ..parallel.pipeline import StageBuilder
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
-from ..plan.pipeline import SCHEDULES, split_reads
+from ..plan.pipeline import split_reads
 from ..plan.sections import require_model
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
@@ -270,7 +270,7 @@ def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
     pipe = spec.pipeline
     return (dims.tp, dims.pp, dims.ep, dims.ep_borrows_tp, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
-            pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
+            pipe and split_reads(pipe, dims.pp))
 
 
 def _with_dims(res, dims: ParallelDims):
