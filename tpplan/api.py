@@ -100,18 +100,20 @@ class Plan:
         world = ensure_process_group(device_type)
         return self.parallel_dims(world).build_mesh(device_type)
 
-    def resolve(self, model: "nn.Module", world_size: int) -> "Resolution":
+    def resolve(self, model: "nn.Module", world_size: int, part: Any = None) -> "Resolution":
         """Match every pattern against ``model`` and run every check at ``world_size``.
 
         Needs no process group, so mistakes surface before any collective; with pipeline
         stages, each stage's forward runs on meta against the stage contract
         (docs/pipeline.md). The result has
         ``errors`` (empty when the plan fits) and which modules each rule, unit and
-        attribute resolved to.
+        attribute resolved to. ``part``: a cache of the resolution's parts across variants
+        of one plan (``search``'s, :class:`tpplan.analysis.checkcache.PartCache`).
         """
         from .parallel.resolve import resolve
+        from .plan.errors import run_part
 
-        res = resolve(self.spec, model, world_size)
+        res = resolve(self.spec, model, world_size, part=part or run_part)
         if res.pipeline is not None and not res.errors:
             # the stage contract, run on meta (validate, verify and train all come here first)
             from .parallel.contract import stage_contract

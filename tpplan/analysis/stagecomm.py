@@ -36,6 +36,7 @@ from .schedule import fsdp_gathers, fsdp_order
 from .stagemem import p2p_per_rank, reported_ranks
 from .steptrace import StageIO
 from .batchtrace import traced_in_batch
+from .checkcache import PartCache
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["pipeline_comm", "StageComm"]
@@ -120,10 +121,13 @@ def _resolved(cache: dict, whole, split, stage, spec, dims, rkey: tuple) -> tupl
         cache["module", own] = (module, dict(module.named_modules()),
                                 {n for n, _ in module.named_parameters()})
     module, modules, params = cache["module", own]
+    # The module's parts of a resolution, keyed by what each reads (checkcache.PartCache):
+    # resolutions under other degrees share what does not read them (tp's rule matches).
+    parts = cache.setdefault(("parts", own), PartCache())
     key = ("resolution", rkey, own)
     if key not in cache:
         res = resolve(replace(spec, activation_checkpointing=ACSpec()), module,
-                      dims.world_size, stage=True)
+                      dims.world_size, stage=True, part=parts)
         res.errors.raise_if_any()
         cache[key] = res
         _count(cache, "stage_resolutions")
@@ -132,8 +136,8 @@ def _resolved(cache: dict, whole, split, stage, spec, dims, rkey: tuple) -> tupl
     ac = spec.activation_checkpointing
     if ac.enabled:
         errs = ErrorList()
-        res.ac_blocks = match_modules(ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc, modules,
-                                      params, True, errs)
+        res.ac_blocks = list(parts((AC_BLOCKS, ac.blocks), errs, lambda e: match_modules(
+            ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc, modules, params, True, e)))
         errs.raise_if_any()
     return module, res
 

@@ -10,10 +10,10 @@ run. A cache entry is keyed by everything its trace reads that can differ betwee
 candidates of one plan (they differ only in the mesh, activation checkpointing, the
 micro-batch and the pipeline section); docs/search.md says why each key is complete.
 
-- Resolution (patterns, checks, the stage split): keyed by tp, pp, cp, ep, whether there is
-  data parallelism, and the pipeline's stages per rank and placement; resolved without
-  checkpointing, whose blocks (and their errors) each candidate matches itself; the
-  candidate's own mesh degrees are put back in.
+- Check (sections, resolution): a candidate's resolution keyed by tp, pp, cp, ep, its data
+  parallelism as resolve reads it, what the stage split reads of the pipeline and the
+  checkpointing blocks, the candidate's own mesh degrees put back in; each of its parts and
+  each section of the plan cached by what it reads (:mod:`tpplan.analysis.checkcache`).
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
   stage): keyed by tp, dp_shard, cp (and its method), ep, whether dp_replicate and pp are
   above 1, seq_len,
@@ -34,7 +34,6 @@ from __future__ import annotations
 import copy
 import functools
 from collections import Counter
-from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch.nn as nn
@@ -45,12 +44,11 @@ from ..models import build_model
 from ..parallel.lora_sizes import checkpointed
 from ..parallel.mesh import ParallelDims
 from ..parallel.pipeline import StageBuilder
-from ..parallel.resolve import AC_BLOCKS, match_modules
 from ..plan import ErrorList, PlanError, PlanErrors, parse_plan, read_document, step_shape
 from ..plan.loader import overridden
-from ..plan.pipeline import SCHEDULES, split_reads
+from ..plan.pipeline import split_reads
 from ..plan.sections import require_model
-from ..plan.specs import ACSpec, PlanSpec
+from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from ..plan.styles import ep_borrows_tp
 from . import analyze_comm, analyze_memory
@@ -59,6 +57,7 @@ from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import StageIO
 from .batchtrace import traced_in_batch
+from .checkcache import PartCache
 from .tptrace import trace_tp
 
 __all__ = ["Evaluator"]
@@ -111,7 +110,7 @@ class Evaluator:
         self.checkpoint = checkpoint_bytes(self.model,
                                            saved=checkpointed(self.base.lora, self.model))
         self.meshes: dict[ParallelDims, Any] = {}
-        self.resolutions: dict[tuple, Any] = {}
+        self.parts = PartCache(overrides)  # check's parts: the sections, the resolutions
         self.memories: dict[tuple, tuple] = {}
         self.shallow: dict[tuple, tuple] = {}  # memory's shallow traces, any depth
         self.tp_traces: dict[tuple, Any] = {}
@@ -120,17 +119,17 @@ class Evaluator:
         self.traces: Counter = Counter()
         # pipeline_comm's cache of stages and their traces; it counts into ours
         self.stages: dict[Any, Any] = {"counts": self.traces}
-        self.modules = dict(self.model.named_modules())  # checkpointing's blocks matched here
-        self.params = {n for n, _ in self.model.named_parameters()}
         self._last: ParallelDims | None = None
 
     def check(self, sets: Sequence[str]) -> DryRun:
         """The plan with ``sets``: its errors (sections, model, batch against the mesh) or
-        its resolution and step, exactly as :func:`tpplan.analysis.dryrun.dry_run` finds them."""
+        its resolution and step, exactly as :func:`tpplan.analysis.dryrun.dry_run` finds them
+        (each part cached by what it reads: :mod:`tpplan.analysis.checkcache`)."""
         result = DryRun(self.world_size)
+        self.parts.variant(sets)
         try:
             doc = overridden(self.doc, sets)
-            spec = parse_plan(doc, self.path)
+            spec = parse_plan(doc, self.path, self.parts.sections)
             result.plan, result.model = Plan(spec, doc), self.model
             result.checkpoint_bytes = self.checkpoint
             res = result.resolution = self._resolve(spec)
@@ -145,23 +144,19 @@ class Evaluator:
         return result
 
     def _resolve(self, spec: PlanSpec):
-        dims = ParallelDims.of(spec.mesh, self.world_size, ep_borrows_tp(spec.rules))
-        key = _resolution_key(spec, dims)
-        res = self.resolutions.get(key)
-        if res is None:
-            # Checkpointing adds only its blocks (and their errors) to a resolution: resolved
-            # once without it for every mode, each candidate's own blocks matched below.
-            bare = replace(spec, activation_checkpointing=ACSpec())
-            res = self.resolutions[key] = Plan(bare, None).resolve(self.model, self.world_size)
-            self.traces["resolutions"] += 1
-        out = _with_dims(res, dims)
+        try:
+            dims = ParallelDims.of(spec.mesh, self.world_size, ep_borrows_tp(spec.rules))
+        except PlanErrors:  # resolve reports it, and checks the rest against the plan's tp
+            return Plan(spec, None).resolve(self.model, self.world_size, self.parts)
         ac = spec.activation_checkpointing
-        if ac.enabled:
-            errs = ErrorList(res.errors)
-            out.ac_blocks = match_modules(ac.blocks, AC_BLOCKS, "blocks pattern", ac.loc,
-                                          self.modules, self.params, False, errs)
-            out.errors = errs
-        return out
+        key = ("resolution", _resolution_key(spec, dims), ac.enabled and ac.blocks)
+
+        def run(errs: ErrorList):
+            self.traces["resolutions"] += 1
+            res = Plan(spec, None).resolve(self.model, self.world_size, self.parts)
+            errs.extend(res.errors)  # where they are located: PartCache's check
+            return res
+        return _with_dims(self.parts(key, ErrorList(), run), dims)
 
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
@@ -284,7 +279,7 @@ def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
     """What a resolution reads that differs between candidates (docs/search.md)."""
     pipe = spec.pipeline
     return (dims.tp, dims.pp, dims.ep, dims.ep_borrows_tp, dims.cp, dims.dp if spec.fsdp is None else dims.dp > 1,
-            pipe and (pipe.stages_per_rank, SCHEDULES[pipe.schedule].v_shape))
+            pipe and split_reads(pipe, dims.pp))
 
 
 def _with_dims(res, dims: ParallelDims):

@@ -118,9 +118,9 @@ def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
     """Every ``expert_parallel`` module of a :class:`~tpplan.parallel.resolve.Resolution`
     against ``mesh.ep`` (errors at the rule), and ``mesh.ep`` against the rules: experts to
     spread, and what it does not compose with yet (errors at ``mesh.ep``); the
-    ``sequence_local`` blocks beside them (:func:`check_sequence_local`)."""
+    ``sequence_local`` blocks beside them (:func:`check_sequence_local`). Reads ``mesh.ep``
+    only (resolve runs :func:`check_aux_loss`, which reads pp and cp, just before)."""
     errs = res.errors
-    check_aux_loss(mesh, modules.get(""), errs)
     check_sequence_local(res, modules, errs)
     for path, rule in res.rule_of.items():
         if rule.style.name in EP_STYLES:

@@ -9,35 +9,27 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
+from ..plan.errors import ErrorList, Part, PlanError, PlanErrors, nearest, run_part
 from ..plan.patterns import compile_pattern, generalize
+from ..plan.pipeline import split_reads
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES, ep_borrows_tp
 from .context import check_context_parallel
-from .expert_parallel import check_experts, expert_tp_inside_ep
+from .expert_parallel import check_aux_loss, check_experts, expert_tp_inside_ep
 from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
 from .freeze import check_freeze
 from .head_params import check_head_params
 from .kv_heads import check_kv_colwise
 from .lora import check_lora
 from .packed import check_packed
-from .tied import tied_groups
+from .tied import check_tied_across_stages
 from .mesh import ParallelDims
 from .pipeline import PipelineSplit, split_stages
+from .sharding import SHARD_DIMS, check_sharding, shard_dims
 
 __all__ = ["Resolution", "resolve", "match_modules", "AC_BLOCKS", "SHARD_DIMS", "shard_dims"]
 
 AC_BLOCKS = "activation checkpointing blocks"  # what checkpointing's patterns are called
-# (style, module type) -> {parameter: the dimension the style splits}
-SHARD_DIMS: dict[tuple[str, type], dict[str, int]] = {
-    ("colwise", nn.Linear): {"weight": 0, "bias": 0},
-    ("rowwise", nn.Linear): {"weight": 1},
-    ("colwise", nn.Embedding): {"weight": 1},
-    ("rowwise", nn.Embedding): {"weight": 0},
-    ("packed_colwise", nn.Linear): {"weight": 0, "bias": 0},  # parallel.packed
-    ("experts_colwise_rowwise", nn.Module): {"gate_up_proj": 1, "down_proj": 2},
-}
-TORCH_CLASS = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
 WHOLE_MODULE_STYLES = ("sequence_parallel", "replicate")  # they claim every parameter below
 
 
@@ -74,85 +66,58 @@ def _no_match(pattern: str, what: str, paths: list[str], params: set[str]) -> st
     return f"{what} '{pattern}' matches no module of the model{nearest(pattern, candidates, 0.5)}"
 
 
-def shard_dims(style: str, module: nn.Module) -> dict[str, int] | None:
-    """Which dimension of which parameter ``style`` splits over tp on ``module``; None if
-    the style does not shard this kind of module."""
-    return next((dims for (s, kind), dims in SHARD_DIMS.items()
-                 if s == style and isinstance(module, kind)), None)
-
-
-def _check_sharding(rule: Rule, path: str, module: nn.Module, tp: int, errs: ErrorList) -> None:
-    style = rule.style.name
-    dims = shard_dims(style, module)
-    if dims is None:
-        errs.add(f"style '{style}' cannot shard module '{path}' ({type(module).__name__}): "
-                 f"PyTorch's {TORCH_CLASS[style]} shards nn.Linear and nn.Embedding only", rule.loc)
-        return
-    for pname, dim in dims.items():
-        param = getattr(module, pname, None)
-        if param is None:
-            continue
-        size = param.shape[dim]
-        if rule.style.options.get("uneven") and size >= tp:
-            continue  # ceil(size/tp) rows on the first ranks, fewer on the last
-        if size % tp:
-            errs.add(f"module '{path}' ({type(module).__name__}), parameter '{pname}': dimension {dim} "
-                     f"of size {size} is not divisible by tp={tp} (rule '{rule.pattern}' is "
-                     f"{style}){_uneven_hint(size, tp)}", rule.loc)
-
-
-def _uneven_hint(size: int, tp: int) -> str:
-    if size < tp:
-        return f": fewer rows than ranks; use a tp of at most {size}"
-    big = -(-size // tp)
-    rows = [min(big, max(0, size - i * big)) for i in range(tp)]  # torch.chunk's split
-    shown = ", ".join(map(str, rows)) if tp <= 8 else f"{rows[0]} ... {rows[-1]}"
-    return (f"; add 'uneven: true' to the rule to split it unevenly ({shown} per rank; the "
-            f"parameter keeps its {size} rows in checkpoints and exports)")
-
-
 def _resolve_rules(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
-                   tp: int) -> None:
-    errs = res.errors
-    for rule in plan.rules:
-        hits = _match(rule.pattern, paths)
-        res.rules.append((rule, hits))
-        if not hits and not res.stage:
-            errs.add(_no_match(rule.pattern, "pattern", paths, params), rule.loc)
-        for path in hits:
-            other = res.rule_of.get(path)
-            if other is not None:
-                errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line {other.loc.line}) and "
-                         f"'{rule.pattern}' (line {rule.loc.line}){expert_tp_inside_ep(other, rule)}", rule.loc)
+                   tp: int, part: Part) -> None:
+    def match(errs: ErrorList) -> tuple[list, dict]:  # reads tp
+        out = _scratch(res, errs)
+        for rule in plan.rules:
+            hits = _match(rule.pattern, paths)
+            out.rules.append((rule, hits))
+            if not hits and not out.stage:
+                errs.add(_no_match(rule.pattern, "pattern", paths, params), rule.loc)
+            for path in hits:
+                other = out.rule_of.get(path)
+                if other is not None:
+                    errs.add(f"module '{path}' is matched by two rules: '{other.pattern}' (line {other.loc.line}) and "
+                             f"'{rule.pattern}' (line {rule.loc.line}){expert_tp_inside_ep(other, rule)}", rule.loc)
+                    continue
+                out.rule_of[path] = rule
+                module, parent = modules[path], modules.get(path.rpartition(".")[0])
+                if rule.style.name in SHARDING_STYLES:
+                    check_sharding(rule, path, module, tp, errs)
+                    check_composite(rule, path, module, errs)
+                    check_heads(rule, path, module, parent, tp, errs)
+                elif rule.style.name in PACKED_STYLES:
+                    check_packed(rule, path, module, parent, tp, errs)
+                elif rule.style.name == "mla_kv_a_proj":
+                    check_latent(rule, path, module, parent, errs)
+                elif rule.style.name == "kv_colwise":
+                    check_kv_colwise(rule, path, module, parent, tp, errs)
+        check_norms_beside_colwise(out, modules)
+        return out.rules, out.rule_of
+
+    def experts(errs: ErrorList) -> None:  # reads tp, mesh.ep and the rules matched
+        out = _scratch(res, errs)
+        out.rules, out.rule_of = res.rules, res.rule_of
+        check_experts(plan.mesh, out, modules)
+        check_head_params(out, modules, tp)
+        for path, rule in out.rule_of.items():
+            if rule.style.name not in WHOLE_MODULE_STYLES:
                 continue
-            res.rule_of[path] = rule
-            module, parent = modules[path], modules.get(path.rpartition(".")[0])
-            if rule.style.name in SHARDING_STYLES:
-                _check_sharding(rule, path, module, tp, errs)
-                check_composite(rule, path, module, errs)
-                check_heads(rule, path, module, parent, tp, errs)
-            elif rule.style.name in PACKED_STYLES:
-                check_packed(rule, path, module, parent, tp, errs)
-            elif rule.style.name == "mla_kv_a_proj":
-                check_latent(rule, path, module, parent, errs)
-            elif rule.style.name == "kv_colwise":
-                check_kv_colwise(rule, path, module, parent, tp, errs)
-    check_norms_beside_colwise(res, modules)
-    check_experts(plan.mesh, res, modules)
-    check_head_params(res, modules, tp)
-    for path, rule in res.rule_of.items():
-        if rule.style.name not in WHOLE_MODULE_STYLES:
-            continue
-        for inner, other in res.rule_of.items():
-            if inner.startswith(path + ".") and other.style.name in SHARDING_STYLES:
-                errs.add(f"rule '{rule.pattern}' ({rule.style.name}) replicates every parameter "
-                         f"under '{path}', but rule '{other.pattern}' (line {other.loc.line}) "
-                         f"shards '{inner}' inside it", rule.loc)
-                break
+            for inner, other in out.rule_of.items():
+                if inner.startswith(path + ".") and other.style.name in SHARDING_STYLES:
+                    errs.add(f"rule '{rule.pattern}' ({rule.style.name}) replicates every parameter "
+                             f"under '{path}', but rule '{other.pattern}' (line {other.loc.line}) "
+                             f"shards '{inner}' inside it", rule.loc)
+                    break
+
+    res.rules, res.rule_of = part(("rules", tp), res.errors, match)
+    check_aux_loss(plan.mesh, modules.get(""), res.errors)  # reads pp and cp
+    part(("experts", tp, plan.mesh.ep), res.errors, experts)
 
 
 def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: dict, params: set[str],
-                   tp: int) -> None:
+                   tp: int) -> list:
     for attr_rule in plan.divide_by_tp:
         hits = _match(attr_rule.pattern, paths)
         found: list[tuple[str, int]] = []
@@ -177,6 +142,7 @@ def _resolve_attrs(plan: PlanSpec, res: Resolution, paths: list[str], modules: d
                                f"tp={tp}", attr_rule.loc)
             else:
                 found.append((path, value))
+    return res.attrs
 
 
 def _no_forward(pattern: str, paths: list[str], modules: dict, what: str) -> str | None:
@@ -209,7 +175,7 @@ NO_FORWARD = {"FSDP unit pattern": "FSDP2 cannot shard it",
               "compile blocks": "compiling it would never run"}
 
 
-def _resolve_units(plan: PlanSpec, res: Resolution, modules: dict, params: set[str]) -> None:
+def _resolve_units(plan: PlanSpec, res: Resolution, modules: dict, params: set[str]) -> list:
     owner: dict[str, int] = {}
     for i, unit in enumerate(plan.fsdp.units):
         hits: list[str] = []
@@ -224,13 +190,17 @@ def _resolve_units(plan: PlanSpec, res: Resolution, modules: dict, params: set[s
                                f"{first.loc.column} and {unit.loc.line}:{unit.loc.column})", unit.loc)
             owner[path] = i
         res.units.append((unit, hits))
+    return res.units
 
 
-def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = False) -> Resolution:
+def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = False,
+            part: Part = run_part) -> Resolution:
     """Resolve ``plan`` against ``model`` at ``world_size``; errors are collected, not raised.
 
     ``stage``: ``model`` is one pipeline stage of the model the plan was checked against,
     so a pattern matching nothing here (the embedding's rule on a middle stage) is fine.
+    ``part``: each part through it (:data:`tpplan.plan.errors.Part`: ``search`` caches them
+    across its variants of one plan, the model and its other sections being the cache's own).
 
     Checked: the mesh against the world size, every pattern of every section against the
     model's modules, each sharded dimension, divided attribute and experts module against
@@ -242,47 +212,57 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
         errs.extend(e.errors)
         dims = None
     res = Resolution(dims=dims, errors=errs, stage=stage)
-    modules = dict(model.named_modules())
-    paths, params = list(modules), {n for n, _ in model.named_parameters()}
+    modules, paths, params = part(("model",), errs, lambda _: _named(model))
     tp = dims.tp if dims else plan.mesh.tp
-    _resolve_rules(plan, res, paths, modules, params, tp)
-    _resolve_attrs(plan, res, paths, modules, params, tp)
+    _resolve_rules(plan, res, paths, modules, params, tp, part)
+    res.attrs = part(("attrs", tp), errs, lambda e: _resolve_attrs(
+        plan, _scratch(res, e), paths, modules, params, tp))
     if plan.fsdp is not None:
-        _resolve_units(plan, res, modules, params)
+        res.units = part(("units",), errs, lambda e: _resolve_units(
+            plan, _scratch(res, e), modules, params))
     elif dims is not None and dims.dp > 1:
         errs.add(f"the mesh has {dims.dp} data-parallel ranks but the plan has no 'fsdp' section, "
                  "so gradients would never be averaged; add 'fsdp: {units: [...]}' (or 'fsdp: {}' "
                  "to shard at the root only)", plan.mesh.loc)
-    for blocks, target, what in ((plan.activation_checkpointing, res.ac_blocks, AC_BLOCKS),
-                                 (plan.compile, res.compile_blocks, "compile blocks")):
-        target += match_modules(blocks.blocks, what, "blocks pattern", blocks.loc, modules,
-                                params, stage, errs) if blocks.enabled else []
-    check_lora(plan.lora, modules, res.rule_of, stage, errs)
+    for blocks, name, what in ((plan.activation_checkpointing, "ac_blocks", AC_BLOCKS),
+                               (plan.compile, "compile_blocks", "compile blocks")):
+        if blocks.enabled:  # a list of its own: the caller may change it
+            setattr(res, name, list(part((what, blocks.blocks), errs, lambda e, b=blocks, w=what:
+                                         match_modules(b.blocks, w, "blocks pattern", b.loc,
+                                                       modules, params, stage, e))))
+    part(("lora", tp), errs, lambda e: check_lora(plan.lora, modules, res.rule_of, stage, e))
     if not stage:  # whole-model checks: a stage holds part of what they look at
-        check_context_parallel(plan, model, tp, errs)
-        check_whole_model(plan, res, model, modules)
-        check_freeze(plan.freeze, model, errs)
+        part(("cp", tp, plan.mesh.cp), errs, lambda e: check_context_parallel(plan, model, tp, e))
+        part(("whole", tp), errs, lambda e: check_whole_model(plan, _scratch(res, e, True), model,
+                                                              modules))
+        part(("freeze",), errs, lambda e: check_freeze(plan.freeze, model, e))
     if plan.pipeline is not None and not stage:
-        res.pipeline = split_stages(model, plan, dims.pp if dims else plan.mesh.pp)
-        errs.extend(res.pipeline.errors)
-        _check_tied_across_stages(res.pipeline, model, plan.pipeline.loc, errs)
+        pp = dims.pp if dims else plan.mesh.pp
+        res.pipeline = part(("split", *split_reads(plan.pipeline, pp)), errs,
+                            lambda e: _split(model, plan, pp, e))
     res.errors = _collapse_repeats(errs)
     return res
 
 
-def _check_tied_across_stages(split: PipelineSplit, model: nn.Module, loc, errs: ErrorList) -> None:
-    """A weight shared by modules on different stages would become two weights, one per
-    stage, trained apart: refused (sharing it needs its gradient summed between stages)."""
-    if split.errors:
-        return
-    for group in tied_groups(model):
-        stages = {p: split.stage_of(p) for p, _ in group}
-        if len({s.index for s in stages.values() if s is not None}) > 1:
-            where = ", ".join(f"'{p}' on stage {s.index}" for p, s in stages.items() if s)
-            errs.add(f"{' and '.join(repr(p + '.' + a) for p, a in group)} are one tied weight "
-                     f"split over pipeline stages ({where}): tied weights across stages are "
-                     "not supported; untie them in the model or do not use pipeline stages",
-                     loc)
+def _named(model: nn.Module) -> tuple[dict, list[str], set[str]]:
+    modules = dict(model.named_modules())
+    return modules, list(modules), {n for n, _ in model.named_parameters()}
+
+
+def _scratch(res: Resolution, errs: ErrorList, matched: bool = False) -> Resolution:
+    """A blank resolution like ``res`` collecting one part's errors in ``errs``; ``matched``:
+    with the rules and units ``res`` resolved so far."""
+    out = Resolution(dims=res.dims, errors=errs, stage=res.stage)
+    if matched:
+        out.rules, out.rule_of, out.units = res.rules, res.rule_of, res.units
+    return out
+
+
+def _split(model: nn.Module, plan: PlanSpec, pp: int, errs: ErrorList) -> PipelineSplit:
+    split = split_stages(model, plan, pp)
+    errs.extend(split.errors)
+    check_tied_across_stages(split, model, plan.pipeline.loc, errs)
+    return split
 
 
 def _collapse_repeats(errs: ErrorList) -> ErrorList:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["tied_groups", "retie"]
+__all__ = ["tied_groups", "retie", "check_tied_across_stages"]
 
 Owner = tuple[str, str]  # (module path, parameter attribute)
 
@@ -34,3 +34,18 @@ def retie(model: nn.Module, groups: list[list[Owner]]) -> None:
         param = model.get_submodule(path)._parameters[name]
         for other, attr in others:
             model.get_submodule(other)._parameters[attr] = param
+
+
+def check_tied_across_stages(split, model: nn.Module, loc, errs) -> None:
+    """A weight shared by modules on different stages would become two weights, one per
+    stage, trained apart: refused (sharing it needs its gradient summed between stages)."""
+    if split.errors:
+        return
+    for group in tied_groups(model):
+        stages = {p: split.stage_of(p) for p, _ in group}
+        if len({s.index for s in stages.values() if s is not None}) > 1:
+            where = ", ".join(f"'{p}' on stage {s.index}" for p, s in stages.items() if s)
+            errs.add(f"{' and '.join(repr(p + '.' + a) for p, a in group)} are one tied weight "
+                     f"split over pipeline stages ({where}): tied weights across stages are "
+                     "not supported; untie them in the model or do not use pipeline stages",
+                     loc)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
-__all__ = ["CommandError", "ErrorList", "Loc", "PlanError", "PlanErrors", "nearest"]
+__all__ = ["CommandError", "ErrorList", "Loc", "PlanError", "PlanErrors", "nearest", "Part",
+           "run_part"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,18 @@ class ErrorList(list):
     def raise_if_any(self) -> None:
         if self:
             raise PlanErrors(self)
+
+
+# ``part(key, errs, run)``: ``run(errs)``, its errors added to ``errs``, its value returned;
+# or a cache's earlier value and errors under ``key``, which names what the part reads that
+# the variants of one plan change (parse_plan's sections, resolve's parts; ``search``'s
+# cache is tpplan.analysis.checkcache). Without a cache: :func:`run_part`.
+Part = Callable[[tuple, "ErrorList", Callable[["ErrorList"], Any]], Any]
+
+
+def run_part(_key: tuple, errs: ErrorList, run: Callable[[ErrorList], Any]) -> Any:
+    """The uncached :data:`Part`: ``run(errs)``."""
+    return run(errs)
 
 
 def nearest(name: str, candidates: Iterable[str], cutoff: float = 0.6) -> str:

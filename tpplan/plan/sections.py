@@ -8,9 +8,10 @@ whether shapes divide, is for :mod:`tpplan.parallel.resolve`, which needs the mo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .context import parse_context_parallel
-from .errors import ErrorList, Loc, PlanError, PlanErrors, nearest
+from .errors import ErrorList, Loc, Part, PlanError, PlanErrors, nearest, run_part
 from .patterns import compile_pattern
 from .lora import parse_lora
 from .pipeline import parse_pipeline
@@ -226,29 +227,34 @@ def check_top_level(doc: LMap, errs: ErrorList) -> bool:
     return lp is True
 
 
-def parse_plan(doc: LMap, source: str = "<plan>") -> PlanSpec:
-    """Parse every section; :class:`~tpplan.plan.errors.PlanErrors` lists every mistake."""
+def parse_plan(doc: LMap, source: str = "<plan>", part: Part = run_part) -> PlanSpec:
+    """Parse every section; :class:`~tpplan.plan.errors.PlanErrors` lists every mistake.
+    Each section through ``part`` keyed ``("section", *the document's keys it reads)``."""
     errs = ErrorList()
+
+    def one(key: str, parser) -> Any:
+        return part(("section", key), errs, lambda e: parser(doc, e))
     spec = PlanSpec(
         source=source,
         loss_parallel=check_top_level(doc, errs),
-        mesh=parse_mesh(doc, errs),
-        model=parse_model(doc, errs),
-        rules=parse_rules(doc, errs),
-        divide_by_tp=parse_divide_by_tp(doc, errs),
-        fsdp=parse_fsdp(doc, errs),
-        activation_checkpointing=parse_ac(doc, errs),
-        compile=parse_compile(doc, errs),
-        train=parse_train(doc, errs),
-        data=parse_data(doc, errs),
-        eval=parse_eval(doc, errs),
-        checkpoint=parse_checkpoint(doc, errs),
-        metrics=parse_metrics(doc, errs),
-        freeze=parse_freeze(doc, errs),
-        lora=parse_lora(doc, errs),
-        context_parallel=parse_context_parallel(doc, errs),
+        mesh=one("mesh", parse_mesh),
+        model=one("model", parse_model),
+        rules=one("tensor_parallel", parse_rules),
+        divide_by_tp=one("divide_by_tp", parse_divide_by_tp),
+        fsdp=one("fsdp", parse_fsdp),
+        activation_checkpointing=one("activation_checkpointing", parse_ac),
+        compile=one("compile", parse_compile),
+        train=one("train", parse_train),
+        data=one("data", parse_data),
+        eval=one("eval", parse_eval),
+        checkpoint=one("checkpoint", parse_checkpoint),
+        metrics=one("metrics", parse_metrics),
+        freeze=one("freeze", parse_freeze),
+        lora=one("lora", parse_lora),
+        context_parallel=one("context_parallel", parse_context_parallel),
     )
-    spec.pipeline = parse_pipeline(doc, spec.mesh, spec.compile.enabled, errs)
+    spec.pipeline = part(("section", "pipeline", "mesh", "compile"), errs, lambda e: parse_pipeline(
+        doc, spec.mesh, spec.compile.enabled, e))
     if spec.model is not None and spec.model.adapter and spec.lora is None:
         errs.add("model.adapter starts LoRA adapters from a PEFT folder: the plan needs a "
                  "'lora' section (its targets, rank and alpha as the adapter's)",
