@@ -122,11 +122,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     code = EXIT_STOPPED if summary.get("stopped") else 0
-    if "TORCHELASTIC_RUN_ID" in os.environ:
+    if "TORCHELASTIC_RUN_ID" in os.environ or getattr(args, "command_line", False):
         # The run is complete and its process group destroyed. Gloo's worker threads can
         # still abort the interpreter's teardown ("terminate called without an active
         # exception", pytorch/pytorch#190489), which torchrun would report as a failed
-        # run; a worker that has finished skips that teardown.
+        # run, and a shell as exit -6 after a one-process run printed its summary; a
+        # process that has finished the run skips that teardown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
