@@ -29,7 +29,7 @@ from .memtrace import PARTS, Moment
 from .steptrace import StageIO, micro_batches_traced, trace_step
 
 __all__ = ["memory_per_rank", "first_forward", "first_depths", "extrapolate",
-           "describe_moment", "shallow_depths", "kept_traces"]
+           "describe_moment", "shallow_depths", "kept_traces", "period_depths"]
 
 
 def _numbers(m: Moment) -> dict[str, int]:
@@ -118,15 +118,22 @@ def _depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool, first:
     checkpointed blocks at the same places counted from the first, a period more each."""
     ac = spec.activation_checkpointing
     k = ac.every if ac.enabled else 1
-    r = n_blocks % k
-    if r and not remainder:
+    if n_blocks % k and not remainder:
         return None
-    start = r + (first - 1) * k if r else first * k
-    depths = [start, start + k, start + 2 * k]
+    depths = period_depths(n_blocks, k, first)
     least = depths[-1] if kept else worth * k + 1
     if cut and blocks is not None and n_blocks >= least:
         return depths
     return None
+
+
+def period_depths(n_blocks: int, k: int, first: int = 1) -> list[int]:
+    """Three depths a period ``k`` apart for a model of ``n_blocks`` blocks: ``first``,
+    ``first + 1`` and ``first + 2`` periods, or, where k leaves a remainder r, r on top of
+    one period fewer each (every shallow model ends as the model does)."""
+    r = n_blocks % k
+    start = r + (first - 1) * k if r else first * k
+    return [start, start + k, start + 2 * k]
 
 
 def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,

@@ -40,7 +40,7 @@ from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
-from .memory import kept_traces
+from .memory import kept_traces, period_depths
 from .steptrace import StageIO
 
 __all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
@@ -226,7 +226,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         # second block checkpointed) ends as the shallow ones do: its remainder r on top of
         # 0, 1 and 2 periods, its checkpointed blocks at the same places from the first.
         r = found[1] % period if found else 0
-        depths = [r, r + period, r + 2 * period] if r else [period, 2 * period, 3 * period]
+        depths = period_depths(found[1] if found else 0, period)
         if found is None or found[1] < depths[-1]:
             whole = build() if model is None else model
             return TPTrace(_run(prepared(whole), plan, tokens, groups, io), [], None)
