@@ -149,17 +149,38 @@ def _kept(shallow: tuple[dict, object] | None) -> bool:
     return shallow is not None and shallow[1] in shallow[0]
 
 
+def _step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+          depth: int | None, io: StageIO | None, scaled: tuple | None) -> dict[str, Moment]:
+    """:func:`trace_step`'s moments; with ``scaled = (cache, key, dp_shard)``, those of a
+    step traced at another dp_shard under ``key`` where they scale exactly
+    (:meth:`~tpplan.analysis.dpscale.ScaledTrace.at`), else traced and kept there."""
+    if scaled is None:
+        return trace_step(spec, mesh, build, shape, depth, io)
+    cache, key, dp_shard = scaled
+    kept = cache.setdefault((key, depth), [])
+    for trace in kept:
+        moments = trace.at(dp_shard)
+        if moments is not None:
+            if io is not None:
+                io.sent = trace.sent
+            cache["counts"]["memory_dp_scaled"] += 1
+            return moments
+    kept.append(trace_step(spec, mesh, build, shape, depth, io, scalable=True))
+    return kept[-1].moments
+
+
 def _trace(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
            n_blocks: int, blocks: str | None, cut: bool, io: StageIO | None,
-           shallow: tuple[dict, object] | None) -> tuple[dict[str, Moment], list[int]]:
+           shallow: tuple[dict, object] | None, scaled: tuple | None,
+           ) -> tuple[dict[str, Moment], list[int]]:
     depths = shallow_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build):  # else the first blocks tell not all
-        traces = kept_traces(shallow, io, lambda: [trace_step(spec, mesh, build, shape, d, io)
-                                                   for d in depths])
+        traces = kept_traces(shallow, io, lambda: [
+            _step(spec, mesh, build, shape, d, io, scaled) for d in depths])
         moments = extrapolate(traces, depths, n_blocks, blocks)
         if moments is not None:
             return moments, depths
-    return trace_step(spec, mesh, build, shape, io=io), []
+    return _step(spec, mesh, build, shape, None, io, scaled), []
 
 
 def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
@@ -198,7 +219,7 @@ def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                     n_blocks: int, blocks: str | None, cut: bool = True,
                     io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
-                    ) -> dict[str, Any]:
+                    scaled: tuple[dict, object, int] | None = None) -> dict[str, Any]:
     """Bytes per rank by part, each at its own largest, their ``total``, and the ``peak``
     of the step with its split by part (``at_peak``) and when it happens (``peak_at``).
 
@@ -206,8 +227,12 @@ def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
     ``cut=False`` traces every block even when three shallow traces would do; ``io``:
     ``build`` makes one pipeline stage (:mod:`tpplan.analysis.stagemem`); ``shallow``:
     ``(cache, key)``, the three shallow traces kept under ``key``, which the caller makes
-    of everything they read (``search``: models or stages that differ only in depth)."""
-    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
+    of everything they read (``search``: models or stages that differ only in depth);
+    ``scaled``: ``(cache, key, dp_shard)``, each step traced kept under ``key`` (everything
+    it reads but dp_shard) and served at any other dp_shard where that is exact
+    (:mod:`tpplan.analysis.dpscale`)."""
+    moments, depths = _trace(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow,
+                             scaled)
     label, top = max(moments.items(), key=lambda kv: kv[1].total)
     out: dict[str, Any] = {p: max(m.part_max.get(p, 0) for m in moments.values()) for p in PARTS}
     # Activations: what forward leaves for backward (its temporaries are gone by then).

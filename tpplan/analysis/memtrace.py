@@ -24,7 +24,9 @@ gradient becomes ``gradients``, other survivors of backward (FSDP2's unsharded g
 kept while gradient sync is off) ``accumulated_gradients``. Sizes are the storages' own
 bytes (no allocator rounding). Per *moment label* (which module, which pass, which
 micro-batch; see :func:`tpplan.analysis.steptrace`) the tracker keeps the largest total
-with its split by part, and each part's own largest value.
+with its split by part, and each part's own largest value. Its subclass
+:class:`tpplan.analysis.dpscale.ScalableTracker` (``search``'s) also tells FSDP2's shards
+apart from the rest, so that one trace gives the moments of every other dp_shard.
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = "activations"
         self.live: Counter = Counter({p: 0 for p in PARTS})
         self.moments: dict[str, Moment] = {}
-        self._info: dict[int, list] = {}  # id(storage) -> [weakref, part, bytes]
+        self._info: dict[int, list] = {}  # id(storage) -> [weakref, part, bytes, sharded]
+        self.shard: Counter | None = None  # FSDP2's shards' bytes by part (dpscale's tracker)
         self._copies, self._buffers, self._scatter, self._gather = _ops()
         self._resize = self._lock = None
         self._propagating = 0
@@ -126,26 +129,46 @@ class MemoryTracker(TorchDispatchMode):
     def _freed(self, key: int, ref: weakref.ref) -> None:
         e = self._info.get(key)
         if e is not None and e[0] is ref:
-            self.live[e[1]] -= e[2]
+            self._move(e, None)
             del self._info[key]
 
-    def track(self, t: torch.Tensor, part: str, retag: bool | tuple = False) -> None:
+    def _move(self, e: list, part: str | None, sharded: bool | None = None) -> None:
+        """Move storage entry ``e``'s bytes to ``part`` (None: freed), ``sharded`` or not."""
+        self.live[e[1]] -= e[2]
+        if e[3]:
+            self.shard[e[1]] -= e[2]
+        if part is not None:
+            e[1] = part
+            e[3] = e[3] if sharded is None else sharded
+            self.live[part] += e[2]
+            if e[3]:
+                self.shard[part] += e[2]
+
+    def track(self, t: torch.Tensor, part: str, retag: bool | tuple = False,
+              sharded: bool = False) -> None:
         """Count ``t``'s storages under ``part``; ``retag``: move them there if counted
-        already (a tuple: only from those parts)."""
+        already (a tuple: only from those parts); ``sharded``: they are FSDP2 shards
+        (followed where :attr:`shard` is)."""
+        sharded = sharded and self.shard is not None
         for st in _storages(t):
             e = self._entry(st)
             if e is None:
-                self._add(st, part)
-            elif retag and e[1] != part and (retag is True or e[1] in retag):
-                self.live[e[1]] -= e[2]
-                self.live[part] += e[2]
-                e[1] = part
+                self._add(st, part, sharded)
+            elif retag and (e[1] != part or sharded) and (retag is True or e[1] in retag):
+                self._move(e, part, sharded or e[3])
 
-    def register(self, tensors: Iterable[torch.Tensor | None], part: str) -> None:
-        """Count tensors that exist already (parameters, optimizer state, inputs)."""
+    def register(self, tensors: Iterable[torch.Tensor | None], part: str,
+                 sharded: Callable[[torch.Tensor], bool] = lambda t: False) -> None:
+        """Count tensors that exist already (parameters, optimizer state, inputs);
+        ``sharded(t)``: whether ``t`` is an FSDP2 shard."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                self.track(t.to_local() if isinstance(t, DTensor) else t, part, retag=True)
+                self.track(t.to_local() if isinstance(t, DTensor) else t, part, retag=True,
+                           sharded=sharded(t))
+
+    def is_sharded(self, t: torch.Tensor) -> bool:
+        e = self._entry(t.untyped_storage())
+        return e is not None and e[3]
 
     def settle(self, grads: Iterable[torch.Tensor | None]) -> None:
         """End of a backward: ``grads`` are ``gradients``; other survivors of backward are
@@ -153,16 +176,14 @@ class MemoryTracker(TorchDispatchMode):
         self.register(grads, "gradients")
         for e in self._info.values():
             if e[1] == "transients" and e[0]() is not None:
-                self.live["transients"] -= e[2]
-                self.live["accumulated_gradients"] += e[2]
-                e[1] = "accumulated_gradients"
+                self._move(e, "accumulated_gradients")
         self.observe()
 
     def snapshot(self) -> dict[str, int]:
         return {p: int(v) for p, v in self.live.items()}
 
     # moments
-    def observe(self) -> None:
+    def observe(self) -> str:
         label = self.where()
         m = self.moments.get(label)
         if m is None:
@@ -175,19 +196,30 @@ class MemoryTracker(TorchDispatchMode):
         for p, v in live.items():
             if v > pm.get(p, -1):
                 pm[p] = int(v)
+        return label
 
-    def _add(self, st: torch.UntypedStorage, part: str) -> list:
+    def _shards(self, func, args, kwargs, out) -> Any:
+        """The sizes (elements) of ``func``'s new outputs that are FSDP2 shards: none here
+        (:class:`tpplan.analysis.dpscale.ScalableTracker` follows them)."""
+        return ()
+
+    def _add(self, st: torch.UntypedStorage, part: str, sharded: bool = False) -> list:
         key = id(st)
         ref = weakref.ref(st, lambda r, key=key: self._freed(key, r))
-        e = self._info[key] = [ref, part, st.nbytes()]
-        self.live[part] += e[2]
+        e = self._info[key] = [ref, part, 0, sharded]
+        self._resize_entry(e, st.nbytes())
         return e
+
+    def _resize_entry(self, e: list, size: int) -> None:
+        self.live[e[1]] += size - e[2]
+        if e[3]:
+            self.shard[e[1]] += size - e[2]
+        e[2] = size
 
     def _resized(self, st: torch.UntypedStorage, size: int) -> None:
         # Only FSDP2 resizes storages here: one it made before we looked is its unsharded data.
         e = self._entry(st) or self._add(st, "fsdp_unsharded")
-        self.live[e[1]] += size - e[2]
-        e[2] = size
+        self._resize_entry(e, size)
         self.observe()
 
     def __enter__(self):
@@ -226,16 +258,17 @@ class MemoryTracker(TorchDispatchMode):
             if func is self._gather:  # the unit's parameters, gathered: unsharded state
                 part = "fsdp_unsharded"
                 self.track(args[1], part, retag=True)  # the all-gather's output buffer
-        elif func is self._scatter:
-            self.track(args[0], "gradients", retag=True)
+        elif func is self._scatter:  # its output: a sharded gradient
+            self.track(args[0], "gradients", retag=True, sharded=True)
         elif func in self._copies:
             self.track(args[0], "transients", retag=("fsdp_unsharded",))  # copied out
             for t in tree_flatten(kwargs.get("out", args[-1]))[0]:
                 if isinstance(t, torch.Tensor):
                     self.track(t, "fsdp_unsharded", retag=True)
+        shards = self._shards(func, args, kwargs, out)  # outputs of these sizes are shards
         # Most ops return one tensor: tracked without flattening the output.
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self.track(t, part)
+                self.track(t, part, sharded=t.numel() in shards)
         self.observe()
         return out

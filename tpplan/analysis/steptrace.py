@@ -18,12 +18,12 @@ what the second does.
 Moments are labelled ``<micro-batch>/<pass>/<module>``, a block by its place: ``head<i>``
 for the first 2k blocks, ``tail<i>`` for the last 2k counted from the end, ``middle`` for
 the rest (k = 1, or the period of selective checkpointing), so that the same moment can
-be found at several depths (:mod:`tpplan.analysis.memory`).
+be found at several depths (:mod:`tpplan.analysis.memory`; :class:`~tpplan.analysis.moments.Where`
+names them).
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import warnings
 from typing import Callable
@@ -31,7 +31,6 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_flatten
 
 from ..models.introspect import find_blocks
 from ..parallel.apply import apply_plan, loss_context
@@ -40,7 +39,9 @@ from ..parallel.pipeline import StageBuilder
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
-from .memtrace import MemoryTracker, Moment
+from .dpscale import ScalableTracker, ScaledTrace, fsdp_shards
+from .memtrace import MemoryTracker
+from .moments import Where
 
 __all__ = ["trace_step", "micro_batches_traced", "StageIO"]
 
@@ -73,110 +74,6 @@ def _truncate(model: nn.Module, blocks: str, depth: int) -> None:
         setattr(parent, attr, nn.ModuleList(list(container)[:depth]))
 
 
-class _Where:
-    """The label of the current moment: the step's position, and the module running.
-
-    In forward, global module hooks keep the stack of labelled modules (the blocks, and
-    the modules outside them at their outermost level). Backward is attributed through
-    autograd itself: each labelled module's forward opens a range of autograd sequence
-    numbers (from the newest node among its inputs), and the node autograd is executing
-    (``torch._C._current_autograd_node``) falls in one of them. No tensor is held: a
-    tracker must not change the memory it measures.
-    """
-
-    def __init__(self, model: nn.Module, blocks: str | None, period: int):
-        self.root = model
-        self.stage = "setup"
-        self.mark: str | None = None
-        self.labels: dict[int, str] = {}  # id(module) -> label
-        children = list(model.get_submodule(blocks).children()) if blocks is not None else []
-        depth = len(children)
-        for i, block in enumerate(children):
-            # Only blocks next to the ends behave differently (their neighbours are not
-            # blocks); in between, a moment is linear in the block's index within each
-            # residue of the period, so its largest is at the ends of that stretch.
-            place = f"head{i}" if i < 2 * period else \
-                f"tail{depth - 1 - i}" if i >= depth - 2 * period else "middle"
-            self.labels[id(block)] = f"{blocks}.{place}"
-        for path, m in model.named_modules():
-            inside = blocks is not None and path.startswith(blocks + ".")
-            above = blocks is not None and (path == blocks or blocks.startswith(path + ".")
-                                            or path == "")
-            parent = path.rpartition(".")[0]
-            if not (inside or above or path == "") and \
-                    id(model.get_submodule(parent)) not in self.labels:
-                self.labels[id(m)] = path
-        self.labels.pop(id(model), None)
-        self.forward_started()
-
-    def forward_started(self) -> None:
-        self.stack: list[str] = []
-        self.starts: list[int] = []  # autograd sequence numbers where each range begins
-        self.names: list[str] = []
-        self.high = -1
-        self.done = False
-        self.last_backward = "<loss>"
-
-    def _seen(self, tensors) -> int:
-        high = self.high
-        for t in tree_flatten(tensors)[0]:
-            fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-            if fn is not None:
-                high = max(high, fn._sequence_nr())
-        return high
-
-    def _pre(self, module, args) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # a checkpointed block recomputed in backward: backward is labelled by node
-        label = self.labels.get(id(module))
-        if label is not None:
-            self.high = self._seen(args)
-            self.stack.append(label)
-            self.starts.append(self.high)
-            self.names.append(label)
-
-    def _post(self, module, args, output) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return
-        if id(module) in self.labels:
-            self.stack.pop()
-            self.high = self._seen(output)
-        elif module is self.root:
-            self.done = True
-            self.starts.append(self._seen(output))
-            self.names.append("<loss>")
-
-    def __enter__(self):
-        from torch.nn.modules.module import (register_module_forward_hook,
-                                             register_module_forward_pre_hook)
-
-        self._hooks = [register_module_forward_pre_hook(self._pre),
-                       register_module_forward_hook(self._post)]
-        return self
-
-    def __exit__(self, *args) -> None:
-        for h in self._hooks:
-            h.remove()
-
-    def _backward(self) -> str:
-        node = torch._C._current_autograd_node()
-        # Gradient accumulation into a leaf has no place in forward's order: keep the last.
-        if node is not None and type(node).__name__ != "AccumulateGrad":
-            i = bisect.bisect_left(self.starts, node._sequence_nr()) - 1
-            self.last_backward = self.names[i] if i >= 0 else "<root>"
-        return self.last_backward
-
-    def __call__(self) -> str:
-        if self.mark is not None:
-            return f"{self.stage}/mark/{self.mark}"
-        if self.stage in ("setup", "optimizer"):
-            return self.stage
-        if torch._C._current_graph_task_id() != -1:
-            return f"{self.stage}/backward/{self._backward()}"
-        where = self.stack[-1] if self.stack else "<loss>" if self.done else "<root>"
-        return f"{self.stage}/forward/{where}"
-
-
 def _local(t: torch.Tensor | None):
     from torch.distributed.tensor import DTensor
 
@@ -189,13 +86,15 @@ def _micro_name(m: int, n: int) -> str:
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                depth: int | None = None, io: StageIO | None = None,
-               first_forward: bool = False) -> dict[str, Moment]:
+               first_forward: bool = False, scalable: bool = False):
     """Run the trainer's step for ``spec`` on fake tensors and return its moments by label.
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
     the step, nor copied by a :class:`StageBuilder`); ``io``: ``build`` makes one pipeline
     stage, its micro-batches run in turn; ``first_forward``: the warm-up and the first
-    micro-batch's forward only (no optimizer state). Needs the dry run's fake process group."""
+    micro-batch's forward only (no optimizer state); ``scalable``: FSDP2's shards followed
+    apart, a :class:`~tpplan.analysis.dpscale.ScaledTrace` returned (the moments at any
+    ``dp_shard``). Needs the dry run's fake process group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
@@ -209,11 +108,17 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
         apply_plan(spec, model, mesh, stage=io is not None)
         with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
-            return _run(spec, model, blocks, shape, io or StageIO(True, True), first_forward)
+            io = io or StageIO(True, True)
+            tracker = _run(spec, model, blocks, shape, io, first_forward, scalable)
+    if not scalable:
+        return tracker.moments
+    dp_shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
+    return ScaledTrace(tracker.moments, tracker.points, dp_shard, fsdp_shards(model)[1],
+                       io.sent)
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
-         io: StageIO, first_forward: bool = False) -> dict[str, Moment]:
+         io: StageIO, first_forward: bool = False, scalable: bool = False) -> MemoryTracker:
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -223,8 +128,8 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
                                   weight_decay=t.weight_decay)
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ac = spec.activation_checkpointing
-    where = _Where(model, blocks, ac.every if ac.enabled else 1)
-    tracker = MemoryTracker(where)
+    where = Where(model, blocks, ac.every if ac.enabled else 1)
+    tracker = ScalableTracker(where) if scalable else MemoryTracker(where)
 
     # The trainer's loop variables: the last logits and loss live on until the next forward.
     held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
@@ -288,13 +193,21 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
             for g in optimizer.param_groups:
                 optimizer._init_group(g, [], [], [], [], [], [])
         optimizer.zero_grad(set_to_none=True)
-    tracker.register(model.parameters(), "parameters")
+    shards = fsdp_shards(model)[0] if scalable else set()
+
+    def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one
+        return id(_local(t).untyped_storage()) in shards
+
+    state = {id(v) for p, s in optimizer.state.items() if sharded(p) for v in s.values()
+             if isinstance(v, torch.Tensor) and _local(v).numel() == _local(p).numel()}
+    tracker.register(model.parameters(), "parameters", sharded)
     tracker.register([*model.buffers(), batch], "buffers")  # and the batch
     tracker.register(held.values(), "activations")
-    tracker.register((v for s in optimizer.state.values() for v in s.values()), "optimizer")
+    tracker.register((v for s in optimizer.state.values() for v in s.values()), "optimizer",
+                     lambda t: id(t) in state)
     with where, tracker:
         tracker.observe()
         if step(n, lambda: mark("end_forward"), settle):
             where.stage = "optimizer"
             tracker.observe()
-    return tracker.moments
+    return tracker

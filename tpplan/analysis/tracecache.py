@@ -117,6 +117,7 @@ class Evaluator:
         self.units: dict[tuple, list] = {}
         self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
         self.traces: Counter = Counter()
+        self.scaled: dict[Any, Any] = {"counts": self.traces}  # memory's steps, any dp_shard
         # pipeline_comm's cache of stages and their traces; it counts into ours
         self.stages: dict[Any, Any] = {"counts": self.traces}
         self._last: ParallelDims | None = None
@@ -246,8 +247,12 @@ class Evaluator:
                 depths = first_depths(spec, n_blocks, blocks, cut) if first else \
                     shallow_depths(spec, n_blocks, blocks, cut)
             before = len(self.shallow)
-            run = first_forward if first else memory_per_rank
-            out = run(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
+            if first:
+                out = first_forward(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
+            else:  # each step traced serves every dp_shard it scales to exactly
+                family = (common[0], (common[1][0], *common[1][2:]), *common[2:], n_blocks, stage)
+                out = memory_per_rank(spec, mesh, build, shape, n_blocks, blocks, cut, io,
+                                      shallow, (self.scaled, family, self._last.dp_shard))
             self.memories[key] = (out, io.sent if io else None)
             self.traces[name if len(self.shallow) > before or not depths
                         else f"{name}_from_shallow"] += 1
