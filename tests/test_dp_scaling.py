@@ -56,6 +56,8 @@ def test_a_step_traced_at_one_dp_shard_serves_the_others_exactly(case):
     plan, world, overrides, variants = CASES[case]
     ev, got = _analysed(plan, world, overrides, variants)
     assert ev.traces["memory_dp_scaled"] > 0, ev.traces  # the others were scaled, not traced
+    if case == "hsdp-bf16":  # 3 blocks, traced whole: one step traced, two served
+        assert (ev.traces["memory_steps"], ev.traces["memory_dp_scaled"]) == (1, 2), ev.traces
     _equal_to_dry_runs(plan, world, overrides, variants, got)
 
 

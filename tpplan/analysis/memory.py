@@ -153,7 +153,8 @@ def _step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape
           depth: int | None, io: StageIO | None, scaled: tuple | None) -> dict[str, Moment]:
     """:func:`trace_step`'s moments; with ``scaled = (cache, key, dp_shard)``, those of a
     step traced at another dp_shard under ``key`` where they scale exactly
-    (:meth:`~tpplan.analysis.dpscale.ScaledTrace.at`), else traced and kept there."""
+    (:meth:`~tpplan.analysis.dpscale.ScaledTrace.at`), else traced and kept there (counted
+    in ``cache["counts"]``: ``memory_dp_scaled``, ``memory_steps``)."""
     if scaled is None:
         return trace_step(spec, mesh, build, shape, depth, io)
     cache, key, dp_shard = scaled
@@ -165,6 +166,7 @@ def _step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape
                 io.sent = trace.sent
             cache["counts"]["memory_dp_scaled"] += 1
             return moments
+    cache["counts"]["memory_steps"] += 1
     kept.append(trace_step(spec, mesh, build, shape, depth, io, scalable=True))
     return kept[-1].moments
 
