@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 from helpers import PLANS
+from test_search import _evaluated
 
 from tpplan.analysis import analyze_memory
 from tpplan.analysis.dpscale import ScaledTrace
-from tpplan.analysis.dryrun import dry_run, fake_process_group
-from tpplan.analysis.tracecache import Evaluator
+from tpplan.analysis.dryrun import dry_run
 
 PLAN = str(PLANS / "llama.yaml")
 BF16 = "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"
@@ -63,16 +63,8 @@ def test_a_step_traced_at_one_dp_shard_serves_the_others_exactly(case):
 
 def _analysed(plan: str, world: int, overrides: list[str], variants: list[list[str]]):
     """``search``'s memory analysis of each variant, in turn, through one cache."""
-    ev = Evaluator(plan, overrides, world)
-    got = []
-    with fake_process_group(world):
-        for s in variants:
-            r = ev.check(s)
-            assert not r.errors, r.errors
-            ev.memory(r)
-            assert r.ok, r.analysis_errors
-            got.append((r.extra["memory_per_rank"], r.extra.get("pipeline")))
-    return ev, got
+    ev, results = _evaluated(overrides, world, variants, plan, comm=False)
+    return ev, [(r.extra["memory_per_rank"], r.extra.get("pipeline")) for r in results]
 
 
 def _equal_to_dry_runs(plan: str, world: int, overrides: list[str],

@@ -116,9 +116,9 @@ def _comparable(result) -> tuple:
 
 
 def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: str = PLAN,
-               memory: bool = True) -> tuple:
+               memory: bool = True, comm: bool = True) -> tuple:
     """One :class:`Evaluator` over ``sets``, each checked, memory (unless not ``memory``)
-    and communication analysed."""
+    and communication (unless not ``comm``) analysed."""
     ev = Evaluator(plan, overrides, world)
     out = []
     with fake_process_group(world):
@@ -127,7 +127,8 @@ def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: st
             assert not r.errors, r.errors
             if memory:
                 ev.memory(r)
-            ev.comm(r)
+            if comm:
+                ev.comm(r)
             assert r.ok, r.analysis_errors
             out.append(r)
     return ev, out
