@@ -28,11 +28,12 @@ CASES = {  # name: (plan, world, overrides, the variants' --set lines)
     "hsdp-bf16": (PLAN, 32, TINY + ["train.global_batch_size=96", BF16],
                   [[_mesh(1, 16 // s, s, 2)] for s in (2, 4, 8)]),
     # 16 blocks under full checkpointing: traced at depths 4, 5 and 6, each depth's step
-    # scaled; selective checkpointing of every second block, tp 4
+    # scaled (tp 4)
     "deep": (PLAN, 32, ["train.seq_len=32", "model.kwargs.n_layers=16",
                         "train.micro_batch_size=1", "train.global_batch_size=16",
                         "activation_checkpointing={mode: full}"],
              [[_mesh(1, r, 8 // r, 4)] for r in (2, 4)]),
+    # selective checkpointing of every second block (tp 4)
     "selective": (PLAN, 32, TINY + ["model.kwargs.n_layers=4", "train.global_batch_size=16",
                                     "activation_checkpointing={mode: selective, every: 2}"],
                   [[_mesh(1, r, 8 // r, 4)] for r in (2, 4)]),
