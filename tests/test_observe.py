@@ -199,6 +199,33 @@ def other_runs(tmp_path_factory) -> tuple[Path, Path, Path]:
     return base / "pp2-tp2", base / "seed1", base / "again"
 
 
+def test_the_measured_step_starts_with_adamw_state_made_as_its_step_makes_it():
+    """``memwatch`` makes AdamW's state before the step it measures on CPU (every later step,
+    and the dry run's, holds it from the start): zero moments and step 0, as AdamW's first
+    step makes them, so training is unchanged: three steps after it equal three without."""
+    import copy
+
+    import torch
+
+    from tpplan.train.optim import init_state
+
+    torch.manual_seed(0)
+    lazy = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    early = copy.deepcopy(lazy)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (lazy, early)]
+    init_state(opts[1])
+    state = opts[1].state
+    assert len(state) == 4 and all(p.grad is None for p in early.parameters())
+    assert all(not v.any() for s in state.values() for v in s.values())  # zeros, step 0
+    x = torch.randn(5, 8)
+    for model, opt in zip((lazy, early), opts):
+        for _ in range(3):
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert all(torch.equal(a, b) for a, b in zip(lazy.parameters(), early.parameters()))
+
+
 def test_the_memory_line_holds_for_the_pipeline_and_other_runs(other_runs):
     """The README's pipeline layout (pp 2 × tp 2) and a 2 × 2 run of another seed: the
     measured peak (the largest over the ranks) within tolerance of the dry run's."""

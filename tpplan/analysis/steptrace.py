@@ -37,6 +37,7 @@ from ..parallel.apply import apply_plan, loss_context
 from ..parallel.context import shard_batch
 from ..parallel.pipeline import StageBuilder
 from ..plan.specs import PlanSpec
+from ..train.optim import init_state
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
 from .dpscale import ScalableTracker, ScaledTrace, fsdp_shards
@@ -187,12 +188,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         forward(batch[:micro])
     held.update({k: v.detach() for k, v in held.items() if v is not None})
     if not first_forward:  # AdamW's state changes nothing a forward saves
-        for p in trained:  # a gradient marks a parameter as one AdamW's step updates
-            p.grad = torch.zeros_like(p)
-        with torch.no_grad():  # the state as ``step`` makes it (its lazy init), not stepped
-            for g in optimizer.param_groups:
-                optimizer._init_group(g, [], [], [], [], [], [])
-        optimizer.zero_grad(set_to_none=True)
+        init_state(optimizer)  # the state as ``step`` makes it (its lazy init), not stepped
     shards = fsdp_shards(model)[0] if scalable else set()
 
     def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one

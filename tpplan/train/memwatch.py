@@ -3,7 +3,9 @@
 - **CUDA**: ``torch.cuda.max_memory_allocated()`` over the run (the caching allocator's
   peak of live tensor bytes: what the dry run predicts, without the allocator's cache).
 - **CPU** (Linux, glibc): the kernel's peak resident set (``VmHWM``) during the first
-  step this process runs, less the resident set just before it (the peak is reset first
+  step this process runs (started with AdamW's state, made beforehand as its first step
+  would make it, so that the step holds what every later one, and the dry run's, holds),
+  less the resident set just before it (the peak is reset first
   through ``/proc/self/clear_refs``), less the file-backed pages the step faulted in (code
   of kernels run for the first time), plus the bytes of the tensors already live when the
   step starts (parameters, buffers, optimizer state: summed exactly). For that one step,
@@ -21,6 +23,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from .optim import init_state
 
 __all__ = ["StepMemory", "largest_peak", "live_bytes", "step_start_tensors"]
 
@@ -79,10 +83,13 @@ class StepMemory:
         optimizers)."""
         if self.peak is not None or not self.cpu_ok:
             return
-        live = live_bytes(step_start_tensors(parts, optimizers))
         if not _mallopt(MEASURED_THRESHOLD):
             self.cpu_ok = False
             return
+        for optimizer in optimizers:  # the step starts as every later one does: with
+            if not optimizer.state:    # AdamW's state (made now, as its step would)
+                init_state(optimizer)
+        live = live_bytes(step_start_tensors(parts, optimizers))
         try:
             _CLEAR.write_text("5")  # resets VmHWM to the current resident set
         except OSError:
