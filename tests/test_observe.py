@@ -207,7 +207,7 @@ def test_the_measured_step_starts_with_adamw_state_made_as_its_step_makes_it():
 
     import torch
 
-    from tpplan.train.optim import init_state
+    from tpplan.checkpoint.optim_state import init_state
 
     torch.manual_seed(0)
     lazy = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))

@@ -37,7 +37,7 @@ from ..parallel.apply import apply_plan, loss_context
 from ..parallel.context import shard_batch
 from ..parallel.pipeline import StageBuilder
 from ..plan.specs import PlanSpec
-from ..train.optim import init_state
+from ..checkpoint.optim_state import init_state
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
 from .dpscale import ScalableTracker, ScaledTrace, fsdp_shards

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .optim import init_state
+from ..checkpoint.optim_state import init_state
 
 __all__ = ["StepMemory", "largest_peak", "live_bytes", "step_start_tensors"]
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["clip_grad_norm", "init_state", "lr_lambda", "make_optimizer", "trained_summary"]
+__all__ = ["clip_grad_norm", "lr_lambda", "make_optimizer", "trained_summary"]
 
 
 def make_optimizer(model: nn.Module, t) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
@@ -20,20 +20,6 @@ def make_optimizer(model: nn.Module, t) -> tuple[torch.optim.Optimizer, list[nn.
     trained = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(trained, lr=t.lr, betas=t.betas, eps=t.eps,
                              weight_decay=t.weight_decay), trained
-
-
-def init_state(optimizer: torch.optim.Optimizer) -> None:
-    """Make AdamW's state as its first ``step`` makes it (its lazy initialization: zero
-    moments, step 0, for every parameter that trains), without stepping: the values are
-    the ones that step would make, so training is unchanged. The dry run's trace starts its
-    step this way, and so does the step the trainer measures on CPU (``memwatch``)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for p in params:  # a gradient marks a parameter as one AdamW's step updates
-        p.grad = torch.zeros_like(p)
-    with torch.no_grad():
-        for g in optimizer.param_groups:
-            optimizer._init_group(g, [], [], [], [], [], [])
-    optimizer.zero_grad(set_to_none=True)
 
 
 def trained_summary(trained: list, n_params: int) -> str:
