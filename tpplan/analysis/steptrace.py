@@ -110,16 +110,20 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
         with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
             io = io or StageIO(True, True)
-            tracker = _run(spec, model, blocks, shape, io, first_forward, scalable)
-    if not scalable:
+            shards = fsdp_shards(model) if scalable else None
+            tracker = _run(spec, model, blocks, shape, io, first_forward,
+                           shards and shards[0])
+    if shards is None:
         return tracker.moments
     dp_shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
-    return ScaledTrace(tracker.moments, tracker.points, dp_shard, fsdp_shards(model)[1],
-                       io.sent)
+    return ScaledTrace(tracker.moments, tracker.points, dp_shard, shards[1], io.sent)
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
-         io: StageIO, first_forward: bool = False, scalable: bool = False) -> MemoryTracker:
+         io: StageIO, first_forward: bool = False,
+         shards: set[int] | None = None) -> MemoryTracker:
+    """The step run under a tracker; ``shards``: the storages of FSDP2's sharded
+    parameters (:func:`~tpplan.analysis.dpscale.fsdp_shards`), to follow shards apart."""
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -130,7 +134,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ac = spec.activation_checkpointing
     where = Where(model, blocks, ac.every if ac.enabled else 1)
-    tracker = ScalableTracker(where) if scalable else MemoryTracker(where)
+    tracker = MemoryTracker(where) if shards is None else ScalableTracker(where)
 
     # The trainer's loop variables: the last logits and loss live on until the next forward.
     held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
@@ -189,10 +193,8 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     held.update({k: v.detach() for k, v in held.items() if v is not None})
     if not first_forward:  # AdamW's state changes nothing a forward saves
         init_state(optimizer)  # the state as ``step`` makes it (its lazy init), not stepped
-    shards = fsdp_shards(model)[0] if scalable else set()
-
     def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one
-        return id(_local(t).untyped_storage()) in shards
+        return shards is not None and id(_local(t).untyped_storage()) in shards
 
     state = {id(v) for p, s in optimizer.state.items() if sharded(p) for v in s.values()
              if isinstance(v, torch.Tensor) and _local(v).numel() == _local(p).numel()}
