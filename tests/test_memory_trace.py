@@ -43,17 +43,18 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
     """The first forward (the memory floor's probe) run at three shallow depths and
     extrapolated equals running every block, where k divides the depth and where it
     leaves a remainder (13 blocks, every second checkpointed: depths 1, 3, 5; 20 blocks,
-    every third: 2, 5, 8)."""
+    every third: 2, 5, 8). The three shallow ones share one model, warmed up once at the
+    deepest: each equals a probe of a model built at its own depth."""
     import tpplan.analysis.memory as memory
+    from tpplan.analysis.steptrace import first_forwards, forward_activations, trace_step
 
     depths = []
-    run = memory.trace_step
 
-    def counting(spec, mesh, build, shape, depth=None, *args, **kwargs):
-        depths.append(depth)
-        return run(spec, mesh, build, shape, depth, *args, **kwargs)
+    def counting(spec, mesh, build, shape, ds, io=None):
+        depths.append(ds)
+        return first_forwards(spec, mesh, build, shape, ds, io)
 
-    monkeypatch.setattr(memory, "trace_step", counting)
+    monkeypatch.setattr(memory, "first_forwards", counting)
 
     def both(result) -> None:
         spec, step = result.plan.spec, result.step
@@ -63,6 +64,9 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
 
         result.extra["both"] = [first_forward(spec, result.mesh, build, step, layers,
                                               "layers", cut) for cut in (True, False)]
+        result.extra["apart"] = [forward_activations(trace_step(
+            spec, result.mesh, build, step, d, first_forward=True)) for d in depths[0]]
+        result.extra["shared"] = first_forwards(spec, result.mesh, build, step, depths[0])
 
     ac = "{mode: none}" if every == 1 else f"{{mode: selective, every: {every}}}"
     overrides = [f"model.kwargs.n_layers={layers}", f"activation_checkpointing={ac}",
@@ -72,4 +76,6 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
     cut, every_block = result.extra["both"]
     assert cut == every_block > 0
     start = layers % every or every
-    assert depths == [start, start + every, start + 2 * every, None], depths
+    assert depths == [[start, start + every, start + 2 * every]], depths
+    apart = result.extra["apart"]
+    assert result.extra["shared"] == apart and apart[0] < apart[1] < apart[2], apart

@@ -26,7 +26,8 @@ from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
-from .steptrace import StageIO, micro_batches_traced, trace_step
+from .steptrace import (StageIO, first_forwards, forward_activations, micro_batches_traced,
+                        trace_step)
 
 __all__ = ["memory_per_rank", "first_forward", "first_depths", "extrapolate",
            "describe_moment", "shallow_depths", "kept_traces", "period_depths"]
@@ -195,19 +196,17 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     identical blocks is run at depths k, 2k and 3k (k = 1, or the period of selective
     checkpointing; r, r + k, r + 2k where k leaves a remainder r) and the bytes
     extrapolated when the three are affine in depth (each block saves its own; else every
-    block is run). Arguments as :func:`memory_per_rank`'s
+    block is run); the three from one model (:func:`~tpplan.analysis.steptrace.first_forwards`).
+    Arguments as :func:`memory_per_rank`'s
     (``shallow`` keeps the three runs for any depth)."""
-    def acts(depth: int | None) -> int:
-        moments = trace_step(spec, mesh, build, shape, depth, io, first_forward=True)
-        m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
-        return m.parts["activations"]
-
     depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build):
-        a1, a2, a3 = kept_traces(shallow, io, lambda: [acts(d) for d in depths])
+        a1, a2, a3 = kept_traces(shallow, io, lambda: first_forwards(spec, mesh, build, shape,
+                                                                     depths, io))
         if a3 - a2 == a2 - a1:
             return a1 + (n_blocks - depths[0]) // (depths[1] - depths[0]) * (a2 - a1)
-    return acts(None)
+    return forward_activations(trace_step(spec, mesh, build, shape, None, io,
+                                          first_forward=True))
 
 
 def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,

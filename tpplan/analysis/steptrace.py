@@ -44,7 +44,8 @@ from .dpscale import ScalableTracker, ScaledTrace, fsdp_shards
 from .memtrace import MemoryTracker
 from .moments import Where
 
-__all__ = ["trace_step", "micro_batches_traced", "StageIO"]
+__all__ = ["trace_step", "first_forwards", "forward_activations", "truncated",
+           "micro_batches_traced", "StageIO"]
 
 
 @dataclasses.dataclass
@@ -65,14 +66,16 @@ def micro_batches_traced(accum: int) -> int:
     return min(accum, 3)
 
 
-def _truncate(model: nn.Module, blocks: str, depth: int) -> None:
-    parent_path, _, attr = blocks.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    container = getattr(parent, attr)
+def truncated(container: nn.Module, depth: int) -> nn.Module:
+    """A blocks container holding the first ``depth`` of ``container``'s blocks."""
     if isinstance(container, nn.ModuleDict):  # its own class: a stage's iterates its blocks
-        setattr(parent, attr, type(container)(dict(list(container.items())[:depth])))
-    else:
-        setattr(parent, attr, nn.ModuleList(list(container)[:depth]))
+        return type(container)(dict(list(container.items())[:depth]))
+    return nn.ModuleList(list(container)[:depth])
+
+
+def _parent(model: nn.Module, blocks: str) -> tuple[nn.Module, str]:
+    parent_path, _, attr = blocks.rpartition(".")
+    return (model.get_submodule(parent_path) if parent_path else model), attr
 
 
 def _local(t: torch.Tensor | None):
@@ -83,6 +86,20 @@ def _local(t: torch.Tensor | None):
 
 def _micro_name(m: int, n: int) -> str:
     return "only" if n == 1 else "first" if m == 0 else "last" if m == n - 1 else "middle"
+
+
+def _applied(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth: int | None,
+             io: StageIO | None) -> tuple[PlanSpec, nn.Module, str | None]:
+    """The model (its first ``depth`` blocks) built on meta with the plan applied."""
+    # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
+    spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
+    model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
+    blocks = find_blocks(model)
+    if depth is not None and blocks is not None:
+        parent, attr = _parent(model, blocks)
+        setattr(parent, attr, truncated(getattr(parent, attr), depth))
+    apply_plan(spec, model, mesh, stage=io is not None)
+    return spec, model, blocks
 
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
@@ -98,15 +115,9 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     ``dp_shard``). Needs the dry run's fake process group."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
-    spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
-    model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
-    blocks = find_blocks(model)
-    if depth is not None and blocks is not None:
-        _truncate(model, blocks, depth)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_plan(spec, model, mesh, stage=io is not None)
+        spec, model, blocks = _applied(spec, mesh, build, depth, io)
         with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
             io = io or StageIO(True, True)
@@ -119,11 +130,46 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     return ScaledTrace(tracker.moments, tracker.points, dp_shard, shards[1], io.sent)
 
 
+def forward_activations(moments: dict) -> int:
+    """The ``activations`` part at the end of the first micro-batch's forward."""
+    m = moments.get("only/mark/end_forward") or moments["first/mark/end_forward"]
+    return m.parts["activations"]
+
+
+def first_forwards(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                   depths: list[int], io: StageIO | None = None) -> list[int]:
+    """:func:`forward_activations` of :func:`trace_step` with ``first_forward`` at each of
+    ``depths`` blocks, from one model: built and applied at the deepest, warmed up once
+    there, and each forward run on its first ``depth`` blocks (the deepest first). A warm-up
+    at any depth leaves what one at another leaves to a forward on fewer blocks (FSDP2
+    initialized, the last output held; each probe's held after it, its graph freed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        spec, model, blocks = _applied(spec, mesh, build, max(depths), io)
+        parent, attr = _parent(model, blocks)
+        kept = getattr(parent, attr)
+        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
+            model.to_empty(device="cpu")
+            io = io or StageIO(True, True)
+            held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
+            for i, depth in enumerate(sorted(depths, reverse=True)):
+                setattr(parent, attr, truncated(kept, depth))
+                tracker = _run(spec, model, blocks, shape, io, True, held=held, warm=i == 0)
+                out.append((depth, forward_activations(tracker.moments)))
+                held.update({k: v.detach() for k, v in held.items() if v is not None})
+    return [dict(out)[d] for d in depths]
+
+
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
-         io: StageIO, first_forward: bool = False,
-         shards: set[int] | None = None) -> MemoryTracker:
+         io: StageIO, first_forward: bool = False, shards: set[int] | None = None,
+         held: dict | None = None, warm: bool = True) -> MemoryTracker:
     """The step run under a tracker; ``shards``: the storages of FSDP2's sharded
-    parameters (:func:`~tpplan.analysis.dpscale.fsdp_shards`), to follow shards apart."""
+    parameters (:func:`~tpplan.analysis.dpscale.fsdp_shards`), to follow shards apart;
+    ``held``: the trainer's last logits and loss (its loop variables), which ``warm=False``
+    takes as a warm-up already run on this model left them."""
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -137,7 +183,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     tracker = MemoryTracker(where) if shards is None else ScalableTracker(where)
 
     # The trainer's loop variables: the last logits and loss live on until the next forward.
-    held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
+    held = {"logits": None, "loss": None} if held is None else held
 
     def step(micro_batches: int, on_forward=None, on_backward=None) -> bool:
         for m in range(micro_batches):
@@ -188,9 +234,10 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
 
     # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward), the
     # last logits and loss still held (graph freed, as backward frees it) and AdamW's state.
-    with loss_context(spec):
-        forward(batch[:micro])
-    held.update({k: v.detach() for k, v in held.items() if v is not None})
+    if warm:
+        with loss_context(spec):
+            forward(batch[:micro])
+        held.update({k: v.detach() for k, v in held.items() if v is not None})
     if not first_forward:  # AdamW's state changes nothing a forward saves
         init_state(optimizer)  # the state as ``step`` makes it (its lazy init), not stepped
     def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one

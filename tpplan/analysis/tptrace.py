@@ -41,7 +41,7 @@ from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
 from .memory import kept_traces, period_depths
-from .steptrace import StageIO
+from .steptrace import StageIO, truncated
 
 __all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
 
@@ -79,12 +79,6 @@ def identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, s
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     return parent, attr, path
-
-
-def _truncated(container: nn.Module, depth: int) -> nn.Module:
-    if isinstance(container, nn.ModuleDict):  # its own class: a stage's iterates its blocks
-        return type(container)(dict(list(container.items())[:depth]))
-    return nn.ModuleList(list(container)[:depth])
 
 
 @contextlib.contextmanager
@@ -239,12 +233,12 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
                 build(depths[-1]) if path == build.split.blocks_path else build()
             parent_path, _, attr = path.rpartition(".")
             parent = run.get_submodule(parent_path)
-            kept = _truncated(getattr(parent, attr), depths[-1])
+            kept = truncated(getattr(parent, attr), depths[-1])
             setattr(parent, attr, kept)
             prepared(run)
             out = []
             for k in depths:
-                setattr(parent, attr, _truncated(kept, k))
+                setattr(parent, attr, truncated(kept, k))
                 out.append(_run(run, plan, tokens, groups, io))
             return out
 
