@@ -14,7 +14,7 @@ docs/dry-run.md, "Pipeline stages".
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..plan.pipeline import SCHEDULES
 
@@ -22,11 +22,10 @@ __all__ = ["Action", "schedule_actions", "in_flight", "rank_in_flight", "bubble_
            "TIME", "fsdp_order", "fsdp_gathers", "schedule_facts"]
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """One computation: ``F`` forward, ``B`` full backward, ``I`` backward for the input
     only, ``W`` backward for the weights only (zero-bubble schedules), of micro-batch
-    ``mb`` on stage ``stage``."""
+    ``mb`` on stage ``stage`` (a tuple: schedules of thousands are simulated per search)."""
 
     kind: str
     stage: int
@@ -38,10 +37,15 @@ class Action:
 TIME = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
+@functools.lru_cache(maxsize=256)
 def _torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
+    """torch's table of each rank's actions (cached: :func:`schedule_actions` and
+    :func:`fsdp_order` both lower it; neither changes it)."""
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
+    if not _KINDS:
+        _KINDS.update({t: t.value for t in schedules._ComputationType if t.value in TIME})
     cls = getattr(schedules, SCHEDULES[name].torch_class)
     sched = cls.__new__(cls)  # the degrees the table reads, nothing else
     n = pp * v
@@ -60,6 +64,9 @@ def _torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
     return sched.pipeline_order
 
 
+_KINDS: dict = {}  # torch's computation types that are computations, as their letters
+
+
 def _computations(action) -> list[Action]:
     """torch's action as computations; an overlapped forward+backward (DualPipeV) as both,
     forward first (both are in flight while it runs)."""
@@ -68,8 +75,8 @@ def _computations(action) -> list[Action]:
     subs = getattr(action, "sub_actions", None)
     if subs:
         return [c for a in subs for c in _computations(a)]
-    kind = action.computation_type.value
-    if kind not in TIME:
+    kind = _KINDS.get(action.computation_type)
+    if kind is None:
         return []  # communication, resharding, gradient reduction
     return [Action(kind, action.stage_index, action.microbatch_index)]
 
@@ -194,31 +201,33 @@ def bubble_fraction(actions: dict[int, list[Action]], m: int) -> float:
     pos = {r: 0 for r in actions}
     last = max(a.stage for acts in actions.values() for a in acts)
 
-    def deps(a: Action) -> list[tuple[str, int, int]]:
-        if a.kind == "F":
-            return [("F", a.stage - 1, a.mb)] if a.stage else []
-        if a.kind == "W":
-            return [("I", a.stage, a.mb)]
-        after = [("F", a.stage, a.mb)]
-        return after if a.stage == last else after + [("G", a.stage + 1, a.mb)]
-
     remaining = sum(len(v) for v in actions.values())
     while remaining:
         progressed = False
         for r, acts in actions.items():
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                need = deps(a)
-                if any(d not in done for d in need):
+            i, t = pos[r], clock[r]
+            while i < len(acts):
+                kind, stage, mb = acts[i]
+                if kind == "F":  # after the previous stage's forward
+                    ready = done.get(("F", stage - 1, mb), None) if stage else 0
+                elif kind == "W":  # after its input's gradient
+                    ready = done.get(("I", stage, mb))
+                else:  # after its forward and the next stage's input gradient
+                    ready = done.get(("F", stage, mb))
+                    if ready is not None and stage != last:
+                        grad = done.get(("G", stage + 1, mb))
+                        ready = None if grad is None else max(ready, grad)
+                if ready is None:
                     break
-                start = max([clock[r], *(done[d] for d in need)])
-                clock[r] = start + TIME[a.kind]
-                done[(a.kind, a.stage, a.mb)] = clock[r]
-                if a.kind in ("B", "I"):  # the input's gradient, sent to the stage before
-                    done[("G", a.stage, a.mb)] = clock[r]
-                pos[r] += 1
-                remaining -= 1
+                t = max(t, ready) + TIME[kind]
+                done[(kind, stage, mb)] = t
+                if kind in ("B", "I"):  # the input's gradient, sent to the stage before
+                    done[("G", stage, mb)] = t
+                i += 1
+            if i != pos[r]:
                 progressed = True
+                remaining -= i - pos[r]
+                pos[r], clock[r] = i, t
         if not progressed:
             raise ValueError("the schedule's order deadlocks")
     work = max(sum(TIME[a.kind] for a in acts) for acts in actions.values())

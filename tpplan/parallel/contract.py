@@ -101,7 +101,10 @@ def stage_contract(model: nn.Module, split: PipelineSplit, spec: PlanSpec) -> li
     if key in _DONE:  # the messages; the place is this plan's
         return [PlanError(m, spec.pipeline.loc) for m in _DONE[key]]
     tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    whole = copy.deepcopy(model).to("meta")  # buffers too: a trainer's model keeps them real
+    # Each stage runs on its own copy (stage_module's), so a model all on meta is read as it
+    # is; a trainer's keeps real buffers, copied to meta first.
+    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    whole = model if on_meta else copy.deepcopy(model).to("meta")
     x: Any = tokens
     errors: list[PlanError] = []
     for stage in split.stages:
@@ -127,7 +130,7 @@ def stage_contract(model: nn.Module, split: PipelineSplit, spec: PlanSpec) -> li
                 f"stage contract, {RULE_ONE_TENSOR} (docs/pipeline.md)", spec.pipeline.loc))
             break
         x = out
-    if errors and _run(whole, tokens)[1] is not None:
+    if errors and _run(copy.deepcopy(whole) if on_meta else whole, tokens)[1] is not None:
         errors = []  # unsplit it fails too: not the split's fault, the analyses say what it is
     _DONE[key] = [e.message for e in errors]
     return errors
