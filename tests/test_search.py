@@ -56,9 +56,13 @@ def test_every_factorization_and_option_is_enumerated():
 
 
 def test_what_does_not_divide_or_fit_is_dropped_with_its_reason():
+    import gc
+
     tiny = dataclasses.replace(DEVICES["h100"], name="tiny", memory=1)  # nothing fits
+    collecting = gc.get_threshold()
     data = search(PLAN, 4, tiny, SMALL + ["train.global_batch_size=2"], top=3,
                   options=Options(max_tp=2, schedules=("1f1b",)))
+    assert gc.get_threshold() == collecting  # search collects less often, then as before
     reasons = {d["reason"]: d for d in data["dropped"]}
     batch = next(r for r in reasons if "not divisible by the data-parallel size" in r)
     assert any("dp_shard: 4" in s for s in reasons[batch]["example"])
