@@ -17,7 +17,8 @@ from helpers import PLANS, TEST_PLANS
 import tpplan
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.schedule import bubble_fraction, in_flight, schedule_actions
+from tpplan.analysis.schedule import (TIME, bubble_fraction, fsdp_order, in_flight,
+                                      schedule_actions, torch_table)
 from tpplan.parallel.runtime import as_spawned_rank, spawn
 
 PLAN = str(PLANS / "llama-3d.yaml")
@@ -46,6 +47,35 @@ def test_bubble_and_in_flight_follow_the_closed_forms(pp, m):
         actions = schedule_actions(name, pp, 2, m)
         assert bubble_fraction(actions, m) < (pp - 1) / (2 * m)
         assert all(1 <= k <= m for k in in_flight(actions).values())
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                  "zbv", "dualpipev"])
+def test_fsdp_order_unshards_and_reshards_where_torchs_lowering_does(name):
+    """``fsdp_order``'s UNSHARD and RESHARD of whole stages, among the computations, are
+    exactly where torch's runtime lowering (``_add_unshard_reshard``) puts them."""
+    from torch.distributed.pipelining.schedules import _add_unshard_reshard
+
+    def flat(a):  # an overlapped forward+backward (DualPipeV) as its two computations
+        return [x for s in a.sub_actions for x in flat(s)] if a.sub_actions else [a]
+
+    for pp, v, m in [(2, 1, 4), (2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 3, 12), (4, 4, 8),
+                     (8, 2, 16), (4, 2, 5)]:
+        try:
+            table = torch_table(name, pp, v, m)
+        except Exception:  # noqa: BLE001 - degrees this schedule does not take
+            continue
+        order = fsdp_order(name, pp, v, m)
+        for rank, acts in table.items():
+            expected = []
+            for a in _add_unshard_reshard(list(acts)):
+                for x in flat(a):
+                    kind = x.computation_type.value
+                    if kind in ("UNSHARD", "RESHARD"):
+                        expected.append((kind[0], x.stage_index, -1))
+                    elif kind in TIME:
+                        expected.append((kind, x.stage_index, x.microbatch_index))
+            assert [tuple(a) for a in order[rank]] == expected, (pp, v, m, rank)
 
 
 class _Recorder:

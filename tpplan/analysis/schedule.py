@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 from ..plan.pipeline import SCHEDULES
 
-__all__ = ["Action", "schedule_actions", "in_flight", "rank_in_flight", "bubble_fraction",
-           "TIME", "fsdp_order", "fsdp_gathers", "schedule_facts"]
+__all__ = ["Action", "schedule_actions", "torch_table", "in_flight", "rank_in_flight",
+           "bubble_fraction", "TIME", "fsdp_order", "fsdp_gathers", "schedule_facts"]
 
 
 class Action(NamedTuple):
@@ -38,7 +38,7 @@ TIME = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
 @functools.lru_cache(maxsize=256)
-def _torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
+def torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
     """torch's table of each rank's actions (cached: :func:`schedule_actions` and
     :func:`fsdp_order` both lower it; neither changes it)."""
     from torch.distributed.pipelining import schedules
@@ -100,7 +100,7 @@ def schedule_actions(name: str, pp: int, stages_per_rank: int, m: int) -> dict[i
                         order.append(("F", warm + i))
             out[s] = [Action(k, s, i) for k, i in order]
         return out
-    table = _torch_table(name, pp, stages_per_rank, m)
+    table = torch_table(name, pp, stages_per_rank, m)
     return {r: [c for a in acts for c in _computations(a)] for r, acts in table.items()}
 
 
@@ -112,18 +112,54 @@ def fsdp_order(name: str, pp: int, stages_per_rank: int, m: int) -> dict[int, li
     ``_add_unshard_reshard``; kinds ``U`` and ``R`` here). GPipe and 1F1B insert none."""
     if not SCHEDULES[name].multi:
         return schedule_actions(name, pp, stages_per_rank, m)
-    from torch.distributed.pipelining.schedules import _add_unshard_reshard
+    return {rank: _unshard_reshard(acts) for rank, acts in
+            torch_table(name, pp, stages_per_rank, m).items()}
 
-    out = {}
-    for rank, acts in _torch_table(name, pp, stages_per_rank, m).items():
-        order = []
-        for a in _add_unshard_reshard(list(acts)):
-            kind = a.computation_type.value
-            if kind in ("UNSHARD", "RESHARD"):
-                order.append(Action(kind[0], a.stage_index, -1))
-            else:
-                order += _computations(a)
-        out[rank] = order
+
+def _stages_of(action) -> list[int]:
+    """The stages an action computes on, as torch's lowering reads them: an overlapped
+    forward+backward's sub-actions' (in order, once each), else its own."""
+    if action.sub_actions is not None and action.computation_type.value == "OVERLAP_F_B":
+        return list(dict.fromkeys(a.stage_index for a in action.sub_actions))
+    return [action.stage_index]
+
+
+def _unshard_reshard(actions: list, active_most: int = 3) -> list[Action]:
+    """One rank's computations with the ``U`` and ``R`` that torch's
+    ``_add_unshard_reshard`` inserts (``max_active_stages`` 3): before each action, the stages
+    no longer among the next ``active_most`` distinct stages to compute are resharded, then
+    those among them not yet unsharded are unsharded, in that order; what is left is
+    resharded at the end. The same sets, in the same order, as torch's, which rescans the
+    rest of the order at every action (quadratic: most of a search's pipeline
+    communication analysis at 2 stages per rank); here each action's next stages come from
+    the one after it. ``tests/test_schedule.py`` holds the two equal."""
+    acts = [a for a in actions if a is not None]
+    # Each action's next stages to compute, first seen first: torch stops at the end of the
+    # action that brings their count to ``active_most`` (an overlapped pair may bring two).
+    nexts: list[list[int]] = [[]] * len(acts)
+    upcoming: list[tuple[int, int]] = []  # (stage, the action that brings it first)
+    for i in range(len(acts) - 1, -1, -1):
+        mine = _stages_of(acts[i])
+        upcoming = [(s, i) for s in mine] + [e for e in upcoming if e[0] not in mine]
+        nxt = []
+        for k, (stage, by) in enumerate(upcoming):
+            nxt.append(stage)
+            if len(nxt) >= active_most and (k + 1 == len(upcoming) or upcoming[k + 1][1] != by):
+                break
+        nexts[i] = nxt
+    active: set[int] = set()
+    out: list[Action] = []
+    for action, nxt in zip(acts, nexts):
+        for stage in [s for s in active if s not in nxt]:
+            active.remove(stage)
+            out.append(Action("R", stage, -1))
+        for stage in [s for s in nxt if s not in active]:
+            active.add(stage)
+            out.append(Action("U", stage, -1))
+        out += _computations(action)
+    for stage in list(active):
+        active.remove(stage)
+        out.append(Action("R", stage, -1))
     return out
 
 
