@@ -41,6 +41,8 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+_DEVICE = torch.ops.prim.device.default
+
 __all__ = ["PARTS", "Moment", "MemoryTracker"]
 
 PARTS = ("parameters", "buffers", "optimizer", "gradients", "fsdp_unsharded",
@@ -243,6 +245,8 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a tensor's device asked (half the step's dispatches): nothing made
+            return func(*args, **(kwargs or {}))
         if any(t is DTensor or issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which we see
         kwargs = kwargs or {}
