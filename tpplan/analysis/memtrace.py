@@ -41,7 +41,12 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-_DEVICE = torch.ops.prim.device.default
+# Ops that make no tensor: a tensor's device asked (half of a step's dispatches), and
+# record_function's marks (FSDP2's hooks name their work for the profiler).
+_NOTHING_MADE = {torch.ops.prim.device.default,
+                 torch.ops.profiler._record_function_enter_new.default,
+                 torch.ops.profiler._record_function_exit.default,
+                 torch.ops.profiler._record_function_exit._RecordFunction}
 
 __all__ = ["PARTS", "Moment", "MemoryTracker"]
 
@@ -245,7 +250,7 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE:  # a tensor's device asked (half the step's dispatches): nothing made
+        if func in _NOTHING_MADE:
             return func(*args, **(kwargs or {}))
         if any(t is DTensor or issubclass(t, DTensor) for t in types):
             return NotImplemented  # let DTensor run its local ops, which we see
