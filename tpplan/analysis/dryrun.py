@@ -8,20 +8,18 @@ it sizes is the one the trainer runs (:meth:`tpplan.Plan.step_shape`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import torch
-import torch.distributed as dist
 
 from ..api import Plan, load
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.lora_sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
+from .fakegroup import ChunksOnDemand, fake_process_group, forget_meshes
 
 __all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",
            "fake_process_group", "forget_meshes", "run_analysis", "world_size_problem"]
@@ -103,89 +101,6 @@ class DryRun:
 # An analysis adds its figures to DryRun.extra under its name; it runs while the fake
 # process group is up.
 Analysis = tuple[str, Callable[[DryRun], None]]
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """A process group of ``world_size`` ranks in which collectives do nothing."""
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already running; the dry run needs its own")
-    dist.init_process_group("fake", rank=rank, world_size=world_size)
-    try:
-        with _fsdp_init_on_demand():
-            yield
-    finally:
-        dist.destroy_process_group()
-        forget_meshes()
-
-
-class ChunksOnDemand(Sequence):
-    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to ``n`` entries, as FSDP2's
-    ``_chunk_with_empty`` returns it, but each chunk made only when it is read. FSDP2 reads
-    two of them (this rank's and the first) and builds all ``n``: at 2,048 data-parallel
-    ranks that is most of a 405B dry run's time."""
-
-    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
-        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
-        self.size = tensor.size(dim)
-        self.chunk = -(-self.size // num_chunks)  # torch.chunk's chunk length
-
-    def __len__(self) -> int:
-        return self.num_chunks
-
-    def __getitem__(self, i):  # noqa: ANN001 - an index, as a list takes
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self.num_chunks))]
-        if i < 0:
-            i += self.num_chunks
-        if not 0 <= i < self.num_chunks:
-            raise IndexError(i)
-        if self.size == 0:  # torch.chunk splits an empty dimension into empty chunks, n of them
-            return self.tensor.narrow(self.dim, 0, 0)
-        start = i * self.chunk
-        if start >= self.size:
-            return self.tensor.new_empty(0)
-        return self.tensor.narrow(self.dim, start, min(self.chunk, self.size - start))
-
-
-@contextlib.contextmanager
-def _fsdp_init_on_demand() -> Iterator[None]:
-    """FSDP2's parameter sharding with :class:`ChunksOnDemand` and each mesh pair joined once: the
-    same tensors and meshes, made only as often as they differ."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
-
-    original_chunks, original_concatenate = _fsdp_param._chunk_with_empty, DeviceMesh._concatenate
-    concatenated: dict[tuple[int, ...], tuple[list, DeviceMesh]] = {}
-
-    def concatenate(meshes: list) -> DeviceMesh:
-        # FSDP2 joins its data-parallel mesh and a parameter's TP mesh once per parameter;
-        # the joined mesh depends only on the two meshes, so each pair is joined once.
-        key = tuple(map(id, meshes))
-        if key not in concatenated:  # the meshes are kept with it, so their ids stay theirs
-            concatenated[key] = (list(meshes), original_concatenate(meshes))
-        return concatenated[key][1]
-
-    _fsdp_param._chunk_with_empty = ChunksOnDemand
-    DeviceMesh._concatenate = staticmethod(concatenate)
-    try:
-        yield
-    finally:
-        _fsdp_param._chunk_with_empty = original_chunks
-        DeviceMesh._concatenate = staticmethod(original_concatenate)
-
-
-def forget_meshes() -> None:
-    """Empty DTensor's caches of sharding decisions. They key on meshes, and a mesh compares
-    equal to one of the same shape and names from an earlier process group (DeviceMesh's
-    ``__eq__`` ignores the groups): a second dry run in the same process (``--device``'s
-    checked changes) would otherwise be handed DTensors on the first run's meshes, whose
-    process groups are gone (``Could not resolve the process group``)."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch fast path's
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
 
 
 def _available_memory() -> int | None:

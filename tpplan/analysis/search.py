@@ -26,8 +26,6 @@ they were analysed.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 import re
 import time
@@ -113,21 +111,6 @@ def _floor(ev: Evaluator, result: DryRun) -> int:
         return 0
 
 
-@contextlib.contextmanager
-def fewer_collections(young: int = 50_000):
-    """Python's cyclic garbage collector run after every ``young`` new objects, not 700: a
-    search makes millions of short-lived ones (fake tensors, pytree nodes, autograd
-    records), few in cycles, and the default collected the young ones so often that it
-    cost 9% of the 8B search (docs/benchmarks.md); memory stays the same. The thresholds
-    are put back after."""
-    before = gc.get_threshold()
-    gc.set_threshold(young, 10, 10)
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-
-
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
            gpus_per_node: int = 8, options: Options | None = None, top: int = 10,
            constants: CostConstants | None = None, exhaustive: bool = False,
@@ -172,7 +155,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
         return est
 
     queue: list[tuple[float, int, int, Any, Any]] = []  # (step time bound, order, level, ...)
-    with fake_process_group(world_size), fewer_collections():
+    with fake_process_group(world_size):
         for i, c in enumerate(cands):
             r = checked(c)
             if r is not None:
