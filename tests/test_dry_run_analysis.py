@@ -347,3 +347,27 @@ def test_fsdp_chunks_made_on_demand_are_the_chunks_fsdp_makes(shape, ranks, dim)
         a, b = eager[i], lazy[i]
         assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
         assert (a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
+def test_the_fake_group_makes_only_this_ranks_groups_of_a_mesh():
+    """Under the dry run's fake group a mesh makes the process groups that hold this rank
+    only (one per dimension, not one per subgroup); each is the group a real run gives rank
+    0: the same ranks, in order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from tpplan.analysis.dryrun import fake_process_group
+    from tpplan.parallel.mesh import ParallelDims
+
+    dims = ParallelDims(pp=4, dp_replicate=8, dp_shard=4, cp=1, tp=8)
+    with fake_process_group(dims.world_size):
+        before = _world.group_count  # every new_group, a member or not
+        mesh = dims.build_mesh("cpu")
+        made = _world.group_count - before
+        sizes = {n: mesh[n].size() for n in ("pp", "dp_replicate", "dp_shard", "tp")}
+        ranks = {n: dist.get_process_group_ranks(mesh[n].get_group()) for n in sizes}
+    assert made <= 4, made  # 128 + 32 + 256 + 128 subgroups in a real run's every rank
+    assert sizes == dict(pp=4, dp_replicate=8, dp_shard=4, tp=8)
+    assert ranks["tp"] == list(range(8)) and ranks["dp_shard"] == [0, 8, 16, 24]
+    assert ranks["dp_replicate"] == [32 * i for i in range(8)]
+    assert ranks["pp"] == [256 * i for i in range(4)]
