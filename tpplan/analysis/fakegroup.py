@@ -124,7 +124,6 @@ def forget_meshes() -> None:
     _redistribute._gen_transform_infos.cache_clear()
 
 
-
 @contextlib.contextmanager
 def fewer_collections(young: int = 50_000):
     """Python's cyclic garbage collector run after every ``young`` new objects, not 700: a
