@@ -24,9 +24,10 @@ names them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -88,9 +89,13 @@ def _micro_name(m: int, n: int) -> str:
     return "only" if n == 1 else "first" if m == 0 else "last" if m == n - 1 else "middle"
 
 
-def _applied(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth: int | None,
-             io: StageIO | None) -> tuple[PlanSpec, nn.Module, str | None]:
-    """The model (its first ``depth`` blocks) built on meta with the plan applied."""
+@contextlib.contextmanager
+def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth: int | None,
+                     io: StageIO | None) -> Iterator[tuple[PlanSpec, nn.Module, str | None, StageIO]]:
+    """The model (its first ``depth`` blocks) built on meta, the plan applied and its
+    parameters made fake tensors: ``(spec, model, blocks, io)`` while the fake mode is up."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
     spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
     model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
@@ -98,8 +103,17 @@ def _applied(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth: int | 
     if depth is not None and blocks is not None:
         parent, attr = _parent(model, blocks)
         setattr(parent, attr, truncated(getattr(parent, attr), depth))
-    apply_plan(spec, model, mesh, stage=io is not None)
-    return spec, model, blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        apply_plan(spec, model, mesh, stage=io is not None)
+        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
+            model.to_empty(device="cpu")
+            yield spec, model, blocks, io or StageIO(True, True)
+
+
+def _let_go(held: dict) -> None:
+    """The trainer's last logits and loss kept, their graph freed (as backward frees it)."""
+    held.update({k: v.detach() for k, v in held.items() if v is not None})
 
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
@@ -113,17 +127,9 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     micro-batch's forward only (no optimizer state); ``scalable``: FSDP2's shards followed
     apart, a :class:`~tpplan.analysis.dpscale.ScaledTrace` returned (the moments at any
     ``dp_shard``). Needs the dry run's fake process group."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec, model, blocks = _applied(spec, mesh, build, depth, io)
-        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
-            model.to_empty(device="cpu")
-            io = io or StageIO(True, True)
-            shards = fsdp_shards(model) if scalable else None
-            tracker = _run(spec, model, blocks, shape, io, first_forward,
-                           shards and shards[0])
+    with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
+        shards = fsdp_shards(model) if scalable else None
+        tracker = _run(spec, model, blocks, shape, io, first_forward, shards and shards[0])
     if shards is None:
         return tracker.moments
     dp_shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
@@ -143,24 +149,17 @@ def first_forwards(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: 
     there, and each forward run on its first ``depth`` blocks (the deepest first). A warm-up
     at any depth leaves what one at another leaves to a forward on fewer blocks (FSDP2
     initialized, the last output held; each probe's held after it, its graph freed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    out = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        spec, model, blocks = _applied(spec, mesh, build, max(depths), io)
+    out = {}
+    with _on_fake_tensors(spec, mesh, build, max(depths), io) as (spec, model, blocks, io):
         parent, attr = _parent(model, blocks)
         kept = getattr(parent, attr)
-        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
-            model.to_empty(device="cpu")
-            io = io or StageIO(True, True)
-            held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
-            for i, depth in enumerate(sorted(depths, reverse=True)):
-                setattr(parent, attr, truncated(kept, depth))
-                tracker = _run(spec, model, blocks, shape, io, True, held=held, warm=i == 0)
-                out.append((depth, forward_activations(tracker.moments)))
-                held.update({k: v.detach() for k, v in held.items() if v is not None})
-    return [dict(out)[d] for d in depths]
+        held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
+        for i, depth in enumerate(sorted(depths, reverse=True)):
+            setattr(parent, attr, truncated(kept, depth))
+            tracker = _run(spec, model, blocks, shape, io, True, held=held, warm=i == 0)
+            out[depth] = forward_activations(tracker.moments)
+            _let_go(held)
+    return [out[d] for d in depths]
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
@@ -237,7 +236,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     if warm:
         with loss_context(spec):
             forward(batch[:micro])
-        held.update({k: v.detach() for k, v in held.items() if v is not None})
+        _let_go(held)
     if not first_forward:  # AdamW's state changes nothing a forward saves
         init_state(optimizer)  # the state as ``step`` makes it (its lazy init), not stepped
     def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one
