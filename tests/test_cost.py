@@ -300,9 +300,14 @@ def test_expert_and_context_parallel_terms():
 def test_the_bound_never_exceeds_the_estimate():
     """``step_time_bound`` (what ``search`` ranks untraced candidates by) is at most the final
     estimate, with latency and GEMM shapes in both, across layouts drawn at random: tp,
-    data-parallel split, pipeline, checkpointing, micro-batch, nodes of 1, 2 or 8 GPUs."""
+    data-parallel split, pipeline, checkpointing, micro-batch, nodes of 1, 2 or 8 GPUs. With
+    the FSDP2 rows from arithmetic alone (``fsdp_rows``: each pp rank's, no trace), the
+    bound takes the FSDP and DP terms too: still at most the estimate, above the bound
+    without them where FSDP2 is exposed, and those rows are the analysis's own (the
+    busiest pp rank's under a pipeline)."""
     import random
 
+    from tpplan.analysis import fsdp_rows
     from tpplan.analysis.cost import step_time_bound
     from tpplan.plan.devices import DEVICES
 
@@ -315,14 +320,25 @@ def test_the_bound_never_exceeds_the_estimate():
                ("mesh={pp: 2, dp_replicate: 1, dp_shard: 4, tp: 1}",
                 "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}",
                 "activation_checkpointing={mode: full}")]
+    tighter = 0
     for sets in layouts:
         r = _run(8, "train.seq_len=64", "train.global_batch_size=16", *sets)
+        rows = fsdp_rows(r)
+        comm = r.extra["comm_per_step"]
+        busiest = rows[comm.get("pp_rank", 0)]
+        assert len(rows) == r.resolution.dims.pp and busiest and \
+            busiest == [row for row in comm["collectives"] if row["source"] == "fsdp"]
         for _ in range(3):
             dev = DEVICES[rng.choice(["h100", "a100-80gb", "h200"])]
             c = replace(C, compute_efficiency=rng.uniform(0.2, 1.0),
                         fsdp_overlap=rng.uniform(0, 1), tp_overlap=rng.uniform(0, 1))
             gpn = rng.choice([1, 2, 8])
-            assert step_time_bound(r, dev, c) <= estimate_step(r, dev, gpn, c).step_time
+            step = estimate_step(r, dev, gpn, c).step_time
+            alone = step_time_bound(r, dev, c)
+            with_fsdp = step_time_bound(r, dev, c, fsdp=rows, gpus_per_node=gpn)
+            assert alone <= with_fsdp <= step
+            tighter += with_fsdp > alone
+    assert tighter >= 6
 
 
 def test_calibration_fits_what_the_runs_tell_apart(tmp_path):

@@ -26,20 +26,24 @@ from .dryrun import Analysis, DryRun
 from .memory import memory_per_rank
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
-__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "compute_dtypes", "model_blocks"]
+__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "fsdp_rows", "compute_dtypes",
+           "model_blocks"]
 
 
-def analyze_memory(result: DryRun, trace: Callable = memory_per_rank) -> None:
+def analyze_memory(result: DryRun, trace: Callable = memory_per_rank,
+                   over: Callable[[int], bool] | None = None) -> None:
     """``memory_per_rank``: bytes per rank by part and the step's peak, from the trainer's
     step run on fake tensors (docs/dry-run.md). ``trace``: :func:`memory_per_rank` or a
-    function with its signature that answers the same (``search``'s cache)."""
+    function with its signature that answers the same (``search``'s cache); ``over``: a
+    pipeline's stages traced only until a pp rank's peak is too large for it
+    (:func:`~tpplan.analysis.stagemem.pipeline_memory`)."""
     spec = result.plan.spec
     if spec.pipeline is not None:
         from .stagemem import pipeline_memory
 
         mem, result.extra["pipeline"] = pipeline_memory(
             spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
-            result.resolution.dims, trace)
+            result.resolution.dims, trace, over)
         mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
         result.extra["memory_per_rank"] = mem
         return
@@ -105,9 +109,7 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
                              shape.seq_len, shape.micro_batch, param)
         else:
             trace = TPTrace(Counter(), [], None)
-        fsdp = fsdp_collectives(result.fsdp_units, spec.fsdp, shape, dims, param.itemsize,
-                                reduce.itemsize)
-        comm = dict(collectives=rows(trace, fsdp, step, dims))
+        comm = dict(collectives=rows(trace, _fsdp(result, param, reduce), step, dims))
     result.tp_trace = trace
     by_module: dict[tuple, list[int]] = {}
     for (kind, _dim, bw, nbytes, module), n in trace.counts.items():
@@ -131,6 +133,27 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
                 measured_wire_bytes=a2a["hidden_wire_bytes"], ratio=a2a["over_minimum"])
     if minimum and dims.cp > 1 and spec.pipeline is None:
         result.extra["cp_minimum"] = _cp_minimum(result, trace, step, param.itemsize)
+
+
+def _fsdp(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> list[dict[str, Any]]:
+    """A whole model's FSDP2 (and HSDP) collectives per step, from its units."""
+    spec = result.plan.spec
+    return fsdp_collectives(result.fsdp_units, spec.fsdp, result.step, result.resolved.dims,
+                            param.itemsize, reduce.itemsize)
+
+
+def fsdp_rows(result: DryRun, stage_cache: dict | None = None) -> list[list[dict[str, Any]]]:
+    """The FSDP2 rows of ``comm_per_step`` (:func:`analyze_comm`'s, less its TP, ep, cp and
+    p2p rows) for each pp rank (one without a pipeline), from arithmetic alone: no trace
+    runs. ``stage_cache``: as :func:`analyze_comm`'s."""
+    param, reduce = compute_dtypes(result)
+    step = _accumulation(result, param, reduce)
+    if result.plan.spec.pipeline is not None:
+        from .stagecomm import pipeline_fsdp_rows
+
+        return pipeline_fsdp_rows(result, param, reduce, step, stage_cache)
+    return [rows(TPTrace(Counter(), [], None), _fsdp(result, param, reduce), step,
+                 result.resolved.dims)]
 
 
 def _ep_bounds(result: DryRun, e: int, stages: list | None = None) -> dict[str, Any]:

@@ -30,7 +30,10 @@ from __future__ import annotations
 from ..plan.devices import Device
 
 __all__ = ["NCCL_BASE_LATENCY", "NCCL_STEP_LATENCY", "steps", "wire", "latency", "bandwidth",
-           "collective_time", "all_to_all_time", "ring_attention_time", "cp_all_gather_time"]
+           "collective_time", "all_to_all_time", "ring_attention_time", "cp_all_gather_time",
+           "MESH_ORDER", "groups", "links", "mesh_sizes"]
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; tp innermost
 
 NCCL_BASE_LATENCY = 8.4e-6  # s per call: tuning.cc baseLat, Ring/Simple
 NCCL_STEP_LATENCY = {"intra": 3.4e-6, "inter": 14.0e-6}  # s per step: hwLat NVLINK/NET, Ring/Simple
@@ -144,3 +147,48 @@ def cp_all_gather_time(kv_bytes: float, ranks: int, link: str, device: Device,
     Llama 3 paper's CP, section 3.3.2), on the critical path (attention needs every block);
     backward reduce-scatters the gradients, the same cost."""
     return collective_time("all_gather", kv_bytes * ranks, ranks, link, device, constants, nodes)
+
+
+def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, int]]:
+    """``(link, nodes)`` for each mesh dimension of more than one rank: ranks are laid out
+    ``pp × dp_replicate × dp_shard × cp × tp`` (tp innermost, consecutive ranks on one
+    node), so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the
+    product of the inner dimensions; it stays in a node (``intra``) when that span is at most
+    ``gpus_per_node``, else it spans ``nodes`` nodes (``inter``). ``dp`` is dp_replicate and
+    dp_shard flattened; ``ep`` (tp's ranks first with ``ep_tp``), ``efsdp``, ``dp_shard_cp`` as the mesh has them."""
+    out, stride = {}, 1
+
+    def add(name: str, n: int) -> None:
+        if n > 1:
+            inside = stride * n <= gpus_per_node
+            per_node = max(1, gpus_per_node // stride)
+            out[name] = ("intra", 1) if inside else ("inter", -(-n // per_node))
+
+    for dim in reversed(MESH_ORDER):
+        n = sizes.get(dim, 1)
+        add(dim, n)
+        if dim == "dp_shard":
+            add("dp", n * sizes.get("dp_replicate", 1))
+        stride *= n
+    ep, cp, etp = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("ep_tp", 1)
+    stride = 1 if etp > 1 else sizes.get("tp", 1) * cp
+    if ep > 1:
+        add("ep", ep)
+        stride *= ep
+        add("efsdp", sizes.get("dp_shard", 1) * cp * etp // ep)
+    if cp > 1:
+        stride = sizes.get("tp", 1)
+        add("dp_shard_cp", sizes.get("dp_shard", 1) * cp)
+    return out
+
+
+def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
+    """``intra`` or ``inter`` for each mesh dimension of more than one rank (:func:`groups`)."""
+    return {k: v[0] for k, v in groups(sizes, gpus_per_node).items()}
+
+
+def mesh_sizes(dims) -> dict[str, int]:
+    """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
+    cp, ep, etp = getattr(dims, "cp", 1), getattr(dims, "ep", 1), getattr(dims, "ep_tp", 1)
+    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep, tp=dims.tp,
+                efsdp=dims.dp_shard * cp * etp // ep, dp_shard_cp=dims.dp_shard * cp, ep_tp=etp)

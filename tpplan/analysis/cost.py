@@ -28,17 +28,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..plan.devices import Device
-from .collectives import (all_to_all_time, bandwidth, collective_time, cp_all_gather_time,
-                          latency, ring_attention_time)
+from .collectives import (MESH_ORDER, all_to_all_time, bandwidth, collective_time,
+                          cp_all_gather_time, groups, latency, links, mesh_sizes,
+                          ring_attention_time)
 from .flops import ModelFlops, model_flops
 from .gemm import gemm_efficiency, linear_splits, unit_work
 
 __all__ = ["CostConstants", "DEFAULT_CONSTANTS", "StepEstimate", "estimate_step", "calibrate",
            "links", "groups", "MESH_ORDER", "step_time_bound", "flops_of", "collective_time",
            "all_to_all_time", "ring_attention_time", "cp_all_gather_time", "gemm_efficiency"]
-
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first; tp innermost
-
 
 @dataclass(frozen=True)
 class CostConstants:
@@ -100,66 +98,23 @@ class StepEstimate:
                     constants=self.constants.to_json(), details=self.details)
 
 
-def groups(sizes: dict[str, int], gpus_per_node: int) -> dict[str, tuple[str, int]]:
-    """``(link, nodes)`` for each mesh dimension of more than one rank: ranks are laid out
-    ``pp × dp_replicate × dp_shard × cp × tp`` (tp innermost, consecutive ranks on one
-    node), so a dimension's group spans ``stride × size`` consecutive ranks, ``stride`` the
-    product of the inner dimensions; it stays in a node (``intra``) when that span is at most
-    ``gpus_per_node``, else it spans ``nodes`` nodes (``inter``). ``dp`` is dp_replicate and
-    dp_shard flattened; ``ep`` (tp's ranks first with ``ep_tp``), ``efsdp``, ``dp_shard_cp`` as the mesh has them."""
-    out, stride = {}, 1
-
-    def add(name: str, n: int) -> None:
-        if n > 1:
-            inside = stride * n <= gpus_per_node
-            per_node = max(1, gpus_per_node // stride)
-            out[name] = ("intra", 1) if inside else ("inter", -(-n // per_node))
-
-    for dim in reversed(MESH_ORDER):
-        n = sizes.get(dim, 1)
-        add(dim, n)
-        if dim == "dp_shard":
-            add("dp", n * sizes.get("dp_replicate", 1))
-        stride *= n
-    ep, cp, etp = sizes.get("ep", 1), sizes.get("cp", 1), sizes.get("ep_tp", 1)
-    stride = 1 if etp > 1 else sizes.get("tp", 1) * cp
-    if ep > 1:
-        add("ep", ep)
-        stride *= ep
-        add("efsdp", sizes.get("dp_shard", 1) * cp * etp // ep)
-    if cp > 1:
-        stride = sizes.get("tp", 1)
-        add("dp_shard_cp", sizes.get("dp_shard", 1) * cp)
-    return out
-
-
-def links(sizes: dict[str, int], gpus_per_node: int) -> dict[str, str]:
-    """``intra`` or ``inter`` for each mesh dimension of more than one rank (:func:`groups`)."""
-    return {k: v[0] for k, v in groups(sizes, gpus_per_node).items()}
-
-
-def _sizes(dims) -> dict[str, int]:
-    """The mesh's degrees by name; ``cp`` and ``ep`` where the mesh has them."""
-    cp, ep, etp = getattr(dims, "cp", 1), getattr(dims, "ep", 1), getattr(dims, "ep_tp", 1)
-    return dict(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=cp, ep=ep, tp=dims.tp,
-                efsdp=dims.dp_shard * cp * etp // ep, dp_shard_cp=dims.dp_shard * cp, ep_tp=etp)
-
-
 TERM_OF = {("tp", None): "tp", ("fsdp", "dp_shard"): "fsdp", ("fsdp", "dp_replicate"): "dp",
            ("pp", None): "pp_p2p", ("cp", None): "cp", ("fsdp", "dp_shard_cp"): "fsdp"}
 
 
-def _comm(result, device: Device, gpus_per_node: int, c: CostConstants) -> tuple[dict, dict]:
+def _comm(result, device: Device, gpus_per_node: int, c: CostConstants,
+          collectives: list | None = None) -> tuple[dict, dict]:
     """Seconds per term (before overlap) and the first-unit exposure of the FSDP/DP terms,
-    from the dry run's ``comm_per_step``; and the link of each dimension. Under a pipeline
-    those rows are already the busiest pp rank's, for its own stages."""
-    sizes = _sizes(result.resolution.dims)
+    from the dry run's ``comm_per_step`` (or the rows ``collectives``); and the link of each
+    dimension. Under a pipeline those rows are already the busiest pp rank's."""
+    sizes = mesh_sizes(result.resolution.dims)
     group = groups(sizes, gpus_per_node)
     seconds: dict[str, float] = {}
     first: dict[str, float] = {}
     alpha: dict[str, float] = {}
-    comm = result.extra["comm_per_step"]
-    for row in comm["collectives"]:
+    if collectives is None:
+        collectives = result.extra["comm_per_step"]["collectives"]
+    for row in collectives:
         if not row["wire_bytes"]:
             continue
         src, dim = row["source"], row["mesh_dim"]
@@ -234,15 +189,38 @@ def _rate(device: Device, c: CostConstants) -> float:
 
 
 def step_time_bound(result, device: Device, constants: CostConstants | None = None,
-                    flops: ModelFlops | None = None) -> float:
+                    flops: ModelFlops | None = None, fsdp: list[list] | None = None,
+                    gpus_per_node: int = 8) -> float:
     """A lower bound of :func:`estimate_step`'s step time from arithmetic alone (no trace):
-    compute and recompute, and the bubble on them. Every other term is at least 0 (overlap
-    hides at most what a term costs) and the bubble grows with the TP term it omits here.
-    Needs ``pipeline`` (the schedule's facts) under a pipeline."""
+    compute and recompute, and the bubble on them; with ``fsdp`` (each pp rank's FSDP2 rows,
+    :func:`tpplan.analysis.fsdp_rows`), the FSDP and DP terms too, the least of any rank's
+    (the estimate takes the busiest rank's). Every other term is at least 0 (overlap hides
+    at most what a term costs) and the bubble grows with the TP term it omits here. Needs
+    ``pipeline`` (the schedule's facts) under a pipeline."""
     c = constants or DEFAULT_CONSTANTS
     terms, _, _ = _compute(result, device, c, flops or flops_of(result))
+    busy = terms["compute"] + terms["recompute"]
     bubble = (result.extra.get("pipeline") or {}).get("bubble_fraction", 0.0)
-    return (terms["compute"] + terms["recompute"]) * (1 + bubble)
+    bound = busy * (1 + bubble)
+    if not fsdp:
+        return bound
+    ranks = [_comm(result, device, gpus_per_node, c, rows) for rows in fsdp]
+    least = min(sum(_exposed(raw, comm["first"], busy, c).values()) for raw, comm in ranks)
+    return max(bound, (bound + least) * (1 - 1e-12))  # below the estimate's sum, rounded
+
+
+def _exposed(raw: dict[str, float], first: dict[str, float], busy: float,
+             c: CostConstants) -> dict[str, float]:
+    """The FSDP and DP terms: their seconds (``raw``) less what hides behind ``busy``, up to
+    ``fsdp_overlap`` of all but the first unit's exposure (``first``)."""
+    hideable = sum(raw.get(k, 0.0) - first.get(k, 0.0) for k in ("fsdp", "dp"))
+    hidden = min(c.fsdp_overlap * hideable, busy)
+    out = {}
+    for k in ("fsdp", "dp"):
+        rest = raw.get(k, 0.0) - first.get(k, 0.0)
+        share = rest / hideable if hideable else 0.0
+        out[k] = raw.get(k, 0.0) - hidden * share
+    return out
 
 
 def estimate_step(result, device: Device, gpus_per_node: int = 8,
@@ -262,12 +240,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
     raw, comm = _comm(result, device, gpus_per_node, c)
     terms["tp"] = raw.get("tp", 0.0) * (1 - c.tp_overlap)
     busy = terms["compute"] + terms["recompute"]
-    hideable = sum(raw.get(k, 0.0) - comm["first"].get(k, 0.0) for k in ("fsdp", "dp"))
-    hidden = min(c.fsdp_overlap * hideable, busy)
-    for k in ("fsdp", "dp"):
-        rest = raw.get(k, 0.0) - comm["first"].get(k, 0.0)
-        share = rest / hideable if hideable else 0.0
-        terms[k] = raw.get(k, 0.0) - hidden * share
+    terms.update(_exposed(raw, comm["first"], busy, c))
     terms["pp_p2p"] = raw.get("pp_p2p", 0.0)
     for k in raw.keys() - terms.keys():  # ep's all-to-alls, cp's exchanges (their own rows)
         terms[k] = raw[k] * (1 - c.ep_overlap if k == "ep" else 1.0)

@@ -8,14 +8,18 @@ then run best first (branch and bound), each candidate as far as its bound asks:
 
 0. every candidate that passes the checks gets a bound from arithmetic alone
    (:func:`tpplan.analysis.cost.step_time_bound`: compute, recompute, the schedule's bubble);
-1. the candidate with the lowest bound gets its communication analysis (TP traced, cached
-   by what the trace reads) and a first estimate, without the pipeline's point-to-point
-   traffic (which the memory trace measures): a tighter bound;
-2. then the memory analysis (the trainer's step on fake tensors, cached) and the device's
-   verdict (:func:`tpplan.analysis.fit.needed`), its communication again with the
-   pipeline's traffic and its final estimate. A layout another data-parallel split of
-   which was traced is dropped untraced when :func:`split_free` of that trace (the bytes no
-   split changes) does not fit already;
+1. at the front of the queue, dropped if its sharded state alone does not fit; else the
+   bound with the FSDP and DP terms too (FSDP2's units, no trace: :func:`tpplan.analysis.
+   fsdp_rows`), back into the queue where that is higher;
+2. its communication analysis (TP traced, cached by what the trace reads) and a first
+   estimate, without the pipeline's point-to-point traffic (which the memory trace
+   measures): a tighter bound;
+3. then the memory analysis (the trainer's step on fake tensors, cached; a pipeline's
+   stages until a pp rank does not fit) and the device's verdict
+   (:func:`tpplan.analysis.fit.needed`), its communication again with the pipeline's
+   traffic and its final estimate. A layout another data-parallel split of which was
+   traced is dropped untraced when :func:`split_free` of that trace (the bytes no split
+   changes) does not fit already;
 
 each result goes back into the queue under its new figure, and a final estimate taken
 from the queue's front is ranked. Every bound is at most the final step time, so once
@@ -36,6 +40,7 @@ from ..models.introspect import find_blocks
 from ..plan.devices import Device
 from .candidates import Options, candidates
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
+from . import fsdp_rows
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
 from .memfloor import smallest_element
@@ -168,7 +173,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
         floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
         while queue and (exhaustive or len(ranked) < top):
             bound, i, level, c, row = heapq.heappop(queue)
-            if level == 2:
+            if level == 3:
                 ranked.append(row)
                 continue
             analysed += 1
@@ -181,7 +186,13 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     drop(f"does not fit {device.name} memory: its parameter shards and AdamW "
                          "state alone (arithmetic, nothing traced)", c)
                     continue
-            if level == 1:
+                # The FSDP and DP terms, from the units alone: back in the queue if higher.
+                tighter = step_time_bound(r, device, constants, flops[0],
+                                          fsdp_rows(r, ev.stages), gpus_per_node)
+                if tighter > bound:
+                    heapq.heappush(queue, (tighter, i, 1, c, None))
+                    continue
+            if level == 2:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
                 # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
                 if not exhaustive and split in floors and \
@@ -194,7 +205,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     drop(f"does not fit {device.name} memory: already at the end of the first "
                          "forward (its step not traced further)", c)
                     continue
-                ev.memory(r)
+                # A pipeline's stages traced until a pp rank shows it does not fit.
+                ev.memory(r, None if exhaustive else lambda peak: needed(peak) > device.memory)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})
                 if "error" in mem:
                     drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
@@ -205,9 +217,9 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     continue
             est = estimated(r, c)
             if est is not None:
-                fitting += level == 1
-                heapq.heappush(queue, (est.step_time, i, level + 1, c,
-                                       _row(c, r, est, device) if level == 1 else None))
+                fitting += level == 2
+                heapq.heappush(queue, (est.step_time, i, max(level, 1) + 1, c,
+                                       _row(c, r, est, device) if level == 2 else None))
     left = Counter(q[2] for q in queue)
     return dict(
         plan=plan_path, overrides=list(overrides), world_size=world_size,
@@ -217,7 +229,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                      schedules=list(options.schedules)),
         constants=(constants or DEFAULT_CONSTANTS).to_json(),
         candidates=len(cands), passed_checks=passed, fitting=fitting,
-        not_ranked=dict(bound_only=left[0], comm_only=left[1], fitting=left[2]),
+        not_ranked=dict(bound_only=left[0] + left[1], comm_only=left[2], fitting=left[3]),
         ranked=ranked,
         dropped=[dict(reason=k, count=v, example=examples[k]) for k, v in dropped.most_common()],
         traces=dict(ev.traces), seconds=time.perf_counter() - start)

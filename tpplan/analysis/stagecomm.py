@@ -39,7 +39,7 @@ from .batchtrace import traced_in_batch
 from .checkcache import PartCache
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
-__all__ = ["pipeline_comm", "StageComm"]
+__all__ = ["pipeline_comm", "pipeline_fsdp_rows", "StageComm"]
 
 
 class StageComm:
@@ -48,6 +48,32 @@ class StageComm:
 
     def __init__(self, module, res, units, trace: TPTrace):
         self.module, self.res, self.units, self.trace = module, res, units, trace
+
+
+def _parts(result, cache: dict) -> tuple[Any, Any, tuple, dict[int, tuple]]:
+    """``(whole, split, rkey, parts)``: the meta model, its split, the key of what a stage's
+    resolution reads, and each stage's ``(module, resolution, FSDP units)`` by index, each
+    cached by what it reads (:func:`_stages`); no trace runs."""
+    spec, dims = result.plan.spec, result.resolution.dims
+    if "model" not in cache:
+        cache["model"] = build_model(spec.model, "meta")
+    whole = cache["model"]
+    skey = ("split", *split_reads(spec.pipeline, dims.pp))
+    if skey not in cache:
+        split = split_stages(whole, spec, dims.pp)
+        split.errors.raise_if_any()
+        cache[skey] = split
+    split = cache[skey]
+    rkey = (dims.tp, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep,
+            dims.ep_borrows_tp)
+    parts = {}
+    for stage in split.stages:
+        module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
+        ukey = ("units", rkey, (stage.blocks, stage.extras), dims.dp_shard)
+        if ukey not in cache:
+            cache[ukey] = unit_sizes(module, res, dims, spec)
+        parts[stage.index] = (module, res, cache[ukey])
+    return whole, split, rkey, parts
 
 
 def _stages(result, dtype: torch.dtype, cache: dict | None = None
@@ -64,18 +90,8 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     and schedule share one trace, and micro-batches past three share theirs."""
     cache = {} if cache is None else cache
     spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
-    ac, pipe, cp = spec.activation_checkpointing, spec.pipeline, spec.context_parallel
-    if "model" not in cache:
-        cache["model"] = build_model(spec.model, "meta")
-    whole = cache["model"]
-    skey = ("split", *split_reads(pipe, dims.pp))
-    if skey not in cache:
-        split = split_stages(whole, spec, dims.pp)
-        split.errors.raise_if_any()
-        cache[skey] = split
-    split = cache[skey]
-    rkey = (dims.tp, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep,
-            dims.ep_borrows_tp)
+    ac, cp = spec.activation_checkpointing, spec.context_parallel
+    whole, split, rkey, parts = _parts(result, cache)
     if ("alike", rkey) not in cache:  # LoRA or freeze on some blocks only: not alike
         cache["alike", rkey] = identical_blocks(whole, result.resolution.rule_of) is not None \
             and same_in_every_block(spec, whole)
@@ -88,7 +104,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     boundary = None
     for stage in split.stages:
         own = (stage.blocks, stage.extras)
-        module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
+        module, res, units = parts[stage.index]
         first, last = stage.index == 0, stage.index == len(split.stages) - 1
         # Identical blocks: a stage's collectives read its ends, extras and length only
         # (the module names in a trace's keys are generalized, layers.* for layers.17).
@@ -102,10 +118,7 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
         trace, sent = traced_in_batch(cache, (reads, ends), shape.micro_batch, boundary, run,
                                       cache.get("counts"), "stage_tp")
         boundary = boundary or sent
-        ukey = ("units", rkey, own, dims.dp_shard)
-        if ukey not in cache:
-            cache[ukey] = unit_sizes(module, res, dims, spec)
-        out[stage.index] = StageComm(module, res, cache[ukey], trace)
+        out[stage.index] = StageComm(module, res, units, trace)
     return split, out, boundary
 
 
@@ -182,7 +195,7 @@ def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype, step: Accumul
     (the largest wire bytes) under the usual keys, every pp rank's in ``pp_ranks``; the
     busiest rank's TP trace (its stages' collectives of one micro-batch, summed) and its
     :class:`StageComm`\\ s, for the minimum. ``cache``: ``search``'s (:func:`_stages`)."""
-    spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
+    spec, dims = result.plan.spec, result.resolution.dims
     pipe = spec.pipeline
     m = pipe.microbatches
     split, stages, boundary = _stages(result, param, cache)
@@ -193,7 +206,6 @@ def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype, step: Accumul
         for d in boundary[0]:
             n *= d
         p2p = {r["pp_rank"]: r for r in p2p_per_rank(split, m, n * boundary[1].itemsize)}
-    reshard = bool(spec.fsdp and spec.fsdp.reshard_after_forward)
     positions = reported_ranks(dims.pp)
     ranks, traces = [], []
     for rank in range(dims.pp):
@@ -203,18 +215,8 @@ def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype, step: Accumul
             counts.update(stages[s.index].trace.counts)
         first = stages[local[0].index].trace
         traces.append(TPTrace(counts, first.depths, first.blocks))
-        fsdp = []
-        for s in local:
-            memo: dict[bool, int] = {}  # a unit's gathers depend on whether it reshards only
-
-            def gathers(unit: str, index: int = s.index, acts: list = order[rank],
-                        memo: dict = memo) -> int:
-                again = reshard and unit != ROOT
-                if again not in memo:
-                    memo[again] = fsdp_gathers(acts, index, again)
-                return memo[again]
-            fsdp += fsdp_collectives(stages[s.index].units, spec.fsdp, shape, dims,
-                                     param.itemsize, reduce.itemsize, gathers)
+        fsdp = _rank_fsdp(result, order[rank], local, {i: s.units for i, s in stages.items()},
+                          param, reduce)
         collectives = rows(traces[-1], fsdp, step, dims) + _p2p_rows(p2p.get(rank))
         ranks.append(dict(pp_rank=rank, position=positions.get(rank),
                           stages=[s.index for s in local], collectives=collectives,
@@ -224,6 +226,41 @@ def pipeline_comm(result, param: torch.dtype, reduce: torch.dtype, step: Accumul
     return dict(pp_rank=busiest["pp_rank"], stages=busiest["stages"],
                 collectives=busiest["collectives"], pp_ranks=ranks), \
         traces[busiest["pp_rank"]], mine
+
+
+def _rank_fsdp(result, order: list, local: list, units: dict[int, list],
+               param: torch.dtype, reduce: torch.dtype) -> list[dict[str, Any]]:
+    """A pp rank's FSDP2 collectives per step: its stages' (``local``) units (``units``, by
+    stage index), all-gathered as often as its ``order`` makes FSDP2 gather them."""
+    spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
+    reshard = bool(spec.fsdp and spec.fsdp.reshard_after_forward)
+    fsdp = []
+    for s in local:
+        memo: dict[bool, int] = {}  # a unit's gathers depend on whether it reshards only
+
+        def gathers(unit: str, index: int = s.index, memo: dict = memo) -> int:
+            again = reshard and unit != ROOT
+            if again not in memo:
+                memo[again] = fsdp_gathers(order, index, again)
+            return memo[again]
+        fsdp += fsdp_collectives(units[s.index], spec.fsdp, shape, dims, param.itemsize,
+                                 reduce.itemsize, gathers)
+    return fsdp
+
+
+def pipeline_fsdp_rows(result, param: torch.dtype, reduce: torch.dtype, step: Accumulation,
+                       cache: dict | None = None) -> list[list[dict[str, Any]]]:
+    """Each pp rank's FSDP2 rows of ``comm_per_step`` (:func:`pipeline_comm`'s, without its
+    TP and p2p rows), from the stages' units alone: no trace runs. ``cache``: as
+    :func:`pipeline_comm`'s."""
+    spec, dims = result.plan.spec, result.resolution.dims
+    pipe = spec.pipeline
+    _, split, _, parts = _parts(result, {} if cache is None else cache)
+    order = fsdp_order(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
+    units = {i: p[2] for i, p in parts.items()}
+    empty = TPTrace(Counter(), [], None)
+    return [rows(empty, _rank_fsdp(result, order[rank], split.of_rank(rank), units, param,
+                                   reduce), step, dims) for rank in range(dims.pp)]
 
 
 def _p2p_rows(r: dict[str, Any] | None) -> list[dict[str, Any]]:

@@ -59,12 +59,15 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
 
 def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                  dims: ParallelDims, trace: Callable = memory_per_rank,
+                 enough: Callable[[PipelineSplit, dict[int, Any]], bool] | None = None,
                  ) -> tuple[PipelineSplit, dict[int, Any], tuple | None]:
     """``(split, per_stage, boundary)``: ``trace`` (:func:`memory_per_rank`'s signature) of
     each stage of the :func:`reported_ranks`, by stage index, each stage taking the
     activation the first one sends (``boundary``: its shape and dtype, None for one stage).
     A stage is copied only where ``trace`` builds it (:class:`StageBuilder`: a cached
-    trace reads the stage's structure in place, without a copy)."""
+    trace reads the stage's structure in place, without a copy). ``enough(split,
+    per_stage)``, asked after each stage, stops the traces when true (the later stages
+    then missing from ``per_stage``)."""
     whole = build()
     split = split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
@@ -78,6 +81,8 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
         blocks, n_blocks = build_stage.read(_blocks)
         per_stage[stage.index] = trace(spec, mesh, build_stage, shape, n_blocks, blocks, io=io)
         boundary = boundary or io.sent
+        if enough is not None and enough(split, per_stage):
+            break
     return split, per_stage, boundary
 
 
@@ -89,38 +94,39 @@ def _blocks(module: nn.Module) -> tuple[str | None, int]:
 
 def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                     dims: ParallelDims, trace: Callable = memory_per_rank,
+                    over: Callable[[int], bool] | None = None,
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
     usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
     with the activation a stage sends (``boundary``) and the p2p traffic per rank. ``trace``:
-    :func:`memory_per_rank` or a function with its signature (``search``'s cache)."""
-    split, per_stage, boundary = stage_traces(spec, mesh, build, shape, dims, trace)
-    pipe = pipeline_schedule(spec, dims, split)
+    :func:`memory_per_rank` or a function with its signature (``search``'s cache). ``over``:
+    true of a peak too large (``search``'s device): once a rank whose stages are all traced
+    has such a peak, no further stage is traced, and only the ranks traced whole are
+    reported (``stopped_early``: True), that rank among them."""
     actions = schedule_actions(spec.pipeline.schedule, dims.pp, spec.pipeline.stages_per_rank,
                                spec.pipeline.microbatches)
     ranks = reported_ranks(dims.pp)
-    out = []
-    for rank, position in ranks.items():
-        mine = [s.index for s in split.of_rank(rank)]
-        mems = [per_stage[i] for i in mine]
-        acts = {i: per_stage[i]["activations"] for i in mine}
-        r: dict[str, Any] = {p: sum(m[p] for m in mems) for p in PARTS}
-        r["activations"] = rank_in_flight(actions[rank], acts)
-        extra = r["activations"] - sum(acts.values())
-        r["total"] = sum(r[p] for p in PARTS)
-        r["peak"] = sum(m["peak"] for m in mems) + extra
-        r["at_peak"] = {p: sum(m["at_peak"][p] for m in mems) for p in PARTS}
-        r["at_peak"]["activations"] += extra
-        top = max(mems, key=lambda m: m["peak"])
-        r["peak_at"] = top["peak_at"] + (f" (stage {mine[mems.index(top)]})" if len(mine) > 1 else "")
-        r["batch"], r["traced"] = top["batch"], top["traced"]
-        r.update(pp_rank=rank, position=position, stages=[
-            dict(index=i, in_flight=pipe["stages"][i]["in_flight"],
-                 activations_per_microbatch=acts[i], peak_traced=per_stage[i]["peak"])
-            for i in mine])
-        out.append(r)
+    done: dict[int, dict[str, Any]] = {}
+    pipes: list[dict[str, Any]] = []
+
+    def enough(split: PipelineSplit, per_stage: dict[int, Any]) -> bool:
+        """Each rank whose stages are all traced, as it is reported; whether one is over."""
+        if not pipes:
+            pipes.append(pipeline_schedule(spec, dims, split))
+        for rank, position in ranks.items():
+            mine = [s.index for s in split.of_rank(rank)]
+            if rank not in done and all(i in per_stage for i in mine):
+                done[rank] = _rank_memory(rank, position, mine, per_stage, actions[rank],
+                                          pipes[0])
+        return over is not None and any(over(r["peak"]) for r in done.values())
+
+    split, per_stage, boundary = stage_traces(spec, mesh, build, shape, dims, trace, enough)
+    pipe = pipes[0]
+    out = [done[rank] for rank in ranks if rank in done]
     worst = dict(max(out, key=lambda r: r["peak"]))
     worst["pp_ranks"] = out
+    if len(out) < len(ranks):
+        worst["stopped_early"] = True
     if boundary is not None:
         shape_, dtype = boundary
         n = 1
@@ -130,6 +136,30 @@ def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
                                 bytes=n * dtype.itemsize)
         pipe["p2p"] = p2p_per_rank(split, spec.pipeline.microbatches, pipe["boundary"]["bytes"])
     return worst, pipe
+
+
+def _rank_memory(rank: int, position: str, mine: list[int], per_stage: dict[int, Any],
+                 actions: list, pipe: dict[str, Any]) -> dict[str, Any]:
+    """One pp rank's figures from its stages' traces (``mine``: their indices) and its
+    schedule's order (``actions``): each part summed, the activations its order keeps in
+    flight, its peak the stages' peaks plus what the order holds beyond one micro-batch each."""
+    mems = [per_stage[i] for i in mine]
+    acts = {i: per_stage[i]["activations"] for i in mine}
+    r: dict[str, Any] = {p: sum(m[p] for m in mems) for p in PARTS}
+    r["activations"] = rank_in_flight(actions, acts)
+    extra = r["activations"] - sum(acts.values())
+    r["total"] = sum(r[p] for p in PARTS)
+    r["peak"] = sum(m["peak"] for m in mems) + extra
+    r["at_peak"] = {p: sum(m["at_peak"][p] for m in mems) for p in PARTS}
+    r["at_peak"]["activations"] += extra
+    top = max(mems, key=lambda m: m["peak"])
+    r["peak_at"] = top["peak_at"] + (f" (stage {mine[mems.index(top)]})" if len(mine) > 1 else "")
+    r["batch"], r["traced"] = top["batch"], top["traced"]
+    r.update(pp_rank=rank, position=position, stages=[
+        dict(index=i, in_flight=pipe["stages"][i]["in_flight"],
+             activations_per_microbatch=acts[i], peak_traced=per_stage[i]["peak"])
+        for i in mine])
+    return r
 
 
 def p2p_per_rank(split: PipelineSplit, m: int, nbytes: int) -> list[dict[str, Any]]:

@@ -169,10 +169,12 @@ class Evaluator:
             self._last = dims
         return self.meshes[dims]
 
-    def memory(self, result: DryRun) -> None:
-        """``memory_per_rank`` (and ``pipeline``) as ``validate`` computes them."""
+    def memory(self, result: DryRun, over: Callable[[int], bool] | None = None) -> None:
+        """``memory_per_rank`` (and ``pipeline``) as ``validate`` computes them; with
+        ``over``, a pipeline's stages only until a pp rank's peak is over (its figures)."""
         result.mesh = self._mesh(result.resolution.dims)
-        run_analysis(result, "memory_per_rank", lambda r: analyze_memory(r, self._memory))
+        run_analysis(result, "memory_per_rank",
+                     lambda r: analyze_memory(r, self._memory, over))
 
     def comm(self, result: DryRun) -> None:
         """``comm_per_step`` as ``validate`` computes it (not ``comm_minimum``, which the
