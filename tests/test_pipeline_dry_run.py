@@ -495,7 +495,9 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
     traces no stage after the first pp rank whose stages are all traced and whose peak is
     over: three of four stages here (zbv's rank 1 holds stages 1 and 2, interleaved 1F1B's
     rank 0 stages 0 and 2), that rank reported with exactly the figures the whole trace
-    gives it. With nothing over, the figures are those of no ``over`` at all."""
+    gives it. With ``first`` (a rank and the activation the first stage sends), that rank's
+    two stages alone are traced, whichever it is. With nothing over, the figures are those
+    of no ``over`` at all."""
     from tpplan.analysis.memory import memory_per_rank
     from tpplan.analysis.stagemem import pipeline_memory
     from tpplan.models import build_model
@@ -505,26 +507,36 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
     def traces(r) -> None:
         spec, dims = r.plan.spec, r.resolution.dims
         build = lambda: build_model(spec.model, "meta")  # noqa: E731
-        traced = []
 
-        def trace(*args, **kwargs):
-            traced.append(kwargs["io"])
-            return memory_per_rank(*args, **kwargs)
+        def stopped(first=None):
+            traced = []
+
+            def trace(*args, **kwargs):
+                traced.append(kwargs["io"])
+                return memory_per_rank(*args, **kwargs)
+            got = pipeline_memory(spec, r.mesh, build, r.step, dims, trace, lambda p: True,
+                                  first)
+            return got, len(traced)
         out["whole"] = pipeline_memory(spec, r.mesh, build, r.step, dims)
         out["never"] = pipeline_memory(spec, r.mesh, build, r.step, dims, over=lambda p: False)
-        out["stopped"] = pipeline_memory(spec, r.mesh, build, r.step, dims, trace,
-                                         over=lambda p: True)
-        out["traced"] = len(traced)
+        out["stopped"] = stopped()
+        sent = out["whole"][1]["boundary"]
+        boundary = (tuple(sent["shape"]), getattr(torch, sent["dtype"]))
+        out["first"] = [stopped((rank, boundary)) for rank in range(dims.pp)]
 
     r = dry_run(PLAN, 8, [*SMALL_3D, f"pipeline.schedule={schedule}", "pipeline.stages_per_rank=2",
                           "model.kwargs.n_layers=8"], [("stop", traces)])
     assert not r.errors and not r.analysis_errors, (r.errors, r.analysis_errors)
     assert out["never"] == out["whole"]
-    (mem, pipe), (whole, whole_pipe) = out["stopped"], out["whole"]
-    assert out["traced"] == 3 and mem["stopped_early"] and len(mem["pp_ranks"]) == 1
+    whole, whole_pipe = out["whole"]
+    ((mem, pipe), traced) = out["stopped"]
+    assert traced == 3 and mem["stopped_early"] and len(mem["pp_ranks"]) == 1
     rank = mem["pp_ranks"][0]
     assert ", ".join(str(s["index"]) for s in rank["stages"]) == ranks
     assert rank == whole["pp_ranks"][rank["pp_rank"]]
-    assert {k: v for k, v in mem.items() if k not in ("pp_ranks", "stopped_early")} == \
-        {k: v for k, v in rank.items()}
+    assert {k: v for k, v in mem.items() if k not in ("pp_ranks", "stopped_early")} == rank
     assert pipe["boundary"] == whole_pipe["boundary"]
+    for pp_rank, ((mem, pipe), traced) in enumerate(out["first"]):
+        assert traced == 2 and [r["pp_rank"] for r in mem["pp_ranks"]] == [pp_rank]
+        assert mem["pp_ranks"][0] == whole["pp_ranks"][pp_rank]
+        assert pipe["boundary"] == whole_pipe["boundary"]

@@ -321,7 +321,8 @@ def test_the_first_forward_bounds_the_traced_peak():
     among them: one probe serves every split), pipeline schedules with one and two stages
     per rank, expert and context parallelism. Its parts are what the trace holds: every
     micro-batch's forward leaves the same activations (the first forward run alone too), and
-    the sharded state and FSDP2's kept gradients are the arithmetic's."""
+    the sharded state and FSDP2's kept gradients are the arithmetic's. A pipeline's bound
+    holds rank by rank (``memory_floor``'s ``pp_ranks``, which ``search`` traces first)."""
     from tpplan.analysis.memfloor import memory_floor, state_elements
     from tpplan.analysis.steptrace import trace_step
     from tpplan.models import build_model
@@ -359,6 +360,10 @@ def test_the_first_forward_bounds_the_traced_peak():
                 ev.memory(r)
                 mem = r.extra["memory_per_rank"]
                 assert 0.25 * mem["peak"] < floor <= mem["peak"], (s, floor, mem["peak"])
+                if r.plan.spec.pipeline is not None:  # each pp rank's bound under its peak
+                    ranks = r.extra["memory_floor"]["pp_ranks"]
+                    assert max(ranks.values()) == floor and len(ranks) == len(mem["pp_ranks"])
+                    assert all(ranks[m["pp_rank"]] <= m["peak"] for m in mem["pp_ranks"])
             if plan == PLAN:  # the parts, in the trace itself: 4 micro-batches (3 traced)
                 assert ev.traces["first_forward_cached"] >= 1  # one probe, two splits
                 assert ev.traces["first_forward_stages_cached"] == 1  # gpipe: 1f1b's stages

@@ -36,14 +36,17 @@ def analyze_memory(result: DryRun, trace: Callable = memory_per_rank,
     step run on fake tensors (docs/dry-run.md). ``trace``: :func:`memory_per_rank` or a
     function with its signature that answers the same (``search``'s cache); ``over``: a
     pipeline's stages traced only until a pp rank's peak is too large for it
-    (:func:`~tpplan.analysis.stagemem.pipeline_memory`)."""
+    (:func:`~tpplan.analysis.stagemem.pipeline_memory`), the rank with the highest
+    first-forward bound first where ``memory_floor`` left its figures on ``result``."""
     spec = result.plan.spec
     if spec.pipeline is not None:
         from .stagemem import pipeline_memory
 
+        floor = result.extra.get("memory_floor") if over else None
+        first = floor and (max(floor["pp_ranks"], key=floor["pp_ranks"].get), floor["boundary"])
         mem, result.extra["pipeline"] = pipeline_memory(
             spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
-            result.resolution.dims, trace, over)
+            result.resolution.dims, trace, over, first)
         mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
         result.extra["memory_per_rank"] = mem
         return

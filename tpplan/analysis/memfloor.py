@@ -147,17 +147,17 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
         blocks, n_blocks = model_blocks(result)
         return probe(spec, result.mesh, build, shape, n_blocks, blocks) + held()[1]
     if stages is not None and stages in cache:
-        split, per_stage = cache[stages]
+        split, per_stage, boundary = cache[stages]
     else:
         # The stages read in place from ``result``'s model (never applied; each copied by
         # the probe only where it runs), not from one built for the split.
-        split, per_stage, _ = stage_traces(spec, result.mesh, lambda: result.model, shape,
-                                           dims, probe)
+        split, per_stage, boundary = stage_traces(spec, result.mesh, lambda: result.model,
+                                                  shape, dims, probe)
         if stages is not None:
-            cache[stages] = split, per_stage
+            cache[stages] = split, per_stage, boundary
     pipe = spec.pipeline
     actions = schedule_actions(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
-    out = 0
+    out, ranks = 0, {}
     for rank in reported_ranks(dims.pp):
         mine = split.of_rank(rank)
         acts = {s.index: per_stage[s.index] for s in mine}
@@ -166,5 +166,7 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
         beyond = in_flight_beyond_one(actions[rank], acts)
         if beyond is not None:
             bound = max(bound, beyond + sum(acts[i] + state[i][1] for i in acts))
-        out = max(out, bound)
+        out, ranks[rank] = max(out, bound), bound
+    # Which rank's stages a trace of the whole step takes first (analyze_memory's ``over``).
+    result.extra["memory_floor"] = dict(peak=out, pp_ranks=ranks, boundary=boundary)
     return out

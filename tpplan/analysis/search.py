@@ -15,7 +15,8 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    estimate, without the pipeline's point-to-point traffic (which the memory trace
    measures): a tighter bound;
 3. then the memory analysis (the trainer's step on fake tensors, cached; a pipeline's
-   stages until a pp rank does not fit) and the device's verdict
+   stages until a pp rank does not fit, the rank with the highest first-forward bound
+   first) and the device's verdict
    (:func:`tpplan.analysis.fit.needed`), its communication again with the pipeline's
    traffic and its final estimate. A layout another data-parallel split of which was
    traced is dropped untraced when :func:`split_free` of that trace (the bytes no split

@@ -60,6 +60,7 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
 def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                  dims: ParallelDims, trace: Callable = memory_per_rank,
                  enough: Callable[[PipelineSplit, dict[int, Any]], bool] | None = None,
+                 first: tuple[int, tuple] | None = None,
                  ) -> tuple[PipelineSplit, dict[int, Any], tuple | None]:
     """``(split, per_stage, boundary)``: ``trace`` (:func:`memory_per_rank`'s signature) of
     each stage of the :func:`reported_ranks`, by stage index, each stage taking the
@@ -67,16 +68,19 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
     A stage is copied only where ``trace`` builds it (:class:`StageBuilder`: a cached
     trace reads the stage's structure in place, without a copy). ``enough(split,
     per_stage)``, asked after each stage, stops the traces when true (the later stages
-    then missing from ``per_stage``)."""
+    then missing from ``per_stage``); ``first = (pp rank, boundary)``: that rank's stages
+    traced before the others, taking ``boundary`` where the first stage is not yet traced."""
     whole = build()
     split = split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
     ranks = reported_ranks(dims.pp)
     last = len(split.stages) - 1
     per_stage: dict[int, Any] = {}
-    boundary = None
-    for stage in sorted((s for s in split.stages if s.rank in ranks), key=lambda s: s.index):
-        io = StageIO(first=stage.index == 0, last=stage.index == last, received=boundary)
+    rank, boundary = first or (None, None)
+    for stage in sorted((s for s in split.stages if s.rank in ranks),
+                        key=lambda s: (s.rank != rank, s.index)):
+        io = StageIO(first=stage.index == 0, last=stage.index == last,
+                     received=boundary if stage.index else None)
         build_stage = StageBuilder(whole, stage, split)
         blocks, n_blocks = build_stage.read(_blocks)
         per_stage[stage.index] = trace(spec, mesh, build_stage, shape, n_blocks, blocks, io=io)
@@ -95,6 +99,7 @@ def _blocks(module: nn.Module) -> tuple[str | None, int]:
 def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                     dims: ParallelDims, trace: Callable = memory_per_rank,
                     over: Callable[[int], bool] | None = None,
+                    first: tuple[int, tuple] | None = None,
                     ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(memory_per_rank, pipeline)``: the reported pp rank with the largest peak under the
     usual keys, every reported rank in ``pp_ranks``; and :func:`pipeline_schedule`'s facts
@@ -102,7 +107,8 @@ def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
     :func:`memory_per_rank` or a function with its signature (``search``'s cache). ``over``:
     true of a peak too large (``search``'s device): once a rank whose stages are all traced
     has such a peak, no further stage is traced, and only the ranks traced whole are
-    reported (``stopped_early``: True), that rank among them."""
+    reported (``stopped_early``: True), that rank among them; ``first``: a pp rank whose
+    stages are traced first, and the activation the first stage sends (:func:`stage_traces`)."""
     actions = schedule_actions(spec.pipeline.schedule, dims.pp, spec.pipeline.stages_per_rank,
                                spec.pipeline.microbatches)
     ranks = reported_ranks(dims.pp)
@@ -120,7 +126,8 @@ def pipeline_memory(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape:
                                           pipes[0])
         return over is not None and any(over(r["peak"]) for r in done.values())
 
-    split, per_stage, boundary = stage_traces(spec, mesh, build, shape, dims, trace, enough)
+    split, per_stage, boundary = stage_traces(spec, mesh, build, shape, dims, trace, enough,
+                                              first)
     pipe = pipes[0]
     out = [done[rank] for rank in ranks if rank in done]
     worst = dict(max(out, key=lambda r: r["peak"]))
