@@ -23,6 +23,8 @@ docs/search.md, "Communication".
 For the dimensions other helpers add, :func:`all_to_all_time` (expert parallelism's token
 dispatch and combine), :func:`ring_attention_time` and :func:`cp_all_gather_time`
 (context parallelism) are the seam: each a function of bytes, group size and link alone.
+Which link a mesh dimension's groups use (inside a node or across nodes, from the ranks'
+layout): :func:`groups`.
 """
 
 from __future__ import annotations

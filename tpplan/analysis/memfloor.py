@@ -27,7 +27,9 @@ gradients, the rank's peak is at least ``Σ (h_s + g_s + a_s) + max_t Σ (k_s(t)
 over the points ``t`` of the rank's order where each of its stages has ``k_s(t) ≥ 1``
 micro-batches in flight (the schedule's extra ``max_t Σ k_s(t) A_s − Σ A_s``, with ``A_s ≥
 a_s`` the traced activations, is at least that sum), and at least ``Σ h_s + in_flight(a)``
-(a stage's peak holds its largest activations beside its state).
+(a stage's peak holds its largest activations beside its state). Each reported rank's
+bound is left in ``result.extra["memory_floor"]`` with the activation the first stage
+sends: ``search``'s memory trace takes the rank with the highest bound first.
 
 ``tests/test_search.py::test_the_first_forward_bounds_the_traced_peak`` holds the bound
 under the traced peak across layouts (tp, micro-batch, accumulation, every checkpointing
