@@ -50,10 +50,12 @@ class StageComm:
         self.module, self.res, self.units, self.trace = module, res, units, trace
 
 
-def _parts(result, cache: dict) -> tuple[Any, Any, tuple, dict[int, tuple]]:
+def _parts(result, cache: dict, units_only: bool = False
+           ) -> tuple[Any, Any, tuple, dict[int, tuple]]:
     """``(whole, split, rkey, parts)``: the meta model, its split, the key of what a stage's
     resolution reads, and each stage's ``(module, resolution, FSDP units)`` by index, each
-    cached by what it reads (:func:`_stages`); no trace runs."""
+    cached by what it reads (:func:`_stages`); no trace runs. ``units_only``: the module
+    and resolution left None where the units are cached already."""
     spec, dims = result.plan.spec, result.resolution.dims
     if "model" not in cache:
         cache["model"] = build_model(spec.model, "meta")
@@ -68,8 +70,10 @@ def _parts(result, cache: dict) -> tuple[Any, Any, tuple, dict[int, tuple]]:
             dims.ep_borrows_tp)
     parts = {}
     for stage in split.stages:
-        module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
         ukey = ("units", rkey, (stage.blocks, stage.extras), dims.dp_shard)
+        module = res = None
+        if ukey not in cache or not units_only:
+            module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
         if ukey not in cache:
             cache[ukey] = unit_sizes(module, res, dims, spec)
         parts[stage.index] = (module, res, cache[ukey])
@@ -255,7 +259,7 @@ def pipeline_fsdp_rows(result, param: torch.dtype, reduce: torch.dtype, step: Ac
     :func:`pipeline_comm`'s."""
     spec, dims = result.plan.spec, result.resolution.dims
     pipe = spec.pipeline
-    _, split, _, parts = _parts(result, {} if cache is None else cache)
+    _, split, _, parts = _parts(result, {} if cache is None else cache, units_only=True)
     order = fsdp_order(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
     units = {i: p[2] for i, p in parts.items()}
     empty = TPTrace(Counter(), [], None)
