@@ -496,11 +496,12 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
     over: three of four stages here (zbv's rank 1 holds stages 1 and 2, interleaved 1F1B's
     rank 0 stages 0 and 2), that rank reported with exactly the figures the whole trace
     gives it. With ``first`` (a rank and the activation the first stage sends), that rank's
-    two stages alone are traced, whichever it is. With nothing over, the figures are those
-    of no ``over`` at all."""
+    two stages alone are traced, whichever it is; a boundary the first stage does not send
+    is refused. With nothing over, the figures are those of no ``over`` at all."""
     from tpplan.analysis.memory import memory_per_rank
     from tpplan.analysis.stagemem import pipeline_memory
     from tpplan.models import build_model
+    from tpplan.parallel.pipeline import split_stages
 
     out = {}
 
@@ -523,6 +524,10 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
         sent = out["whole"][1]["boundary"]
         boundary = (tuple(sent["shape"]), getattr(torch, sent["dtype"]))
         out["first"] = [stopped((rank, boundary)) for rank in range(dims.pp)]
+        wrong = ((boundary[0][0] + 1, *boundary[0][1:]), boundary[1])
+        first_rank = split_stages(build(), spec, dims.pp).stages[0].rank
+        with pytest.raises(RuntimeError, match="the first stage sends"):
+            stopped((first_rank, wrong))  # a boundary the first stage does not send
 
     r = dry_run(PLAN, 8, [*SMALL_3D, f"pipeline.schedule={schedule}", "pipeline.stages_per_rank=2",
                           "model.kwargs.n_layers=8"], [("stop", traces)])

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-
 from ..api import Plan, load
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 from ..models.introspect import find_blocks
 from ..plan.devices import Device
 from .candidates import Options, candidates
-from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from . import fsdp_rows
+from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
 from .memfloor import smallest_element
@@ -219,7 +219,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
             est = estimated(r, c)
             if est is not None:
                 fitting += level == 2
-                heapq.heappush(queue, (est.step_time, i, max(level, 1) + 1, c,
+                heapq.heappush(queue, (est.step_time, i, 3 if level == 2 else 2, c,
                                        _row(c, r, est, device) if level == 2 else None))
     left = Counter(q[2] for q in queue)
     return dict(

@@ -84,6 +84,9 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
         build_stage = StageBuilder(whole, stage, split)
         blocks, n_blocks = build_stage.read(_blocks)
         per_stage[stage.index] = trace(spec, mesh, build_stage, shape, n_blocks, blocks, io=io)
+        if stage.index == 0 and boundary is not None and io.sent != boundary:
+            raise RuntimeError(f"the first stage sends {io.sent}, not the {boundary} the "
+                               "stages after it were traced with")
         boundary = boundary or io.sent
         if enough is not None and enough(split, per_stage):
             break
