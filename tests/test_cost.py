@@ -307,11 +307,12 @@ def test_the_bound_never_exceeds_the_estimate():
     busiest pp rank's under a pipeline)."""
     import random
 
-    from tpplan.analysis import fsdp_rows
+    from tpplan.analysis import fsdp_rows, traced_rows
     from tpplan.analysis.cost import step_time_bound
     from tpplan.plan.devices import DEVICES
 
     rng = random.Random(27)
+    none = "activation_checkpointing={mode: none}"
     layouts = [("mesh={pp: 1, dp_replicate: 1, dp_shard: 2, tp: 4}", "train.micro_batch_size=2"),
                ("mesh={pp: 2, dp_replicate: 2, dp_shard: 1, tp: 2}",
                 "pipeline={schedule: 1f1b, microbatches: 4}"),
@@ -319,8 +320,13 @@ def test_the_bound_never_exceeds_the_estimate():
                 "activation_checkpointing={mode: selective, every: 2}"),
                ("mesh={pp: 2, dp_replicate: 1, dp_shard: 4, tp: 1}",
                 "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}",
+                "activation_checkpointing={mode: full}"),
+               ("mesh={pp: 1, dp_replicate: 1, dp_shard: 2, tp: 4}", "train.micro_batch_size=2",
+                "activation_checkpointing={mode: selective, every: 2}"),
+               ("mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}",
+                "pipeline={schedule: interleaved_1f1b, microbatches: 4, stages_per_rank: 2}",
                 "activation_checkpointing={mode: full}")]
-    tighter = 0
+    tighter = with_tp = 0
     for sets in layouts:
         r = _run(8, "train.seq_len=64", "train.global_batch_size=16", *sets)
         rows = fsdp_rows(r)
@@ -328,6 +334,15 @@ def test_the_bound_never_exceeds_the_estimate():
         busiest = rows[comm.get("pp_rank", 0)]
         assert len(rows) == r.resolution.dims.pp and busiest and \
             busiest == [row for row in comm["collectives"] if row["source"] == "fsdp"]
+        # The same layout without checkpointing: its TP trace's rows, each at most this one's.
+        recomputes = r.plan.spec.activation_checkpointing.enabled
+        plain = traced_rows(_run(8, "train.seq_len=64", "train.global_batch_size=16", *sets,
+                                 none)) if recomputes else None
+        for mine, theirs in zip(traced_rows(r), plain or []):
+            by = {(x["source"], x["kind"], x["mesh_dim"]): x for x in mine}
+            for x in theirs:
+                y = by[(x["source"], x["kind"], x["mesh_dim"])]
+                assert x["count"] <= y["count"] and x["wire_bytes"] <= y["wire_bytes"], (sets, x)
         for _ in range(3):
             dev = DEVICES[rng.choice(["h100", "a100-80gb", "h200"])]
             c = replace(C, compute_efficiency=rng.uniform(0.2, 1.0),
@@ -338,7 +353,11 @@ def test_the_bound_never_exceeds_the_estimate():
             with_fsdp = step_time_bound(r, dev, c, fsdp=rows, gpus_per_node=gpn)
             assert alone <= with_fsdp <= step
             tighter += with_fsdp > alone
-    assert tighter >= 6
+            if plain is not None:
+                traced = step_time_bound(r, dev, c, fsdp=rows, gpus_per_node=gpn, traced=plain)
+                assert with_fsdp <= traced <= step
+                with_tp += traced > with_fsdp
+    assert tighter >= 6 and with_tp >= 4
 
 
 def test_calibration_fits_what_the_runs_tell_apart(tmp_path):

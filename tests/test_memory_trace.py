@@ -79,3 +79,82 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
     assert depths == [[start, start + every, start + 2 * every]], depths
     apart = result.extra["apart"]
     assert result.extra["shared"] == apart and apart[0] < apart[1] < apart[2], apart
+
+
+def test_the_trace_mode_keys_two_calls_alike_only_where_pytorch_does():
+    """The memory trace's fake mode builds its own dispatch-cache key for plain dense fake
+    tensors (tpplan.analysis.fakemode): two argument lists get the same key only where
+    PyTorch's own key is the same, and what it does not take (a dict, a real tensor) gets
+    PyTorch's key."""
+    import itertools
+
+    import torch
+    from torch._subclasses._fake_tensor_utils import _CacheKeyState
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpplan.analysis.fakemode import TraceMode, fake_mode
+
+    mode = fake_mode()
+    assert isinstance(mode, TraceMode)
+    with mode:
+        base = torch.empty(4, 6)
+        args = [
+            (base,), (torch.empty(4, 6),), (base.t(),), (base[1:],), (base[:3],),
+            (base.to(torch.bfloat16),), (torch.empty(4, 6, requires_grad=True),),
+            (torch.empty(6, 4),), (base.view(6, 4),), (base.view(24),), (base[:, ::2],),
+            (torch.empty(4, 6, dtype=torch.complex64).conj(),),
+            (torch.empty(4, 6, dtype=torch.complex64),), (base, 1), (base, 1.0), (base, True),
+            (base, [2, 3]), (base, (2, 3)), (base, [2, 3, 4]), (base, None), ([base, base],),
+            ([base, base[1:]],), (base, torch.float32), (base, torch.bfloat16),
+        ]
+
+    def keys(own: bool, a) -> tuple:
+        out: list = []
+        prep = TraceMode._prep_args_for_hash if own else FakeTensorMode._prep_args_for_hash
+        prep(mode, out, a, _CacheKeyState(), [])
+        return tuple(out)
+
+    ours = [keys(True, a) for a in args]
+    theirs = [keys(False, a) for a in args]
+    assert all(k[0] != t[0] for k, t in zip(ours, theirs))  # tagged: they never meet
+    for i, j in itertools.combinations(range(len(args)), 2):
+        assert (ours[i] == ours[j]) == (theirs[i] == theirs[j]), (i, j)
+    assert len(set(ours)) >= len(args) - 2  # not a key that says little
+    # A dict and a real tensor: PyTorch's key, as the plain mode builds it.
+    with mode:
+        t = torch.empty(2)
+    assert keys(True, ({"a": 1}, t)) == keys(False, ({"a": 1}, t))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mesh={dp_shard: 2, tp: 2}", "activation_checkpointing={mode: selective, every: 2}"],
+    ["mesh={dp_replicate: 2, dp_shard: 2, tp: 1}", "train.micro_batch_size=3"],
+])
+def test_a_step_traced_in_the_trace_mode_equals_one_in_pytorchs_fake_mode(overrides,
+                                                                         monkeypatch):
+    """The same step, traced with the trace mode's cache key and with PyTorch's own
+    ``FakeTensorMode``: every moment equal."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tpplan.analysis.steptrace as steptrace
+    from tpplan.analysis.steptrace import trace_step
+
+    def both(result) -> None:
+        spec, step = result.plan.spec, result.step
+
+        def build():
+            return build_model(spec.model, "meta")
+
+        result.extra["ours"] = trace_step(spec, result.mesh, build, step)
+        with monkeypatch.context() as m:
+            m.setattr(steptrace, "fake_mode", lambda **kw: FakeTensorMode(**kw))
+            result.extra["theirs"] = trace_step(spec, result.mesh, build, step)
+
+    result = dry_run(str(PLANS / "llama.yaml"), 4, [
+        "model.kwargs.n_layers=3", "train.seq_len=8", "train.global_batch_size=12", *overrides],
+        [("both", both)])
+    assert result.ok, (result.errors, result.analysis_errors)
+    ours, theirs = result.extra["ours"], result.extra["theirs"]
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    for label in ours:
+        assert ours[label].to_json() == theirs[label].to_json(), label

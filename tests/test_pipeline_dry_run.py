@@ -545,3 +545,39 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
         assert traced == 2 and [r["pp_rank"] for r in mem["pp_ranks"]] == [pp_rank]
         assert mem["pp_ranks"][0] == whole["pp_ranks"][pp_rank]
         assert pipe["boundary"] == whole_pipe["boundary"]
+
+
+@pytest.mark.parametrize("schedule,probed", [("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1)])
+def test_a_rank_over_stops_the_floor_probes_at_rank_0(schedule, probed):
+    """``memory_floor`` with ``over`` (``search``'s device) probes pp rank 0's stages first
+    and no further stage once a rank whose stages are all probed has a bound over: rank 0's
+    stages alone here (first and last under zbv, first and a middle one under interleaved
+    1F1B, the first alone under 1F1B), its bound exactly the one the full floor gives it
+    and at most that floor. With nothing over, the floor is the full one."""
+    from tpplan.analysis.dryrun import fake_process_group
+    from tpplan.analysis.memfloor import memory_floor
+    from tpplan.analysis.memory import first_forward
+    from tpplan.analysis.tracecache import Evaluator
+
+    probes = []
+
+    def probe(*args, **kwargs):
+        probes.append(kwargs["io"])
+        return first_forward(*args, **kwargs)
+
+    stages = [] if schedule == "1f1b" else ["pipeline.stages_per_rank=2"]
+    ev = Evaluator(PLAN, [*SMALL_3D, f"pipeline.schedule={schedule}", *stages,
+                          "model.kwargs.n_layers=8"], 8)
+    with fake_process_group(8):
+        r = ev.check([])
+        assert not r.errors, r.errors
+        r.mesh = r.resolution.dims.build_mesh("cpu")
+        whole = memory_floor(r), r.extra["memory_floor"]
+        never = memory_floor(r, over=lambda b: False), r.extra["memory_floor"]
+        stopped, extra = memory_floor(r, probe, over=lambda b: True), r.extra["memory_floor"]
+    assert never == whole
+    whole, whole_extra = whole
+    assert list(extra["pp_ranks"]) == [0] and len(whole_extra["pp_ranks"]) == 2
+    assert stopped == extra["pp_ranks"][0] == whole_extra["pp_ranks"][0] <= whole
+    assert [(io.first, io.last) for io in probes][:1] == [(True, False)]
+    assert len(probes) == probed and extra["boundary"] == whole_extra["boundary"]

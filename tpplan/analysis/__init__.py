@@ -26,8 +26,8 @@ from .dryrun import Analysis, DryRun
 from .memory import memory_per_rank
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
-__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "fsdp_rows", "compute_dtypes",
-           "model_blocks"]
+__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "fsdp_rows", "traced_rows",
+           "compute_dtypes", "model_blocks"]
 
 
 def analyze_memory(result: DryRun, trace: Callable = memory_per_rank,
@@ -157,6 +157,15 @@ def fsdp_rows(result: DryRun, stage_cache: dict | None = None) -> list[list[dict
         return pipeline_fsdp_rows(result, param, reduce, step, stage_cache)
     return [rows(TPTrace(Counter(), [], None), _fsdp(result, param, reduce), step,
                  result.resolved.dims)]
+
+
+def traced_rows(result: DryRun) -> list[list[dict[str, Any]]]:
+    """The rows of ``comm_per_step`` that its TP trace gives (TP's, ep's and cp's: not
+    FSDP2's nor the pipeline's sends), for each pp rank (one without a pipeline)."""
+    comm = result.extra["comm_per_step"]
+    ranks = [r["collectives"] for r in comm["pp_ranks"]] if "pp_ranks" in comm \
+        else [comm["collectives"]]
+    return [[row for row in rows if row["source"] not in ("fsdp", "pp")] for rows in ranks]
 
 
 def _ep_bounds(result: DryRun, e: int, stages: list | None = None) -> dict[str, Any]:

@@ -190,13 +190,17 @@ def _rate(device: Device, c: CostConstants) -> float:
 
 def step_time_bound(result, device: Device, constants: CostConstants | None = None,
                     flops: ModelFlops | None = None, fsdp: list[list] | None = None,
-                    gpus_per_node: int = 8) -> float:
+                    gpus_per_node: int = 8, traced: list[list] | None = None) -> float:
     """A lower bound of :func:`estimate_step`'s step time from arithmetic alone (no trace):
     compute and recompute, and the bubble on them; with ``fsdp`` (each pp rank's FSDP2 rows,
     :func:`tpplan.analysis.fsdp_rows`), the FSDP and DP terms too, the least of any rank's
     (the estimate takes the busiest rank's). Every other term is at least 0 (overlap hides
-    at most what a term costs) and the bubble grows with the TP term it omits here. Needs
-    ``pipeline`` (the schedule's facts) under a pipeline."""
+    at most what a term costs) and the bubble grows with the TP term it omits here.
+    ``traced``: each pp rank's rows of a TP trace that the layout's own trace holds
+    (:func:`tpplan.analysis.traced_rows` of the same layout without activation
+    checkpointing, whose collectives a recomputing step issues all of, and more): their
+    TP, ep and cp terms, and the bubble on TP, join each rank's. Needs ``pipeline`` (the
+    schedule's facts) under a pipeline."""
     c = constants or DEFAULT_CONSTANTS
     terms, _, _ = _compute(result, device, c, flops or flops_of(result))
     busy = terms["compute"] + terms["recompute"]
@@ -204,9 +208,25 @@ def step_time_bound(result, device: Device, constants: CostConstants | None = No
     bound = busy * (1 + bubble)
     if not fsdp:
         return bound
-    ranks = [_comm(result, device, gpus_per_node, c, rows) for rows in fsdp]
-    least = min(sum(_exposed(raw, comm["first"], busy, c).values()) for raw, comm in ranks)
-    return max(bound, (bound + least) * (1 - 1e-12))  # below the estimate's sum, rounded
+    ranks = [_comm(result, device, gpus_per_node, c, rows + (traced[i] if traced else []))
+             for i, rows in enumerate(fsdp)]
+    least = min(sum(_terms(raw, comm["first"], busy, bubble, c).values())
+                for raw, comm in ranks)
+    return max(bound, (busy + least) * (1 - 1e-12))  # below the estimate's sum, rounded
+
+
+def _terms(raw: dict[str, float], first: dict[str, float], busy: float, bubble: float,
+           c: CostConstants) -> dict[str, float]:
+    """Every term but compute and recompute, from the seconds per term before overlap
+    (``raw``), the first unit's exposure (``first``), the compute they hide behind
+    (``busy``) and the schedule's bubble fraction."""
+    terms = {"tp": raw.get("tp", 0.0) * (1 - c.tp_overlap)}
+    terms.update(_exposed(raw, first, busy, c))
+    terms["pp_p2p"] = raw.get("pp_p2p", 0.0)
+    for k in raw.keys() - terms.keys():  # ep's all-to-alls, cp's exchanges (their own rows)
+        terms[k] = raw[k] * (1 - c.ep_overlap if k == "ep" else 1.0)
+    terms["bubble"] = bubble * (busy + terms["tp"])
+    return terms
 
 
 def _exposed(raw: dict[str, float], first: dict[str, float], busy: float,
@@ -238,14 +258,9 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
     flops = flops or flops_of(result)
     terms, tokens, (rank_flops, run_flops) = _compute(result, device, c, flops)
     raw, comm = _comm(result, device, gpus_per_node, c)
-    terms["tp"] = raw.get("tp", 0.0) * (1 - c.tp_overlap)
     busy = terms["compute"] + terms["recompute"]
-    terms.update(_exposed(raw, comm["first"], busy, c))
-    terms["pp_p2p"] = raw.get("pp_p2p", 0.0)
-    for k in raw.keys() - terms.keys():  # ep's all-to-alls, cp's exchanges (their own rows)
-        terms[k] = raw[k] * (1 - c.ep_overlap if k == "ep" else 1.0)
     pipe = result.extra.get("pipeline") or {}
-    terms["bubble"] = pipe.get("bubble_fraction", 0.0) * (busy + terms["tp"])
+    terms.update(_terms(raw, comm["first"], busy, pipe.get("bubble_fraction", 0.0), c))
     step_time = sum(terms.values())
     model = flops.train_per_token * tokens
     details = dict(

@@ -113,7 +113,8 @@ def in_flight_beyond_one(actions: list[Action], weight: dict[int, int]) -> int |
 
 
 def memory_floor(result: DryRun, probe: Callable = first_forward,
-                 cache: dict | None = None, stages: tuple | None = None) -> int:
+                 cache: dict | None = None, stages: tuple | None = None,
+                 over: Callable[[int], bool] | None = None) -> int:
     """A lower bound (bytes) of ``memory_per_rank``'s ``peak`` for ``result`` (checked, its
     ``mesh`` set, the fake process group up). ``probe``: :func:`first_forward` or a function
     with its signature that answers the same (``search``'s cache: the activations it reads
@@ -122,7 +123,10 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     reads; the parameters and the smallest dtype once) and, under a pipeline, for the
     stage split with each stage's activations, kept under ``stages`` when given (a key the
     caller makes of everything ``probe`` and the split read: ``search`` leaves out the
-    schedule's number of micro-batches)."""
+    schedule's number of micro-batches). ``over``: true of a bound too large (``search``'s
+    device): pp rank 0's stages are probed first, and once a rank whose stages are all
+    probed has such a bound, no further stage is (that rank's bound is a bound of the
+    peak; the ranks left out are missing from ``pp_ranks``)."""
     spec, shape = result.plan.spec, result.step
     dims = result.resolved.dims
     accumulates = spec.fsdp is not None and shape.grad_accum > 1
@@ -148,27 +152,39 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     if spec.pipeline is None:
         blocks, n_blocks = model_blocks(result)
         return probe(spec, result.mesh, build, shape, n_blocks, blocks) + held()[1]
+    pipe = spec.pipeline
+    actions = schedule_actions(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
+
+    def bounds(split, per_stage: dict[int, int]) -> dict[int, int]:
+        """Each reported rank's bound, of the ranks whose stages are all probed."""
+        out = {}
+        for rank in reported_ranks(dims.pp):
+            mine = split.of_rank(rank)
+            if any(s.index not in per_stage for s in mine):
+                continue
+            acts = {s.index: per_stage[s.index] for s in mine}
+            state = {s.index: held(s.modules) for s in mine}
+            bound = sum(h[0] for h in state.values()) + rank_in_flight(actions[rank], acts)
+            beyond = in_flight_beyond_one(actions[rank], acts)
+            if beyond is not None:
+                bound = max(bound, beyond + sum(acts[i] + state[i][1] for i in acts))
+            out[rank] = bound
+        return out
+
     if stages is not None and stages in cache:
         split, per_stage, boundary = cache[stages]
     else:
         # The stages read in place from ``result``'s model (never applied; each copied by
         # the probe only where it runs), not from one built for the split.
+        enough = over and (lambda split, per_stage: any(
+            over(b) for b in bounds(split, per_stage).values()))
         split, per_stage, boundary = stage_traces(spec, result.mesh, lambda: result.model,
-                                                  shape, dims, probe)
-        if stages is not None:
-            cache[stages] = split, per_stage, boundary
-    pipe = spec.pipeline
-    actions = schedule_actions(pipe.schedule, dims.pp, pipe.stages_per_rank, pipe.microbatches)
-    out, ranks = 0, {}
-    for rank in reported_ranks(dims.pp):
-        mine = split.of_rank(rank)
-        acts = {s.index: per_stage[s.index] for s in mine}
-        state = {s.index: held(s.modules) for s in mine}
-        bound = sum(h[0] for h in state.values()) + rank_in_flight(actions[rank], acts)
-        beyond = in_flight_beyond_one(actions[rank], acts)
-        if beyond is not None:
-            bound = max(bound, beyond + sum(acts[i] + state[i][1] for i in acts))
-        out, ranks[rank] = max(out, bound), bound
+                                                  shape, dims, probe, enough,
+                                                  over and (0, None))
+        if stages is not None and len(bounds(split, per_stage)) == len(reported_ranks(dims.pp)):
+            cache[stages] = split, per_stage, boundary  # only whole: a later call may need all
+    ranks = bounds(split, per_stage)
+    out = max(ranks.values())
     # Which rank's stages a trace of the whole step takes first (analyze_memory's ``over``).
     result.extra["memory_floor"] = dict(peak=out, pp_ranks=ranks, boundary=boundary)
     return out

@@ -10,7 +10,11 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    (:func:`tpplan.analysis.cost.step_time_bound`: compute, recompute, the schedule's bubble);
 1. at the front of the queue, dropped if its sharded state alone does not fit; else the
    bound with the FSDP and DP terms too (FSDP2's units, no trace: :func:`tpplan.analysis.
-   fsdp_rows`), back into the queue where that is higher;
+   fsdp_rows`) and, for a layout with activation checkpointing, the TP, ep and cp terms of
+   the same layout without it where that one's communication was analysed (recomputation
+   issues every collective of the step without it, and more: :func:`tpplan.analysis.
+   traced_rows`), back into the queue where that is higher (and looked at again there, as
+   such a trace may have run since);
 2. its communication analysis (TP traced, cached by what the trace reads) and a first
    estimate, without the pipeline's point-to-point traffic (which the memory trace
    measures): a tighter bound;
@@ -40,7 +44,7 @@ from typing import Any, Callable, Sequence
 from ..models.introspect import find_blocks
 from ..plan.devices import Device
 from .candidates import Options, candidates
-from . import fsdp_rows
+from . import fsdp_rows, traced_rows
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
@@ -108,11 +112,17 @@ def sharded_state(result: DryRun, units: list | None, size: int | None = None) -
     return elements * size * (3 if trained else 1)
 
 
-def _floor(ev: Evaluator, result: DryRun) -> int:
+def _but_checkpointing(c) -> tuple:
+    """A candidate's ``--set`` lines less its checkpointing (the second): the same for a
+    layout and its variants with recomputation."""
+    return (c.sets[0], *c.sets[2:])
+
+
+def _floor(ev: Evaluator, result: DryRun, over: Callable[[int], bool]) -> int:
     """:meth:`Evaluator.floor`, or 0 where the first forward cannot run (the whole trace
     then reports why, as ``validate`` does)."""
     try:
-        return ev.floor(result)
+        return ev.floor(result, over)
     except Exception:  # noqa: BLE001 - the memory analysis names the failure
         return 0
 
@@ -135,6 +145,9 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     examples: dict[str, list[str]] = {}
     flops: list = []  # the model's FLOPs, the same for every candidate
     size = smallest_element(ev.model)  # its smallest parameter dtype (every candidate's model)
+
+    def too_large(peak: int) -> bool:
+        return needed(peak) > device.memory
 
     def drop(reason: str, c) -> None:
         dropped[reason] += 1
@@ -172,6 +185,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
         ranked: list[dict[str, Any]] = []
         fitting = analysed = 0
         floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
+        unrecomputed: dict[tuple, list] = {}  # traced_rows, per layout without checkpointing
         while queue and (exhaustive or len(ranked) < top):
             bound, i, level, c, row = heapq.heappop(queue)
             if level == 3:
@@ -182,16 +196,19 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                 say(f"{analysed} analyses, {fitting} fit, {len(ranked)} ranked; bound "
                     f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
             r = checked(c)
-            if level == 0 and not exhaustive:  # arithmetic alone, before any trace
-                if needed(sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
-                    drop(f"does not fit {device.name} memory: its parameter shards and AdamW "
-                         "state alone (arithmetic, nothing traced)", c)
-                    continue
-                # The FSDP and DP terms, from the units alone: back in the queue if higher.
-                tighter = step_time_bound(r, device, constants, flops[0],
-                                          fsdp_rows(r, ev.stages), gpus_per_node)
+            if level <= 1 and not exhaustive:  # arithmetic alone, before any trace of its own
+                if level == 0:
+                    if needed(sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
+                        drop(f"does not fit {device.name} memory: its parameter shards and "
+                             "AdamW state alone (arithmetic, nothing traced)", c)
+                        continue
+                    row = fsdp_rows(r, ev.stages)  # kept in the queue for the next look
+                # The FSDP and DP terms, from the units alone, and the TP trace of the same
+                # layout without checkpointing where it ran: back in the queue if higher.
+                tighter = step_time_bound(r, device, constants, flops[0], row, gpus_per_node,
+                                          unrecomputed.get(_but_checkpointing(c)))
                 if tighter > bound:
-                    heapq.heappush(queue, (tighter, i, 1, c, None))
+                    heapq.heappush(queue, (tighter, i, 1, c, row))
                     continue
             if level == 2:
                 split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
@@ -202,12 +219,12 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)
                     continue
-                if not exhaustive and needed(_floor(ev, r)) > device.memory:
+                if not exhaustive and needed(_floor(ev, r, too_large)) > device.memory:
                     drop(f"does not fit {device.name} memory: already at the end of the first "
                          "forward (its step not traced further)", c)
                     continue
                 # A pipeline's stages traced until a pp rank shows it does not fit.
-                ev.memory(r, None if exhaustive else lambda peak: needed(peak) > device.memory)
+                ev.memory(r, None if exhaustive else too_large)
                 mem = r.extra.get("memory_per_rank", {"error": "?"})
                 if "error" in mem:
                     drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
@@ -217,6 +234,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     drop(f"does not fit {device.name} memory", c)
                     continue
             est = estimated(r, c)
+            if est is not None and not r.plan.spec.activation_checkpointing.enabled:
+                unrecomputed[_but_checkpointing(c)] = traced_rows(r)
             if est is not None:
                 fitting += level == 2
                 heapq.heappush(queue, (est.step_time, i, 3 if level == 2 else 2, c,

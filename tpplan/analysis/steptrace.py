@@ -42,6 +42,7 @@ from ..checkpoint.optim_state import init_state
 from ..plan.step import StepShape
 from .hfmasks import as_the_real_run_decides
 from .dpscale import ScalableTracker, ScaledTrace, fsdp_shards
+from .fakemode import fake_mode
 from .memtrace import MemoryTracker
 from .moments import Where
 
@@ -94,8 +95,6 @@ def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth
                      io: StageIO | None) -> Iterator[tuple[PlanSpec, nn.Module, str | None, StageIO]]:
     """The model (its first ``depth`` blocks) built on meta, the plan applied and its
     parameters made fake tensors: ``(spec, model, blocks, io)`` while the fake mode is up."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
     spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
     model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
@@ -106,7 +105,7 @@ def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         apply_plan(spec, model, mesh, stage=io is not None)
-        with FakeTensorMode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
+        with fake_mode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
             yield spec, model, blocks, io or StageIO(True, True)
 

@@ -200,10 +200,10 @@ class Evaluator:
         result.__dict__["fsdp_units"] = self.units[key]  # the cached_property's slot
         return self.units[key]
 
-    def floor(self, result: DryRun) -> int:
-        """:func:`tpplan.analysis.memfloor.memory_floor` of ``result``: a lower bound of its
-        memory peak from the first forward of its step (cached as the whole trace is, less
-        the data-parallel split and the accumulation: only its activations are read)."""
+    def floor(self, result: DryRun, over: Callable[[int], bool] | None = None) -> int:
+        """:func:`tpplan.analysis.memfloor.memory_floor` of ``result`` (``over``: its own):
+        a lower bound of its memory peak from the first forward of its step (cached as the
+        whole trace is, less the data-parallel split and the accumulation)."""
         dims = result.resolution.dims
         result.mesh = self._mesh(dims)
         spec, pipe = result.plan.spec, result.plan.spec.pipeline
@@ -214,7 +214,7 @@ class Evaluator:
         if stages in self.states:
             self.traces["first_forward_stages_cached"] += 1
         return memory_floor(result, functools.partial(self._memory, first=True), self.states,
-                            stages)
+                            stages, over)
 
     def _key(self, spec: PlanSpec, shape: StepShape, blocks: str | None, cut: bool,
              first: bool) -> tuple:

@@ -1,0 +1,96 @@
+"""The fake tensor mode the memory trace runs its steps in: PyTorch's ``FakeTensorMode``
+with a cheaper key for its dispatch cache.
+
+``FakeTensorMode`` caches each operator's output metadata under a key made of the
+operator and its arguments, every fake tensor turned into its full ``TensorMetadata``
+(17 fields, its shape and strides walked one element at a time, its memory format
+worked out from them). In a traced step that key costs more than the operator it saves:
+about half the trace's time went into building it (docs/benchmarks.md).
+
+:class:`TraceMode` keys a plain dense fake tensor (strided, of this mode, no constant, no
+symbolic size) by ``(dtype, shape, strides, device, storage offset, storage bytes,
+requires_grad, is_quantized, is_conj, is_neg, is_inference)``. Everything else in
+PyTorch's metadata is a function of these for such a tensor (its layout is strided, so it
+is not sparse; its memory format follows from its shape and strides), so two calls get
+the same key only where PyTorch's own key is the same too: a hit is a hit PyTorch would
+have made. Any other argument (a dict, a symbolic size, a tensor of another kind, an
+object not plainly hashable) hands the whole call to PyTorch's own key, which also
+decides what must bypass the cache. The keys are tagged, so the two kinds never meet.
+
+Where this PyTorch's ``FakeTensorMode`` has no ``_prep_args_for_hash`` of the expected
+signature, :func:`fake_mode` gives the plain mode. ``tests/test_memory_trace.py`` holds a
+step traced in either mode to the same moments, and the key to PyTorch's on equality.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+__all__ = ["TraceMode", "fake_mode"]
+
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format))
+_TAG = ("tpplan.fakemode",)  # in front of each fast key: never equal to PyTorch's
+
+
+class _Unusual(Exception):
+    """An argument the fast key does not take: PyTorch's own key is built instead."""
+
+
+def _dense(mode: FakeTensorMode, t: FakeTensor) -> tuple:
+    if t.fake_mode is not mode or t.constant is not None or t.layout is not torch.strided \
+            or t._has_symbolic_sizes_strides:
+        raise _Unusual
+    return (t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(),
+            t.untyped_storage().nbytes(), t.requires_grad, t.is_quantized, t.is_conj(),
+            t.is_neg(), t.is_inference())
+
+
+def _flatten(mode: FakeTensorMode, out: list, args) -> None:
+    kind = type(args)
+    if kind is list or kind is tuple:
+        out += (kind, len(args))
+    elif kind is not type({}.keys()) and kind is not type({}.values()):
+        raise _Unusual  # a dict, or an iterable PyTorch's key knows how to take
+    for a in args:
+        t = type(a)
+        if t is FakeTensor:
+            out.append(_dense(mode, a))
+        elif t in _PLAIN:
+            out += (t, a)  # the type too: 1 and 1.0 hash alike
+        elif t is list or t is tuple:
+            _flatten(mode, out, a)
+        else:
+            raise _Unusual
+
+
+class TraceMode(FakeTensorMode):
+    """``FakeTensorMode`` with the cheaper cache key of this module's docstring."""
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
+        out: list = [_TAG]
+        try:
+            _flatten(self, out, args)
+        except _Unusual:
+            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+        result += out
+        return None
+
+
+def _overridable() -> bool:
+    method = getattr(FakeTensorMode, "_prep_args_for_hash", None)
+    if method is None:
+        return False
+    return list(inspect.signature(method).parameters) == [
+        "self", "result", "args", "state", "id_hashed_objects"]
+
+
+_MODE = TraceMode if _overridable() else FakeTensorMode
+
+
+def fake_mode(**kwargs) -> FakeTensorMode:
+    """A :class:`TraceMode` (``FakeTensorMode`` where this PyTorch's differs)."""
+    return _MODE(**kwargs)
