@@ -24,6 +24,7 @@ from ..plan.specs import torch_dtype
 from .comm import Accumulation, diagnose, fsdp_collectives, megatron_minimum, rows, wire_bytes
 from .dryrun import Analysis, DryRun
 from .memory import memory_per_rank
+from .steptrace import ModelBuilder
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "fsdp_rows", "traced_rows",
@@ -51,8 +52,8 @@ def analyze_memory(result: DryRun, trace: Callable = memory_per_rank,
         result.extra["memory_per_rank"] = mem
         return
     blocks, n_blocks = model_blocks(result)
-    mem = trace(spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step,
-                n_blocks, blocks)
+    mem = trace(spec, result.mesh, ModelBuilder(lambda: build_model(spec.model, "meta")),
+                result.step, n_blocks, blocks)
     mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
     _experts_memory(result, mem)
     result.extra["memory_per_rank"] = mem

@@ -49,6 +49,7 @@ from ..plan.styles import EP_STYLES
 from . import compute_dtypes, model_blocks
 from .dryrun import DryRun
 from .memory import first_forward
+from .steptrace import ModelBuilder
 from .schedule import Action, _last_backward, rank_in_flight, schedule_actions
 from .stagemem import reported_ranks, stage_traces
 
@@ -131,7 +132,7 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     dims = result.resolved.dims
     accumulates = spec.fsdp is not None and shape.grad_accum > 1
     reduce = compute_dtypes(result)[1].itemsize  # FSDP2 accumulates in the reduction dtype
-    build = lambda: build_model(spec.model, "meta")  # noqa: E731
+    build = ModelBuilder(lambda: build_model(spec.model, "meta"))  # copied cut, where cut
 
     cache = {} if cache is None else cache
     # What the model and the plan's lora and freeze give, the same for every variant of a

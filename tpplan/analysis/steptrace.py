@@ -25,6 +25,7 @@ names them).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import warnings
 from typing import Callable, Iterator
@@ -47,7 +48,7 @@ from .memtrace import MemoryTracker
 from .moments import Where
 
 __all__ = ["trace_step", "first_forwards", "forward_activations", "truncated",
-           "micro_batches_traced", "StageIO"]
+           "micro_batches_traced", "StageIO", "ModelBuilder"]
 
 
 @dataclasses.dataclass
@@ -75,6 +76,35 @@ def truncated(container: nn.Module, depth: int) -> nn.Module:
     return nn.ModuleList(list(container)[:depth])
 
 
+class ModelBuilder:
+    """What :class:`~tpplan.parallel.pipeline.StageBuilder` is to a stage, for a whole meta
+    model: ``build(depth)`` a new copy holding only its first ``depth`` repeated blocks,
+    copied from one model made once (``make()``, or ``template``: read in place, never
+    applied; the blocks past ``depth`` are not copied), where a shallow trace would build
+    the whole model to cut it; ``build()`` ``make()`` itself; :meth:`read` reads the model
+    without a copy."""
+
+    def __init__(self, make: Callable[[], nn.Module], template: nn.Module | None = None):
+        self.make, self._model = make, template
+
+    def read(self, fn: Callable[[nn.Module], object]) -> object:
+        if self._model is None:
+            self._model = self.make()
+        return fn(self._model)
+
+    def __call__(self, depth: int | None = None) -> nn.Module:
+        blocks = self.read(find_blocks)
+        if depth is None or blocks is None:
+            return self.make()
+        parent, attr = _parent(self._model, blocks)
+        whole = parent._modules[attr]
+        parent._modules[attr] = truncated(whole, depth)
+        try:
+            return copy.deepcopy(self._model)
+        finally:
+            parent._modules[attr] = whole
+
+
 def _parent(model: nn.Module, blocks: str) -> tuple[nn.Module, str]:
     parent_path, _, attr = blocks.rpartition(".")
     return (model.get_submodule(parent_path) if parent_path else model), attr
@@ -97,7 +127,8 @@ def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth
     parameters made fake tensors: ``(spec, model, blocks, io)`` while the fake mode is up."""
     # Compiled blocks are followed as eager ones (compile under fake tensors is not a step).
     spec = dataclasses.replace(spec, compile=dataclasses.replace(spec.compile, enabled=False))
-    model = build(depth) if depth is not None and isinstance(build, StageBuilder) else build()
+    model = build(depth) if depth is not None and isinstance(build, (StageBuilder, ModelBuilder)) \
+        else build()
     blocks = find_blocks(model)
     if depth is not None and blocks is not None:
         parent, attr = _parent(model, blocks)

@@ -41,7 +41,7 @@ from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .counting import CollectiveRecorder
 from .memory import kept_traces, period_depths
-from .steptrace import StageIO, truncated
+from .steptrace import ModelBuilder, StageIO, truncated
 
 __all__ = ["TPTrace", "trace_tp", "Key", "identical_blocks"]
 
@@ -212,8 +212,9 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # full-backward-hook notices on integer inputs
         staged = isinstance(build, StageBuilder)
-        model = None if staged else build()
-        found = build.read(blocks_of) if staged else blocks_of(model)
+        copied = staged or isinstance(build, ModelBuilder)  # read in place, copied to run
+        model = None if copied else build()
+        found = build.read(blocks_of) if copied else blocks_of(model)
         # Selective checkpointing of every k-th block repeats with period k, not 1.
         period = plan.activation_checkpointing.every
         # A depth that the period does not divide (a stage of odd length under every
@@ -230,7 +231,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
             # Cut before applying TP: the blocks past the traced ones are never run (nor
             # copied, from a stage whose blocks they are).
             run = model if model is not None else \
-                build(depths[-1]) if path == build.split.blocks_path else build()
+                build(depths[-1]) if not staged or path == build.split.blocks_path else build()
             parent_path, _, attr = path.rpartition(".")
             parent = run.get_submodule(parent_path)
             kept = truncated(getattr(parent, attr), depths[-1])

@@ -55,7 +55,7 @@ from . import analyze_comm, analyze_memory
 from .dryrun import DryRun, forget_meshes, run_analysis
 from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
-from .steptrace import StageIO
+from .steptrace import ModelBuilder, StageIO
 from .batchtrace import traced_in_batch
 from .checkcache import PartCache
 from .tptrace import trace_tp
@@ -80,7 +80,7 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
 def _signed(build: Callable[[], nn.Module], blocks: str | None = None, depth: int = 0) -> tuple:
     """:func:`_signature` of what ``build`` makes: a stage's read in place
     (:meth:`StageBuilder.read`, no copy), a whole model's built."""
-    if isinstance(build, StageBuilder):
+    if isinstance(build, (StageBuilder, ModelBuilder)):
         return build.read(lambda module: _signature(module, blocks, depth))
     return _signature(build(), blocks, depth)
 
@@ -107,6 +107,8 @@ class Evaluator:
             raise PlanErrors([e]) from None
         self.base = parse_plan(self.doc, self.path)
         self.model = build_model(require_model(self.base), device="meta")  # never applied: shared
+        # Every candidate's model: cut copies of the one above for the shallow traces.
+        self.builder = ModelBuilder(lambda: build_model(require_model(self.base), "meta"), self.model)
         self.checkpoint = checkpoint_bytes(self.model,
                                            saved=checkpointed(self.base.lora, self.model))
         self.meshes: dict[ParallelDims, Any] = {}
@@ -231,7 +233,8 @@ class Evaluator:
     def _memory(self, spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
-        signature = functools.partial(_signed, build)  # a stage's read in place, not copied
+        build = build if isinstance(build, StageBuilder) else self.builder  # the same model
+        signature = functools.partial(_signed, build)  # read in place, not copied
         stage = io and (io.first, io.last, io.received, signature())
         common = self._key(spec, shape, blocks, cut, first)
         key = (*common, n_blocks, stage)
@@ -278,7 +281,7 @@ class Evaluator:
                dtype, ac.mode, ac.every)
         return traced_in_batch(
             self.tp_traces, key, micro_batch, None,
-            lambda b, _: (trace_tp(plan, res, mesh, build, seq_len, b, dtype), None),
+            lambda b, _: (trace_tp(plan, res, mesh, self.builder, seq_len, b, dtype), None),
             self.traces, "tp")[0]
 
 

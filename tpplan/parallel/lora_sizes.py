@@ -64,7 +64,7 @@ def same_in_every_block(plan, model: nn.Module | Callable[[], nn.Module]) -> boo
 
     if plan.lora is None and not plan.freeze:
         return True
-    if isinstance(model, StageBuilder):
+    if isinstance(model, StageBuilder) or hasattr(model, "read"):  # or the dry run's copier
         return model.read(lambda stage: same_in_every_block(plan, stage))
     if not isinstance(model, nn.Module):
         model = model()
