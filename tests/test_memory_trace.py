@@ -158,3 +158,39 @@ def test_a_step_traced_in_the_trace_mode_equals_one_in_pytorchs_fake_mode(overri
     assert ours.keys() == theirs.keys() and len(ours) > 10
     for label in ours:
         assert ours[label].to_json() == theirs[label].to_json(), label
+
+
+def test_a_cut_copy_is_the_model_built_and_cut_and_traces_the_same():
+    """``ModelBuilder(make)(depth)``: a copy of one model made once, holding only its first
+    ``depth`` blocks: the parameters (names, shapes, dtypes) and buffers of the model built
+    afresh and cut there, the model it copies from left whole and untouched by the copy's
+    changes; a deep model's memory traced from such copies equals one traced from fresh
+    builds, moment for moment."""
+    from tpplan.analysis.steptrace import ModelBuilder, truncated
+
+    def both(result) -> None:
+        spec, step = result.plan.spec, result.step
+
+        def make():
+            return build_model(spec.model, "meta")
+
+        builder = ModelBuilder(make)
+        cut = builder(4)
+        fresh = make()
+        fresh.layers = truncated(fresh.layers, 4)
+        shapes = lambda m: [(n, tuple(t.shape), t.dtype) for n, t in m.state_dict().items()]  # noqa: E731
+        assert shapes(cut) == shapes(fresh) and len(cut.layers) == 4
+        cut.layers[0].attention.wq.weight.requires_grad_(False)
+        assert builder.read(lambda m: (len(m.layers), m.layers[0].attention.wq.weight
+                                       .requires_grad)) == (len(result.model.layers), True)
+        n = len(result.model.layers)
+        result.extra["copied"] = memory_per_rank(spec, result.mesh, builder, step, n, "layers")
+        result.extra["built"] = memory_per_rank(spec, result.mesh, make, step, n, "layers")
+
+    result = dry_run(str(PLANS / "llama.yaml"), 4, [
+        "model.kwargs.n_layers=20", "train.seq_len=8", "train.global_batch_size=8",
+        "mesh={dp_shard: 2, tp: 2}"], [("both", both)])
+    assert result.ok, (result.errors, result.analysis_errors)
+    copied, built = result.extra["copied"], result.extra["built"]
+    assert copied["traced"]["depths"] == built["traced"]["depths"] == [4, 5, 6]
+    assert copied == built
