@@ -78,8 +78,8 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
 
 
 def _signed(build: Callable[[], nn.Module], blocks: str | None = None, depth: int = 0) -> tuple:
-    """:func:`_signature` of what ``build`` makes: a stage's read in place
-    (:meth:`StageBuilder.read`, no copy), a whole model's built."""
+    """:func:`_signature` of what ``build`` makes, read in place where it can be (a
+    :class:`StageBuilder` or :class:`ModelBuilder`: no copy), else built."""
     if isinstance(build, (StageBuilder, ModelBuilder)):
         return build.read(lambda module: _signature(module, blocks, depth))
     return _signature(build(), blocks, depth)
@@ -274,7 +274,8 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         # Keyed without the micro-batch: past three sizes, extrapolated from them where
-        # that is checked to hold (batchtrace.traced_in_batch).
+        # that is checked to hold (batchtrace.traced_in_batch). ``build`` makes the plan's
+        # one model: the shallow traces copy theirs from ``builder``'s instead.
         ac = plan.activation_checkpointing
         cp = plan.context_parallel
         key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,

@@ -57,14 +57,14 @@ def same_in_every_block(plan, model: nn.Module | Callable[[], nn.Module]) -> boo
     """Whether ``plan``'s ``lora`` and ``freeze`` choose alike in every repeated block (a
     block's parameter is chosen iff its kin in every other block is), as the dry run's
     shallow traces assume when they extrapolate from a model's first blocks. ``model``: a
-    module, or what builds one (a :class:`StageBuilder`, read in place): built only where
+    module, or what builds one (with a ``read``, as a :class:`~tpplan.parallel.pipeline.
+    StageBuilder`, read in place): built only where
     the plan has ``lora`` or ``freeze`` (without them the answer needs no module)."""
     from .freeze import frozen_names
-    from .pipeline import StageBuilder
 
     if plan.lora is None and not plan.freeze:
         return True
-    if isinstance(model, StageBuilder) or hasattr(model, "read"):  # or the dry run's copier
+    if hasattr(model, "read"):  # a StageBuilder, or the dry run's ModelBuilder: no copy
         return model.read(lambda stage: same_in_every_block(plan, stage))
     if not isinstance(model, nn.Module):
         model = model()
