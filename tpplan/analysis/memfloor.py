@@ -182,9 +182,9 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
         split, per_stage, boundary = stage_traces(spec, result.mesh, lambda: result.model,
                                                   shape, dims, probe, enough,
                                                   over and (0, None))
-        if stages is not None and len(bounds(split, per_stage)) == len(reported_ranks(dims.pp)):
-            cache[stages] = split, per_stage, boundary  # only whole: a later call may need all
     ranks = bounds(split, per_stage)
+    if stages is not None and stages not in cache and len(ranks) == len(reported_ranks(dims.pp)):
+        cache[stages] = split, per_stage, boundary  # only whole: a later call may need all
     out = max(ranks.values())
     # Which rank's stages a trace of the whole step takes first (analyze_memory's ``over``).
     result.extra["memory_floor"] = dict(peak=out, pp_ranks=ranks, boundary=boundary)

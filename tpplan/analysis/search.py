@@ -219,7 +219,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                          "split changes (traced for another split) and its own sharded "
                          "state are too large", c)
                     continue
-                if not exhaustive and needed(_floor(ev, r, too_large)) > device.memory:
+                if not exhaustive and too_large(_floor(ev, r, too_large)):
                     drop(f"does not fit {device.name} memory: already at the end of the first "
                          "forward (its step not traced further)", c)
                     continue
@@ -234,9 +234,9 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                     drop(f"does not fit {device.name} memory", c)
                     continue
             est = estimated(r, c)
-            if est is not None and not r.plan.spec.activation_checkpointing.enabled:
-                unrecomputed[_but_checkpointing(c)] = traced_rows(r)
             if est is not None:
+                if not r.plan.spec.activation_checkpointing.enabled:
+                    unrecomputed[_but_checkpointing(c)] = traced_rows(r)
                 fitting += level == 2
                 heapq.heappush(queue, (est.step_time, i, 3 if level == 2 else 2, c,
                                        _row(c, r, est, device) if level == 2 else None))
