@@ -154,6 +154,10 @@ class CollectiveRecorder(CommDebugMode):
         >>> rec.collectives[0].bytes       # ours: sizes, groups, forward/backward
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as MemoryTracker's (tpplan.analysis.memtrace): no compile under a trace
+
     def __init__(self) -> None:
         super().__init__()
         self.advanced_module_tracker = _ModuleTracker()

@@ -68,7 +68,16 @@ def _flatten(mode: FakeTensorMode, out: list, args) -> None:
 
 
 class TraceMode(FakeTensorMode):
-    """``FakeTensorMode`` with the cheaper cache key of this module's docstring."""
+    """``FakeTensorMode`` with the cheaper cache key of this module's docstring, its
+    dispatch called as written: without the frame-evaluation guard (and call counter)
+    PyTorch wraps it in, as :class:`~tpplan.analysis.memtrace.MemoryTracker` (no compile
+    runs under a trace)."""
+
+    __torch_dispatch__ = inspect.unwrap(FakeTensorMode.__dict__["__torch_dispatch__"])
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
         out: list = [_TAG]

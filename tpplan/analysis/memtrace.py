@@ -116,6 +116,12 @@ class MemoryTracker(TorchDispatchMode):
         >>> tracker.moments["step"].total            # the step's peak, bytes
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No compile runs under a trace: the frame-evaluation guard PyTorch wraps every
+        # mode's __torch_dispatch__ in would only cost each op's dispatch its setup.
+        return False
+
     def __init__(self, where: Callable[[], str] = lambda: "") -> None:
         super().__init__()
         self.where = where
