@@ -52,11 +52,19 @@ def analyze_memory(result: DryRun, trace: Callable = memory_per_rank,
         result.extra["memory_per_rank"] = mem
         return
     blocks, n_blocks = model_blocks(result)
-    mem = trace(spec, result.mesh, ModelBuilder(lambda: build_model(spec.model, "meta")),
-                result.step, n_blocks, blocks)
+    mem = trace(spec, result.mesh, _builder(result), result.step, n_blocks, blocks)
     mem["batch"]["compute_dtype"] = str(compute_dtypes(result)[0]).removeprefix("torch.")
     _experts_memory(result, mem)
     result.extra["memory_per_rank"] = mem
+
+
+def _builder(result: DryRun) -> ModelBuilder:
+    """What makes the traces' models: cut copies of ``result.model`` where it is as built
+    (not parallelized: ``search``'s, and ``validate``'s where its module table came from a
+    cut copy), else new ones."""
+    spec = result.plan.spec
+    return ModelBuilder(lambda: build_model(spec.model, "meta"),
+                        None if result.parallelized else result.model)
 
 
 def model_blocks(result: DryRun) -> tuple[str | None, int]:
@@ -109,8 +117,8 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
         comm, trace, parts = pipeline_comm(result, param, reduce, step, stage_cache)
     else:
         if dims.tp > 1 or dims.ep > 1 or dims.cp > 1:  # ep's all-to-all, cp's exchanges: traced with TP's
-            trace = tp_trace(spec, res, result.mesh, lambda: build_model(spec.model, "meta"),
-                             shape.seq_len, shape.micro_batch, param)
+            trace = tp_trace(spec, res, result.mesh, _builder(result), shape.seq_len,
+                             shape.micro_batch, param)
         else:
             trace = TPTrace(Counter(), [], None)
         comm = dict(collectives=rows(trace, _fsdp(result, param, reduce), step, dims))

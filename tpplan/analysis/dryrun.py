@@ -19,6 +19,7 @@ from ..models import build_model
 from ..parallel.lora_sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
 from .fakegroup import ChunksOnDemand, fake_process_group, forget_meshes
+from .moduletable import applied_report
 
 __all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",
            "fake_process_group", "forget_meshes", "run_analysis", "world_size_problem"]
@@ -51,7 +52,10 @@ class DryRun:
     analysis_errors: list[AnalysisError] = field(default_factory=list)
     report: Any = None  # ApplyReport
     resolution: Any = None  # the plan resolved against the model (Resolution)
-    model: Any = None  # the parallelized meta model (not parallelized with apply=False)
+    model: Any = None  # the meta model
+    # whether ``model`` itself was parallelized (the module table's, where its rows could
+    # not come from a cut copy: tpplan.analysis.moduletable); never with apply=False
+    parallelized: bool = False
     mesh: Any = None
     step: StepShape | None = None
     seconds: float = 0.0
@@ -173,10 +177,9 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
         with fake_process_group(world_size):
             result.mesh = res.dims.build_mesh("cpu")
             result.model = model
-            if apply:
-                plan.apply(model, result.mesh)
-                result.report = plan.last_report
-                _ = result.report.modules  # rows while the mesh is alive
+            if apply:  # the module table; the model itself parallelized only where needed
+                result.report, result.parallelized = applied_report(plan, model, res,
+                                                                    result.mesh)
             for name, analysis in analyses:
                 run_analysis(result, name, analysis)
     except PlanErrors as e:

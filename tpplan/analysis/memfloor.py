@@ -45,6 +45,8 @@ import torch.nn as nn
 
 from ..models import build_model
 from ..parallel.fsdp_units import _parameters, tp_local_shape
+from ..parallel.pipeline import split_stages
+from ..plan.pipeline import split_reads
 from ..plan.styles import EP_STYLES
 from . import compute_dtypes, model_blocks
 from .dryrun import DryRun
@@ -122,7 +124,8 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     are the same for every data-parallel split and accumulation); ``cache``: a dict kept
     across the variants of one plan for :func:`state_elements` (keyed by the degrees it
     reads; the parameters and the smallest dtype once) and, under a pipeline, for the
-    stage split with each stage's activations, kept under ``stages`` when given (a key the
+    stage split (by what it reads of the pipeline and pp: one model), and the split with
+    each stage's activations, kept under ``stages`` when given (a key the
     caller makes of everything ``probe`` and the split read: ``search`` leaves out the
     schedule's number of micro-batches). ``over``: true of a bound too large (``search``'s
     device): pp rank 0's stages are probed first, and once a rank whose stages are all
@@ -179,9 +182,12 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
         # the probe only where it runs), not from one built for the split.
         enough = over and (lambda split, per_stage: any(
             over(b) for b in bounds(split, per_stage).values()))
+        skey = ("split", *split_reads(pipe, dims.pp))  # all the split reads but the model
+        if skey not in cache:
+            cache[skey] = split_stages(result.model, spec, dims.pp)
         split, per_stage, boundary = stage_traces(spec, result.mesh, lambda: result.model,
                                                   shape, dims, probe, enough,
-                                                  over and (0, None))
+                                                  over and (0, None), cache[skey])
     ranks = bounds(split, per_stage)
     if stages is not None and stages not in cache and len(ranks) == len(reported_ranks(dims.pp)):
         cache[stages] = split, per_stage, boundary  # only whole: a later call may need all

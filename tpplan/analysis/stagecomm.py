@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..models import build_model
-from ..parallel.fsdp_units import ROOT, unit_sizes
+from ..parallel.fsdp_units import ROOT, unit_shapes
 from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.pipeline import StageBuilder, split_stages, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
@@ -70,12 +70,15 @@ def _parts(result, cache: dict, units_only: bool = False
             dims.ep_borrows_tp)
     parts = {}
     for stage in split.stages:
-        ukey = ("units", rkey, (stage.blocks, stage.extras), dims.dp_shard)
+        shapes = ("unit shapes", rkey, (stage.blocks, stage.extras))  # any dp_shard's
+        ukey = (*shapes, dims.dp_shard)
         module = res = None
-        if ukey not in cache or not units_only:
+        if shapes not in cache or not units_only:
             module, res = _resolved(cache, whole, split, stage, spec, dims, rkey)
+        if shapes not in cache:
+            cache[shapes] = unit_shapes(module, res, dims, spec)
         if ukey not in cache:
-            cache[ukey] = unit_sizes(module, res, dims, spec)
+            cache[ukey] = cache[shapes].sized(dims)
         parts[stage.index] = (module, res, cache[ukey])
     return whole, split, rkey, parts
 
@@ -88,10 +91,11 @@ def _stages(result, dtype: torch.dtype, cache: dict | None = None
     its section); the split by pp, stages per rank, V placement and split points; a stage's
     module by the blocks and extras it owns; its resolution by those and the degrees
     resolve reads (tp, data parallelism as it sees it, cp, ep), checkpointing's blocks
-    matched on the stage afterwards (:func:`_resolved`); its FSDP units by that and
-    dp_shard; its TP trace by what :func:`traced_in_batch` says, so that alike stages (same ends,
-    extras and length, where the model's blocks are identical) of any pp, stages per rank
-    and schedule share one trace, and micro-batches past three share theirs."""
+    matched on the stage afterwards (:func:`_resolved`); its FSDP units' shapes by that
+    (:func:`unit_shapes`), their sizes by dp_shard too; its TP trace by what
+    :func:`traced_in_batch` says, so that alike stages (same ends, extras and length, where
+    the model's blocks are identical) of any pp, stages per rank and schedule share one
+    trace, and micro-batches past three share theirs."""
     cache = {} if cache is None else cache
     spec, dims, shape = result.plan.spec, result.resolution.dims, result.step
     ac, cp = spec.activation_checkpointing, spec.context_parallel

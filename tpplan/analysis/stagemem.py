@@ -60,7 +60,7 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
 def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
                  dims: ParallelDims, trace: Callable = memory_per_rank,
                  enough: Callable[[PipelineSplit, dict[int, Any]], bool] | None = None,
-                 first: tuple[int, tuple] | None = None,
+                 first: tuple[int, tuple] | None = None, split: PipelineSplit | None = None,
                  ) -> tuple[PipelineSplit, dict[int, Any], tuple | None]:
     """``(split, per_stage, boundary)``: ``trace`` (:func:`memory_per_rank`'s signature) of
     each stage of the :func:`reported_ranks`, by stage index, each stage taking the
@@ -69,9 +69,10 @@ def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: St
     trace reads the stage's structure in place, without a copy). ``enough(split,
     per_stage)``, asked after each stage, stops the traces when true (the later stages
     then missing from ``per_stage``); ``first = (pp rank, boundary)``: that rank's stages
-    traced before the others, taking ``boundary`` where the first stage is not yet traced."""
+    traced before the others, taking ``boundary`` where the first stage is not yet traced;
+    ``split``: :func:`split_stages` of ``build()``'s model, where the caller keeps it."""
     whole = build()
-    split = split_stages(whole, spec, dims.pp)
+    split = split or split_stages(whole, spec, dims.pp)
     split.errors.raise_if_any()
     ranks = reported_ranks(dims.pp)
     last = len(split.stages) - 1

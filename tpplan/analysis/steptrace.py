@@ -86,6 +86,7 @@ class ModelBuilder:
 
     def __init__(self, make: Callable[[], nn.Module], template: nn.Module | None = None):
         self.make, self._model = make, template
+        self._blocks: list[str | None] = []  # the template's blocks path, once found
 
     def read(self, fn: Callable[[nn.Module], object]) -> object:
         if self._model is None:
@@ -93,7 +94,9 @@ class ModelBuilder:
         return fn(self._model)
 
     def __call__(self, depth: int | None = None) -> nn.Module:
-        blocks = self.read(find_blocks)
+        if not self._blocks:
+            self._blocks.append(self.read(find_blocks))
+        blocks = self._blocks[0]
         if depth is None or blocks is None:
             return self.make()
         parent, attr = _parent(self._model, blocks)

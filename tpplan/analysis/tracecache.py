@@ -1,14 +1,13 @@
 """Dry runs of many variants of one plan in one process, sharing what their traces share.
 
-``tpplan search`` checks thousands of layouts of one plan; a dry run of a 405B model costs
-tens of seconds, almost all of it in two traces: the trainer's step on fake tensors
-(memory) and one micro-batch's TP collectives on meta (communication). :class:`Evaluator`
-runs each candidate through the dry run's own checks and analyses (``analyze_memory`` and
-``analyze_comm``, the functions ``validate`` runs) inside one fake process group, and hands
-those analyses a cached trace wherever a candidate's trace would be the same as one already
-run. A cache entry is keyed by everything its trace reads that can differ between the
-candidates of one plan (they differ only in the mesh, activation checkpointing, the
-micro-batch and the pipeline section); docs/search.md says why each key is complete.
+``tpplan search`` checks thousands of layouts of one plan; a dry run's time is almost all
+in two traces: the trainer's step on fake tensors (memory) and one micro-batch's TP
+collectives on meta (communication). :class:`Evaluator` runs each candidate through the dry
+run's own checks and analyses (``analyze_memory``, ``analyze_comm``: ``validate``'s) in one
+fake process group, handing them a cached trace wherever a candidate's would be the same as
+one run already, keyed by everything the trace reads that can differ between the candidates
+of one plan (the mesh, checkpointing, the micro-batch, the pipeline section); docs/search.md
+says why each key is complete.
 
 - Check (sections, resolution): a candidate's resolution keyed by tp, pp, cp, ep, its data
   parallelism as resolve reads it, what the stage split reads of the pipeline and the
@@ -16,11 +15,10 @@ micro-batch and the pipeline section); docs/search.md says why each key is compl
   each section of the plan cached by what it reads (:mod:`tpplan.analysis.checkcache`).
 - Memory (:func:`tpplan.analysis.memory.memory_per_rank`, the whole model or one pipeline
   stage): keyed by tp, dp_shard, cp (and its method), ep, whether dp_replicate and pp are
-  above 1, seq_len,
-  micro-batch, the micro-batches the trace runs (``min(accumulation, 3)``), dtypes,
-  checkpointing mode and period, the stage's ends and structure and what it receives.
-  The schedule and its number of micro-batches are not in it: they are combined afterwards
-  (:mod:`tpplan.analysis.stagemem`), per candidate.
+  above 1, seq_len, micro-batch, the micro-batches the trace runs (``min(accumulation,
+  3)``), dtypes, checkpointing mode and period, the stage's ends and structure and what it
+  receives; not the schedule and its micro-batches, combined per candidate afterwards
+  (:mod:`tpplan.analysis.stagemem`).
 - TP collectives (:func:`tpplan.analysis.tptrace.trace_tp`): keyed by tp, seq_len,
   micro-batch, compute dtype, checkpointing mode and period; past three micro-batch sizes,
   extrapolated from them where checked affine (:func:`tpplan.analysis.batchtrace.
@@ -77,12 +75,14 @@ def _signature(module: nn.Module, blocks: str | None = None, depth: int = 0) -> 
                  for m in module.modules() if id(m) not in skipped)
 
 
-def _signed(build: Callable[[], nn.Module], blocks: str | None = None, depth: int = 0) -> tuple:
-    """:func:`_signature` of what ``build`` makes, read in place where it can be (a
-    :class:`StageBuilder` or :class:`ModelBuilder`: no copy), else built."""
-    if isinstance(build, (StageBuilder, ModelBuilder)):
-        return build.read(lambda module: _signature(module, blocks, depth))
-    return _signature(build(), blocks, depth)
+def _signed(memo: dict, build: StageBuilder | ModelBuilder, blocks: str | None = None,
+            depth: int = 0) -> tuple:
+    """:func:`_signature` of what ``build`` makes (a stage of the one model, or the model),
+    read in place, kept in ``memo`` by the blocks and extras the stage owns."""
+    own = (build.stage.blocks, build.stage.extras) if isinstance(build, StageBuilder) else None
+    if (own, blocks, depth) not in memo:
+        memo[own, blocks, depth] = build.read(lambda module: _signature(module, blocks, depth))
+    return memo[own, blocks, depth]
 
 
 def _mesh_key(dims: ParallelDims, spec: PlanSpec) -> tuple:
@@ -116,6 +116,7 @@ class Evaluator:
         self.memories: dict[tuple, tuple] = {}
         self.shallow: dict[tuple, tuple] = {}  # memory's shallow traces, any depth
         self.tp_traces: dict[tuple, Any] = {}
+        self.signatures: dict[tuple, tuple] = {}  # _signed's, of this model's stages
         self.units: dict[tuple, list] = {}
         self.states: dict[tuple, tuple] = {}  # memory_floor's sharded state, by degrees
         self.traces: Counter = Counter()
@@ -234,7 +235,7 @@ class Evaluator:
                 n_blocks: int, blocks: str | None, cut: bool = True,
                 io: StageIO | None = None, first: bool = False) -> dict[str, Any]:
         build = build if isinstance(build, StageBuilder) else self.builder  # the same model
-        signature = functools.partial(_signed, build)  # read in place, not copied
+        signature = functools.partial(_signed, self.signatures, build)  # read in place
         stage = io and (io.first, io.last, io.received, signature())
         common = self._key(spec, shape, blocks, cut, first)
         key = (*common, n_blocks, stage)
@@ -274,10 +275,9 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         # Keyed without the micro-batch: past three sizes, extrapolated from them where
-        # that is checked to hold (batchtrace.traced_in_batch). ``build`` makes the plan's
-        # one model: the shallow traces copy theirs from ``builder``'s instead.
-        ac = plan.activation_checkpointing
-        cp = plan.context_parallel
+        # that is checked to hold (batchtrace.traced_in_batch). ``build`` copies the plan's
+        # one model: ``builder`` does the same, its blocks found once for every candidate.
+        ac, cp = plan.activation_checkpointing, plan.context_parallel
         key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,
                dtype, ac.mode, ac.every)
         return traced_in_batch(

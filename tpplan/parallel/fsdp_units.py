@@ -30,7 +30,7 @@ from .freeze import frozen_names
 from .lora_sizes import adapter_shapes, adapter_tp_dim, trained_names
 from .resolve import Resolution, shard_dims
 
-__all__ = ["UnitSize", "fsdp_calls", "unit_sizes", "tp_local_shape"]
+__all__ = ["UnitShapes", "UnitSize", "fsdp_calls", "unit_shapes", "unit_sizes", "tp_local_shape"]
 
 ROOT = "<root>"
 
@@ -109,11 +109,45 @@ def _parameters(model: nn.Module, plan: PlanSpec | None) -> list[tuple[str, tupl
     return [(n, s, n in trains) for n, s, _ in params]
 
 
+@dataclass(frozen=True)
+class UnitShapes:
+    """What :func:`unit_sizes` reads of the model, the plan and the mesh but data
+    parallelism: each group's label and place, and each parameter it gathers as ``(group,
+    local shape, trains)``, its shape on one tp (or, for an expert's, ep) rank; the groups
+    of experts first (over ``efsdp``), then the others, the root last."""
+
+    experts: tuple[tuple[str, int], ...]  # (path, order) of each experts module's group
+    groups: tuple[tuple[str, int], ...]  # (label, order) of each other group
+    params: tuple[tuple[int, tuple[int, ...], bool], ...]  # group index over both
+
+    def sized(self, dims: ParallelDims) -> list[UnitSize]:
+        """The groups' :class:`UnitSize` at ``dims``' data parallelism (``dp_shard × cp``
+        ranks, ``efsdp`` for the experts'); a group that gathers nothing is left out."""
+        n_ep = len(self.experts)
+        elements, trained = [0] * (n_ep + len(self.groups)), [0] * (n_ep + len(self.groups))
+        shards = dims.dp_shard * dims.cp
+        for i, local, trains in self.params:
+            n = _gathered(local, dims.efsdp if i < n_ep else shards)
+            elements[i] += n
+            trained[i] += n * trains
+        return [UnitSize(path, elements[i], "efsdp", trained[i], order)
+                for i, (path, order) in enumerate(self.experts)] + \
+            [UnitSize(label, elements[n_ep + i], trained=trained[n_ep + i], order=order)
+             for i, (label, order) in enumerate(self.groups) if elements[n_ep + i]]
+
+
 def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
                plan: PlanSpec | None = None) -> list[UnitSize]:
     """Each FSDP2 parameter group of the plan, in apply order, the root last; a call whose
     parameters all belong to deeper calls makes no group and is left out, as in FSDP2.
     ``plan``: what trains and the adapters come from it (:func:`_parameters`)."""
+    return unit_shapes(model, res, dims, plan).sized(dims)
+
+
+def unit_shapes(model: nn.Module, res: Resolution, dims: ParallelDims,
+                plan: PlanSpec | None = None) -> UnitShapes:
+    """:func:`unit_sizes` less the data-parallel split: the same for every dp_shard (and
+    cp) of one tp, ep and resolution (:meth:`UnitShapes.sized` at each)."""
     modules = dict(model.named_modules())
     owner: dict[str, int] = {}  # parameter name -> index of the call that shards it
     calls = fsdp_calls(res)
@@ -134,16 +168,13 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
             for n, _ in modules[path].named_parameters(prefix=path):
                 ep_owner[n] = i
                 (whole if int(n[len(path) + 1:].split(".")[0]) < local else elsewhere).add(n)
-    ep_elements, ep_trained = [0] * len(experts), [0] * len(experts)
-    elements, trained = [0] * (len(calls) + 1), [0] * (len(calls) + 1)
+    params = []
     for name, shape, trains in _parameters(model, plan):
         if name in elsewhere:
             continue
         if name in ep_owner:
             local = tuple(shape) if name in whole else (shape[0] // dims.ep, *shape[1:])
-            n = _gathered(local, dims.efsdp)
-            ep_elements[ep_owner[name]] += n
-            ep_trained[ep_owner[name]] += n * trains
+            params.append((ep_owner[name], local, trains))
             continue
         i = owner.get(name)
         if i is None:  # an adapter not added yet: its base's unit
@@ -151,14 +182,10 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
                       if any(name.startswith(p + ".") for p in paths)), len(calls))
         path = name.rpartition(".")[0]
         local = tp_local_shape(name, shape, modules.get(path), res, dims.tp)
-        n = _gathered(local, dims.dp_shard * dims.cp)
-        elements[i] += n
-        trained[i] += n * trains
+        params.append((len(experts) + i, local, trains))
     labels = [paths[0] if len(paths) == 1 else f"{generalize(paths[0])} ({len(paths)} modules)"
               for paths in calls] + [ROOT]
     position = {p: i for i, p in enumerate(modules)}
     orders = [min(position[p] for p in paths) for paths in calls] + [len(position)]
-    return [UnitSize(path, n, "efsdp", t, position[path])
-            for path, n, t in zip(experts, ep_elements, ep_trained)] + \
-        [UnitSize(label, n, trained=t, order=o)
-         for label, n, t, o in zip(labels, elements, trained, orders) if n]
+    return UnitShapes(tuple((p, position[p]) for p in experts), tuple(zip(labels, orders)),
+                      tuple(params))

@@ -67,13 +67,15 @@ class ApplyReport:
     """Made by :meth:`Plan.apply`: rules with the modules they hit, and a row per module
     that has a rule or parameters. ``print(report)`` prints the collapsed table."""
 
-    def __init__(self, res: Resolution, seconds: float = 0.0, model: nn.Module | None = None):
+    def __init__(self, res: Resolution, seconds: float = 0.0, model: nn.Module | None = None,
+                 rows: list[ModuleRow] | None = None):
         self.resolution, self.seconds = res, seconds
         self.dims = res.dims
         self.rules = [(rule, paths) for rule, paths in res.rules]
         # Rows are made on first use: apply() stays as fast as the bare torch calls.
+        # ``rows``: made already (the dry run's, from the model's first blocks).
         self._model = weakref.ref(model) if model is not None else None
-        self._modules: list[ModuleRow] | None = None
+        self._modules: list[ModuleRow] | None = rows
 
     @property
     def modules(self) -> list[ModuleRow]:
