@@ -139,6 +139,9 @@ def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: st
 
 
 def test_cached_analyses_equal_uncached_dry_runs():
+    # One after another on one evaluator: DTensor's sharding caches are kept across meshes,
+    # so a candidate's TP trace is handed the tp mesh of the one before (equal: the same
+    # ranks and names) and its group; the rows below still count those collectives on tp.
     sets = [  # share traces: the same dp_shard under another dp_replicate, accumulation 4 vs 8
         ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=1"],
