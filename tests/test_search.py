@@ -139,9 +139,6 @@ def _evaluated(overrides: list[str], world: int, sets: list[list[str]], plan: st
 
 
 def test_cached_analyses_equal_uncached_dry_runs():
-    # One after another on one evaluator: DTensor's sharding caches are kept across meshes,
-    # so a candidate's TP trace is handed the tp mesh of the one before (equal: the same
-    # ranks and names) and its group; the rows below still count those collectives on tp.
     sets = [  # share traces: the same dp_shard under another dp_replicate, accumulation 4 vs 8
         ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=1"],
@@ -382,3 +379,33 @@ def test_the_first_forward_bounds_the_traced_peak():
                 assert 0 <= kept - 4 * unsharded < 0.05 * kept
                 held = end["last"].parts["parameters"] + end["last"].parts["optimizer"]
                 assert 0 <= held - 4 * (sharded + 2 * trained) < 0.01 * held
+
+
+def test_a_candidate_whose_ep_borrows_tp_after_one_without_ep_counts_as_alone(tmp_path, capsys):
+    """With its MoE blocks on the sequence shard, ep 2 borrows tp 2's ranks: ep's group
+    holds the same ranks as tp's. After a candidate on a tp mesh equal to its own (DTensor's
+    caches, were they kept, would hand on that mesh and its group, which the TP trace
+    cannot tell from ep's: it counted other collectives), the evaluator's figures are a
+    fresh dry run's."""
+    import sys
+
+    from helpers import ROOT, run_main
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sweep_hf
+
+    config = tmp_path / "qwen3_moe.json"
+    config.write_text(json.dumps(sweep_hf.tiny_config("qwen3_moe")))
+    plan = tmp_path / "sp-ep.yaml"
+    rc, out = run_main(capsys, "import-hf", config, "--sequence-parallel", "--ep", "2",
+                       "-o", plan)
+    assert rc == 0, out
+    overrides = ["train.seq_len=16", "train.global_batch_size=4"]
+    sets = [["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, ep: 1, tp: 2}"],
+            ["mesh={pp: 1, dp_replicate: 1, dp_shard: 2, ep: 2, tp: 2}"]]
+    _, results = _evaluated(overrides, 4, sets, str(plan), memory=False)
+    assert results[1].resolution.dims.ep_borrows_tp
+    for s, got in zip(sets, results):
+        real = dry_run(str(plan), 4, overrides + s, ANALYSES)
+        assert got.extra["comm_per_step"]["collectives"] == \
+            real.extra["comm_per_step"]["collectives"], s

@@ -129,32 +129,9 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
         backward = c.backward or i >= in_backward
         if i >= in_backward:
             module = "<gradients>"
-        counts[(c.kind, groups[c.group], backward, c.bytes,
+        counts[(c.kind, groups.get(c.group, c.group), backward, c.bytes,
                 generalize(module))] += 1
     return counts
-
-
-class _Dims(dict):
-    """Process group name -> the mesh dimension it is, for this trace's mesh. A group of
-    another mesh that compares equal to one of this mesh's (the same ranks, layout and
-    names: DTensor's caches may hand it on where ``search`` keeps them across candidates)
-    is the one dimension whose group holds the same ranks; anything else keeps its name."""
-
-    def __missing__(self, name: str) -> str:
-        ranks = _ranks(name)
-        same = {dim for known, dim in list(self.items()) if _ranks(known) == ranks}
-        self[name] = same.pop() if len(same) == 1 else name
-        return self[name]
-
-
-def _ranks(name: str) -> list[int] | None:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        return dist.get_process_group_ranks(_resolve_process_group(name))
-    except (ValueError, RuntimeError, KeyError):
-        return None
 
 
 def _reduce_partial_grads(model: nn.Module) -> None:
@@ -188,7 +165,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     run (its first ``3k`` blocks for the shallow traces)."""
     import warnings
 
-    groups = _Dims({mesh[d].get_group().group_name: d for d in MESH_DIMS})
+    groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
     ep_mesh = None
     if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
         ep_mesh, _ = expert_meshes(mesh, res.dims.ep, res.dims.ep_borrows_tp)

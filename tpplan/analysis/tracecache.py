@@ -50,7 +50,7 @@ from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from ..plan.styles import ep_borrows_tp
 from . import analyze_comm, analyze_memory
-from .dryrun import DryRun, run_analysis
+from .dryrun import DryRun, forget_meshes, run_analysis
 from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import ModelBuilder, StageIO
@@ -165,11 +165,11 @@ class Evaluator:
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
             self.meshes[dims] = dims.build_mesh("cpu")
-        # DTensor's caches key on meshes that compare equal across groups (dryrun's
-        # forget_meshes), and are kept: every mesh here lives as long as the search, and a
-        # collective on an equal mesh's group is counted on the dimension with its ranks
-        # (tptrace's _Dims).
-        self._last = dims
+        if self._last is not dims:
+            # DTensor's caches key on meshes that compare equal across groups (dryrun's
+            # forget_meshes): a trace on this mesh must not reuse another mesh's groups.
+            forget_meshes()
+            self._last = dims
         return self.meshes[dims]
 
     def memory(self, result: DryRun, over: Callable[[int], bool] | None = None) -> None:
@@ -184,8 +184,7 @@ class Evaluator:
         ranking does not read). A whole model's FSDP units are cached by the resolution's
         key and dp_shard (all that :func:`unit_sizes` reads); a pipeline's stages by
         :func:`tpplan.analysis.stagecomm.pipeline_comm` in :attr:`stages`."""
-        dims = result.resolution.dims
-        result.mesh = self._mesh(dims)
+        result.mesh = self._mesh(result.resolution.dims)
         self.fsdp_units(result)
         run_analysis(result, "comm_per_step",
                      lambda r: analyze_comm(r, self._tp, self.stages, minimum=False))
