@@ -347,13 +347,13 @@ def test_a_peft_adapter_written_by_peft_starts_a_run_and_continues(lora_run, tin
           "model.adapter:", "has r 2 but the plan's lora section says 4")
 
 
-def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only(capsys):
+def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only(capsys, monkeypatch):
     """The same apply on fake tensors: gradients are the adapters' local elements (fp32),
     AdamW two moments of them and a step counter each; ``--device`` proposes LoRA (with the
     rank it assumed) among its checked changes when a full fine-tune does not fit."""
     from torch.distributed.tensor import DTensor
 
-    from tpplan.analysis import ANALYSES
+    from tpplan.analysis import ANALYSES, moduletable
     from tpplan.analysis.dryrun import dry_run
     from tpplan.analysis.fit import LORA_RANK, needed
 
@@ -362,7 +362,12 @@ def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only(caps
     small = ["train.seq_len=64", "train.global_batch_size=8"]
     lora = ['lora={targets: ["layers.*.attention.{wq,wv,wo}", "layers.*.feed_forward.w2"], '
             'rank: 8}']
+    # The plan applied to the whole model (not only to the first blocks for the module
+    # table, tpplan.analysis.moduletable): its adapters are what the figures are held to.
+    monkeypatch.setattr(moduletable, "DEPTH", 10**6)
     r = dry_run(plan, 4, small + lora, memory)
+    assert r.parallelized
+    monkeypatch.undo()
     trained = [(n, p) for n, p in r.model.named_parameters() if p.requires_grad]
     assert trained and all(".lora_A." in n or ".lora_B." in n for n, _ in trained)
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for _, p in trained)
