@@ -45,15 +45,13 @@ import torch.nn as nn
 
 from ..models import build_model
 from ..parallel.fsdp_units import _parameters, tp_local_shape
-from ..parallel.pipeline import split_stages
-from ..plan.pipeline import split_reads
 from ..plan.styles import EP_STYLES
 from . import compute_dtypes, model_blocks
 from .dryrun import DryRun
 from .memory import first_forward
 from .steptrace import ModelBuilder
 from .schedule import Action, _last_backward, rank_in_flight, schedule_actions
-from .stagemem import reported_ranks, stage_traces
+from .stagemem import kept_split, reported_ranks, stage_traces
 
 __all__ = ["memory_floor", "state_elements", "in_flight_beyond_one", "smallest_element"]
 
@@ -182,12 +180,9 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
         # the probe only where it runs), not from one built for the split.
         enough = over and (lambda split, per_stage: any(
             over(b) for b in bounds(split, per_stage).values()))
-        skey = ("split", *split_reads(pipe, dims.pp))  # all the split reads but the model
-        if skey not in cache:
-            cache[skey] = split_stages(result.model, spec, dims.pp)
-        split, per_stage, boundary = stage_traces(spec, result.mesh, lambda: result.model,
-                                                  shape, dims, probe, enough,
-                                                  over and (0, None), cache[skey])
+        split, per_stage, boundary = stage_traces(
+            spec, result.mesh, lambda: result.model, shape, dims, probe, enough,
+            over and (0, None), kept_split(cache, result.model, spec, dims.pp))
     ranks = bounds(split, per_stage)
     if stages is not None and stages not in cache and len(ranks) == len(reported_ranks(dims.pp)):
         cache[stages] = split, per_stage, boundary  # only whole: a later call may need all

@@ -26,14 +26,13 @@ import torch
 from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_shapes
 from ..parallel.lora_sizes import same_in_every_block
-from ..parallel.pipeline import StageBuilder, split_stages, stage_module
+from ..parallel.pipeline import StageBuilder, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
 from ..plan import ErrorList
-from ..plan.pipeline import split_reads
 from ..plan.specs import ACSpec
 from .comm import Accumulation, fsdp_collectives, megatron_minimum, rows
 from .schedule import fsdp_gathers, fsdp_order
-from .stagemem import p2p_per_rank, reported_ranks
+from .stagemem import kept_split, p2p_per_rank, reported_ranks
 from .steptrace import StageIO
 from .batchtrace import traced_in_batch
 from .checkcache import PartCache
@@ -60,12 +59,7 @@ def _parts(result, cache: dict, units_only: bool = False
     if "model" not in cache:
         cache["model"] = build_model(spec.model, "meta")
     whole = cache["model"]
-    skey = ("split", *split_reads(spec.pipeline, dims.pp))
-    if skey not in cache:
-        split = split_stages(whole, spec, dims.pp)
-        split.errors.raise_if_any()
-        cache[skey] = split
-    split = cache[skey]
+    split = kept_split(cache, whole, spec, dims.pp)
     rkey = (dims.tp, dims.dp if spec.fsdp is None else dims.dp > 1, dims.cp, dims.ep,
             dims.ep_borrows_tp)
     parts = {}

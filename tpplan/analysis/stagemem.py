@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..models.introspect import find_blocks
 from ..parallel.mesh import ParallelDims
 from ..parallel.pipeline import PipelineSplit, StageBuilder, split_stages
+from ..plan.pipeline import split_reads
 from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from .memory import memory_per_rank
@@ -55,6 +56,17 @@ def pipeline_schedule(spec: PlanSpec, dims: ParallelDims, split: PipelineSplit) 
                 stages=[dict(index=s.index, pp_rank=s.rank, first_module=s.modules[0],
                              last_module=s.modules[-1], blocks=len(s.blocks), params=s.params,
                              in_flight=flight[s.index]) for s in split.stages])
+
+
+def kept_split(cache: dict, whole: nn.Module, spec: PlanSpec, pp: int) -> PipelineSplit:
+    """:func:`split_stages` of ``whole`` at ``pp``, kept in ``cache`` (one model's) by what
+    the split reads of the pipeline section; its errors raised."""
+    key = ("split", *split_reads(spec.pipeline, pp))
+    if key not in cache:
+        split = split_stages(whole, spec, pp)
+        split.errors.raise_if_any()
+        cache[key] = split
+    return cache[key]
 
 
 def stage_traces(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import warnings
 from typing import Callable, Iterator
 
@@ -86,17 +87,19 @@ class ModelBuilder:
 
     def __init__(self, make: Callable[[], nn.Module], template: nn.Module | None = None):
         self.make, self._model = make, template
-        self._blocks: list[str | None] = []  # the template's blocks path, once found
 
     def read(self, fn: Callable[[nn.Module], object]) -> object:
         if self._model is None:
             self._model = self.make()
         return fn(self._model)
 
+    @functools.cached_property
+    def _blocks(self) -> str | None:
+        """The template's blocks path, found once."""
+        return self.read(find_blocks)
+
     def __call__(self, depth: int | None = None) -> nn.Module:
-        if not self._blocks:
-            self._blocks.append(self.read(find_blocks))
-        blocks = self._blocks[0]
+        blocks = self._blocks
         if depth is None or blocks is None:
             return self.make()
         parent, attr = _parent(self._model, blocks)
