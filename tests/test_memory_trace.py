@@ -39,22 +39,23 @@ def test_tracing_three_depths_and_extrapolating_equals_tracing_every_block(ac, l
 
 
 @pytest.mark.parametrize("every, layers", [(1, 9), (2, 13), (3, 20)])
-def test_a_first_forward_at_three_depths_equals_running_every_block(every, layers, monkeypatch):
-    """The first forward (the memory floor's probe) run at three shallow depths and
-    extrapolated equals running every block, where k divides the depth and where it
-    leaves a remainder (13 blocks, every second checkpointed: depths 1, 3, 5; 20 blocks,
-    every third: 2, 5, 8). The three shallow ones share one model, warmed up once at the
-    deepest: each equals a probe of a model built at its own depth."""
+def test_a_first_forward_run_once_shallow_and_extrapolated_equals_running_every_block(
+        every, layers, monkeypatch):
+    """The first forward (the memory floor's probe) run once at r + 4k blocks (k leaves a
+    remainder r: 13 blocks, every second checkpointed, at 9; 20 blocks, every third, at
+    14) and extrapolated from the activations each period of blocks adds equals running
+    every block. That one run's figure is a probe of a model built at its depth, and the
+    periods past the second each add the same bytes."""
     import tpplan.analysis.memory as memory
-    from tpplan.analysis.steptrace import first_forwards, forward_activations, trace_step
+    from tpplan.analysis.steptrace import first_forward_ends, forward_activations, trace_step
 
-    depths = []
+    runs = []
 
-    def counting(spec, mesh, build, shape, ds, io=None):
-        depths.append(ds)
-        return first_forwards(spec, mesh, build, shape, ds, io)
+    def counting(spec, mesh, build, shape, depth, period, io=None):
+        runs.append((depth, period))
+        return first_forward_ends(spec, mesh, build, shape, depth, period, io)
 
-    monkeypatch.setattr(memory, "first_forwards", counting)
+    monkeypatch.setattr(memory, "first_forward_ends", counting)
 
     def both(result) -> None:
         spec, step = result.plan.spec, result.step
@@ -64,9 +65,10 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
 
         result.extra["both"] = [first_forward(spec, result.mesh, build, step, layers,
                                               "layers", cut) for cut in (True, False)]
-        result.extra["apart"] = [forward_activations(trace_step(
-            spec, result.mesh, build, step, d, first_forward=True)) for d in depths[0]]
-        result.extra["shared"] = first_forwards(spec, result.mesh, build, step, depths[0])
+        depth = runs[0][0]
+        result.extra["apart"] = forward_activations(trace_step(
+            spec, result.mesh, build, step, depth, first_forward=True))
+        result.extra["ends"] = first_forward_ends(spec, result.mesh, build, step, depth, every)
 
     ac = "{mode: none}" if every == 1 else f"{{mode: selective, every: {every}}}"
     overrides = [f"model.kwargs.n_layers={layers}", f"activation_checkpointing={ac}",
@@ -75,10 +77,11 @@ def test_a_first_forward_at_three_depths_equals_running_every_block(every, layer
     assert result.ok, (result.errors, result.analysis_errors)
     cut, every_block = result.extra["both"]
     assert cut == every_block > 0
-    start = layers % every or every
-    assert depths == [[start, start + every, start + 2 * every]], depths
-    apart = result.extra["apart"]
-    assert result.extra["shared"] == apart and apart[0] < apart[1] < apart[2], apart
+    depth = layers % every + 4 * every
+    assert runs == [(depth, every)], runs
+    total, ends = result.extra["ends"]
+    assert total == result.extra["apart"]
+    assert len(ends) == 4 and 0 < ends[2] - ends[1] == ends[3] - ends[2], ends
 
 
 def test_the_trace_mode_keys_two_calls_alike_only_where_pytorch_does():

@@ -441,10 +441,10 @@ def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrid
 
 
 def test_a_stage_of_odd_length_under_selective_checkpointing_is_extrapolated_exactly():
-    """A stage of 13 blocks with every second one checkpointed: its first forward and its
-    TP collectives (first and last stage, the last taking the first's activation) run at
-    depths 1, 3 and 5 (the remainder on top of 0, 1, 2 periods) and equal running every
-    block of the stage."""
+    """A stage of 13 blocks with every second one checkpointed: its TP collectives (first
+    and last stage, the last taking the first's activation) run once at 7 blocks (the
+    remainder on top of 3 periods), its first forward at 9 (on top of 4), and equal running
+    every block of the stage."""
     from tpplan.analysis.memory import first_forward
     from tpplan.analysis.stagemem import stage_traces
     from tpplan.analysis.steptrace import StageIO
@@ -486,7 +486,7 @@ def test_a_stage_of_odd_length_under_selective_checkpointing_is_extrapolated_exa
     assert cut == whole and len(cut) == 2
     for index in (0, 1):
         (depths, counts), (none, every) = out[index]
-        assert depths == [1, 3, 5] and none == [] and counts == every
+        assert depths == [7] and none == [] and counts == every
 
 
 @pytest.mark.parametrize("schedule,ranks", [("zbv", "1, 2"), ("interleaved_1f1b", "0, 2")])

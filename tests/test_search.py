@@ -225,7 +225,7 @@ def test_deep_stages_of_any_pp_share_their_shallow_traces():
     """Stages of 32 and 16 identical blocks (pp 2 and pp 4) are each traced at the same three
     shallow depths: the second pp reuses the first's traces. Stages of 8 blocks (pp 8),
     which alone are traced whole, take them too once they are kept, as the first forwards
-    of 4-block stages (pp 16) take the three runs (depths 1, 2, 3) a deeper stage's kept.
+    of 4-block stages (pp 16) take the one run (4 blocks) a deeper stage's kept.
     Each equals an uncached run, which traces every block of the short stages."""
     from tpplan.analysis.memfloor import memory_floor
 
@@ -320,15 +320,18 @@ def test_the_first_forward_bounds_the_traced_peak():
     tp, micro-batch, accumulation, each checkpointing mode, data-parallel splits (dp_shard 1
     among them: one probe serves every split), pipeline schedules with one and two stages
     per rank, expert and context parallelism. Its parts are what the trace holds: every
-    micro-batch's forward leaves the same activations (the first forward run alone too), and
+    micro-batch's forward leaves the same activations (the first forward run alone too,
+    without the whole trace's warm-up, on every layout without a pipeline), and
     the sharded state and FSDP2's kept gradients are the arithmetic's. A pipeline's bound
     holds rank by rank (``memory_floor``'s ``pp_ranks``, which ``search`` traces first)."""
+    from tpplan.analysis import model_blocks
     from tpplan.analysis.memfloor import memory_floor, state_elements
+    from tpplan.analysis.memory import first_forward
     from tpplan.analysis.steptrace import trace_step
     from tpplan.models import build_model
 
     base = SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=8"]  # 8 > 6 blocks:
-    cases = [(PLAN, 8, base, [  # the first forward is run at depths 1, 2, 3 and extrapolated
+    cases = [(PLAN, 8, base, [  # the first forward is run at 4 blocks and extrapolated
         ["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 4, dp_shard: 1, tp: 2}", "train.micro_batch_size=1"],
         ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=2",
@@ -360,6 +363,11 @@ def test_the_first_forward_bounds_the_traced_peak():
                 ev.memory(r)
                 mem = r.extra["memory_per_rank"]
                 assert 0.25 * mem["peak"] < floor <= mem["peak"], (s, floor, mem["peak"])
+                if r.plan.spec.pipeline is None:  # the probe, no warm-up: the traced step's
+                    blocks, n = model_blocks(r)
+                    probe = first_forward(r.plan.spec, r.mesh, lambda m=r.plan.spec.model:
+                                          build_model(m, "meta"), r.step, n, blocks)
+                    assert probe == mem["activations"], (s, probe, mem["activations"])
                 if r.plan.spec.pipeline is not None:  # each pp rank's bound under its peak
                     ranks = r.extra["memory_floor"]["pp_ranks"]
                     assert max(ranks.values()) == floor and len(ranks) == len(mem["pp_ranks"])

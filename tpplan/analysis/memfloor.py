@@ -7,11 +7,13 @@ the end of the *last* micro-batch's forward, a moment of every step, and adds wh
 moment holds, each part a lower bound:
 
 - **one micro-batch's activations, run**: :func:`tpplan.analysis.memory.first_forward` runs
-  the step's warm-up and its first micro-batch's forward, as the whole trace runs them
-  (three shallow depths, extrapolated, for a deep model), and reads the ``activations``
-  part at the end of that forward. Every micro-batch's forward saves the same (the warm-up
-  has already run whatever runs once), and no data-parallel split or accumulation changes
-  what a forward saves: one run serves them all;
+  the step's first micro-batch's forward as the whole trace runs it (once at 4k blocks,
+  extrapolated, for a deep model), and reads the ``activations`` part at the end of that
+  forward. Of the whole trace's warm-up forward, only the batch preparation runs before it
+  (cp's sequence layout, kept); the rest changes nothing there (what it leaves held is
+  replaced by then; FSDP2's lazy initialization makes no activations),
+  every micro-batch's forward saves the same, and no data-parallel split or accumulation
+  changes what a forward saves: one run serves them all;
 - **the sharded state, from shapes** (:func:`state_elements`): each parameter's shard
   (FSDP2's, over ``dp_shard × cp``, an expert's over ``efsdp``; TP-local shapes, unpadded,
   rounded down) and AdamW's two moments of each trained one, in the smallest parameter

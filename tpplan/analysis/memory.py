@@ -26,8 +26,8 @@ from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from ..parallel.lora_sizes import same_in_every_block
 from .memtrace import PARTS, Moment
-from .steptrace import (StageIO, first_forwards, forward_activations, micro_batches_traced,
-                        trace_step)
+from .steptrace import (StageIO, first_forward_ends, forward_activations,
+                        micro_batches_traced, trace_step)
 
 __all__ = ["memory_per_rank", "first_forward", "first_depths", "extrapolate",
            "describe_moment", "shallow_depths", "kept_traces", "period_depths"]
@@ -106,28 +106,6 @@ def kept_traces(shallow: tuple[dict, object] | None, io: StageIO | None,
     return traces
 
 
-def _depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool, first: int,
-            worth: int, kept: bool, remainder: bool = False) -> list[int] | None:
-    """``first``, ``first + 1`` and ``first + 2`` periods (k: 1, or selective
-    checkpointing's period) for a model of ``n_blocks`` blocks, or None where it is traced
-    whole: at most ``worth`` periods deep, running it whole costs less than three shallow
-    traces, unless those are ``kept`` already (a cache holds them), where any model at least
-    as deep as the deepest of them takes them (the extrapolation is the same arithmetic).
-    With ``remainder``, a depth that k does not divide (a stage of odd length under
-    checkpointing of every second block) takes its remainder r on top of ``first - 1``,
-    ``first`` and ``first + 1`` periods: each shallow model ends as it does, its
-    checkpointed blocks at the same places counted from the first, a period more each."""
-    ac = spec.activation_checkpointing
-    k = ac.every if ac.enabled else 1
-    if n_blocks % k and not remainder:
-        return None
-    depths = period_depths(n_blocks, k, first)
-    least = depths[-1] if kept else worth * k + 1
-    if cut and blocks is not None and n_blocks >= least:
-        return depths
-    return None
-
-
 def period_depths(n_blocks: int, k: int, first: int = 1) -> list[int]:
     """Three depths a period ``k`` apart for a model of ``n_blocks`` blocks: ``first``,
     ``first + 1`` and ``first + 2`` periods, or, where k leaves a remainder r, r on top of
@@ -139,10 +117,16 @@ def period_depths(n_blocks: int, k: int, first: int = 1) -> list[int]:
 
 def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
                    kept: bool = False) -> list[int] | None:
-    """The depths of the three shallow traces for a model of ``n_blocks`` blocks, or None
+    """The depths of the three shallow traces for a model of ``n_blocks`` blocks, 4k, 5k
+    and 6k (k: 1, or selective checkpointing's period, where it divides the depth), or None
     when it is traced whole (three shallow traces cost 15k blocks: deeper models pay; with
-    ``kept``, the three are cached already and every model of 6k blocks or more takes them)."""
-    return _depths(spec, n_blocks, blocks, cut, 4, 15, kept)
+    ``kept``, the three are cached already and every model of 6k blocks or more takes them:
+    the extrapolation is the same arithmetic)."""
+    k = _period(spec)
+    depths = period_depths(n_blocks, k, 4)
+    least = depths[-1] if kept else 15 * k + 1
+    return depths if cut and blocks is not None and not n_blocks % k and n_blocks >= least \
+        else None
 
 
 def _kept(shallow: tuple[dict, object] | None) -> bool:
@@ -191,30 +175,42 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
                   io: StageIO | None = None, shallow: tuple[dict, object] | None = None,
                   ) -> int:
     """The activations the step holds at the end of its first micro-batch's forward (bytes):
-    what one forward saves for backward, with its logits and loss. Only the warm-up and
-    that forward run (:func:`trace_step` with ``first_forward``). A model of more than 6k
-    identical blocks is run at depths k, 2k and 3k (k = 1, or the period of selective
-    checkpointing; r, r + k, r + 2k where k leaves a remainder r) and the bytes
-    extrapolated when the three are affine in depth (each block saves its own; else every
-    block is run); the three from one model (:func:`~tpplan.analysis.steptrace.first_forwards`).
-    Arguments as :func:`memory_per_rank`'s
-    (``shallow`` keeps the three runs for any depth)."""
+    what one forward saves for backward, with its logits and loss. Only that forward runs
+    (:func:`trace_step` with ``first_forward``). A model of at least 4k identical blocks
+    (k = 1, or the period of selective checkpointing; r + 4k where k leaves a remainder r,
+    its checkpointed blocks at the same places from the first) runs once at
+    :func:`first_depths`' depth, and the activations live at the end of each of its first
+    four periods are read: where the third and fourth add the same bytes (what each saves,
+    its output, less the output of the block two before it, freed once the next has run; the
+    first two may differ, the stage's input lives on), so does every period a deeper model
+    has in between, and the figure is extrapolated; else every block is run. Arguments as
+    :func:`memory_per_rank`'s (``shallow`` keeps that run for any depth)."""
     depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build):
-        a1, a2, a3 = kept_traces(shallow, io, lambda: first_forwards(spec, mesh, build, shape,
-                                                                     depths, io))
-        if a3 - a2 == a2 - a1:
-            return a1 + (n_blocks - depths[0]) // (depths[1] - depths[0]) * (a2 - a1)
+        k = _period(spec)
+        total, ends = kept_traces(shallow, io, lambda: first_forward_ends(
+            spec, mesh, build, shape, depths[0], k, io))
+        if ends[2] - ends[1] == ends[3] - ends[2]:
+            return total + (n_blocks - depths[0]) // k * (ends[3] - ends[2])
     return forward_activations(trace_step(spec, mesh, build, shape, None, io,
                                           first_forward=True))
 
 
+def _period(spec: PlanSpec) -> int:
+    """k: 1, or the period of selective checkpointing."""
+    ac = spec.activation_checkpointing
+    return ac.every if ac.enabled else 1
+
+
 def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
                  kept: bool = False) -> list[int] | None:
-    """:func:`first_forward`'s three depths, k, 2k and 3k (r, r + k and r + 2k where k
-    leaves a remainder r), or None where it runs every block (a model of at most 6k blocks;
-    with ``kept``, the three runs cached already: one as deep as the deepest of them)."""
-    return _depths(spec, n_blocks, blocks, cut, 1, 6, kept, remainder=True)
+    """:func:`first_forward`'s one depth (a list of it): r + 4k, where k leaves a remainder
+    r; None where it runs every block (a model of fewer blocks: a model as deep runs no
+    more than the one run, and takes the one a cache keeps for an alike model). ``kept``
+    changes nothing: any model as deep takes the one run."""
+    k = _period(spec)
+    depth = n_blocks % k + 4 * k
+    return [depth] if cut and blocks is not None and n_blocks >= depth else None
 
 
 def memory_per_rank(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,

@@ -166,7 +166,7 @@ def _count(cache: dict, what: str) -> None:
 def _trace(result, cache: dict, shallow_key: tuple, build, res, micro_batch: int,
            dtype: torch.dtype, io: StageIO) -> tuple[TPTrace, tuple | None]:
     """One stage's TP collectives of one micro-batch of ``micro_batch`` sequences and the
-    (shape, dtype) it sends on. A deep stage's three shallow traces are kept under
+    (shape, dtype) it sends on. A deep stage's shallow trace is kept under
     ``shallow_key`` with the micro-batch and input (:func:`trace_tp`: the trace of identical
     blocks reads only its ends and the rules, not the stage's length, so pp does not
     change them)."""

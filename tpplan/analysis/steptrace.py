@@ -48,7 +48,7 @@ from .fakemode import fake_mode
 from .memtrace import MemoryTracker
 from .moments import Where
 
-__all__ = ["trace_step", "first_forwards", "forward_activations", "truncated",
+__all__ = ["trace_step", "first_forward_ends", "forward_activations", "truncated",
            "micro_batches_traced", "StageIO", "ModelBuilder"]
 
 
@@ -159,8 +159,8 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
 
     ``depth``: keep only the first ``depth`` repeated blocks (the rest are not built into
     the step, nor copied by a :class:`StageBuilder`); ``io``: ``build`` makes one pipeline
-    stage, its micro-batches run in turn; ``first_forward``: the warm-up and the first
-    micro-batch's forward only (no optimizer state); ``scalable``: FSDP2's shards followed
+    stage, its micro-batches run in turn; ``first_forward``: the first micro-batch's
+    forward only (no warm-up, no optimizer state); ``scalable``: FSDP2's shards followed
     apart, a :class:`~tpplan.analysis.dpscale.ScaledTrace` returned (the moments at any
     ``dp_shard``). Needs the dry run's fake process group."""
     with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
@@ -178,33 +178,24 @@ def forward_activations(moments: dict) -> int:
     return m.parts["activations"]
 
 
-def first_forwards(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                   depths: list[int], io: StageIO | None = None) -> list[int]:
-    """:func:`forward_activations` of :func:`trace_step` with ``first_forward`` at each of
-    ``depths`` blocks, from one model: built and applied at the deepest, warmed up once
-    there, and each forward run on its first ``depth`` blocks (the deepest first). A warm-up
-    at any depth leaves what one at another leaves to a forward on fewer blocks (FSDP2
-    initialized, the last output held; each probe's held after it, its graph freed)."""
-    out = {}
-    with _on_fake_tensors(spec, mesh, build, max(depths), io) as (spec, model, blocks, io):
-        parent, attr = _parent(model, blocks)
-        kept = getattr(parent, attr)
-        held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
-        for i, depth in enumerate(sorted(depths, reverse=True)):
-            setattr(parent, attr, truncated(kept, depth))
-            tracker = _run(spec, model, blocks, shape, io, True, held=held, warm=i == 0)
-            out[depth] = forward_activations(tracker.moments)
-            _let_go(held)
-    return [out[d] for d in depths]
+def first_forward_ends(spec: PlanSpec, mesh, build: Callable[[], nn.Module],
+                       shape: StepShape, depth: int, period: int,
+                       io: StageIO | None = None) -> tuple[int, list[int]]:
+    """:func:`forward_activations` of :func:`trace_step` with ``first_forward`` at ``depth``
+    blocks, and the activations live at the end of every ``period``-th block of that
+    forward (counted from the first), in order."""
+    with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
+        tracker = _run(spec, model, blocks, shape, io, True, period=period)
+    return forward_activations(tracker.moments), tracker.ends
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
          io: StageIO, first_forward: bool = False, shards: set[int] | None = None,
-         held: dict | None = None, warm: bool = True) -> MemoryTracker:
+         period: int | None = None) -> MemoryTracker:
     """The step run under a tracker; ``shards``: the storages of FSDP2's sharded
     parameters (:func:`~tpplan.analysis.dpscale.fsdp_shards`), to follow shards apart;
-    ``held``: the trainer's last logits and loss (its loop variables), which ``warm=False``
-    takes as a warm-up already run on this model left them."""
+    ``period``: the live activations at the end of every ``period``-th block's forward
+    kept in the tracker's ``ends``."""
     t = spec.train
     accum, micro = shape.grad_accum, shape.micro_batch
     n = micro_batches_traced(accum)
@@ -218,7 +209,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     tracker = MemoryTracker(where) if shards is None else ScalableTracker(where)
 
     # The trainer's loop variables: the last logits and loss live on until the next forward.
-    held = {"logits": None, "loss": None} if held is None else held
+    held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
 
     def step(micro_batches: int, on_forward=None, on_backward=None) -> bool:
         for m in range(micro_batches):
@@ -269,7 +260,13 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
 
     # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward), the
     # last logits and loss still held (graph freed, as backward frees it) and AdamW's state.
-    if warm:
+    # Before a first forward alone, only its batch preparation (what it keeps: cp's sequence
+    # layout): the activations at that forward's end are the same without the rest (the
+    # logits and loss held are replaced by then; FSDP2's lazy init and the parameters it
+    # gathers are no activations), which would cost a forward more.
+    if first_forward:
+        shard_batch(model, batch[:micro, :-1], batch[:micro, 1:])
+    else:
         with loss_context(spec):
             forward(batch[:micro])
         _let_go(held)
@@ -285,9 +282,16 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     tracker.register(held.values(), "activations")
     tracker.register((v for s in optimizer.state.values() for v in s.values()), "optimizer",
                      lambda t: id(t) in state)
+    tracker.ends = []
+    hooks = [block.register_forward_hook(lambda *_: tracker.ends.append(
+        tracker.live["activations"])) for i, block in enumerate(
+            getattr(*_parent(model, blocks)).children()) if i % period == period - 1] \
+        if period else []
     with where, tracker:
         tracker.observe()
         if step(n, lambda: mark("end_forward"), settle):
             where.stage = "optimizer"
             tracker.observe()
+    for hook in hooks:
+        hook.remove()
     return tracker

@@ -5,13 +5,15 @@ dry run's resolution), is cast to the compute dtype FSDP's mixed precision would
 runs one micro-batch forward, loss (under the plan's ``loss_context``) and backward inside a
 :class:`CollectiveRecorder`. Nothing is allocated: meta tensors carry shapes only.
 
-Deep models are traced at depth 1, 2 and 3 of their repeated block container. For identical
-blocks (same module types, parameter shapes and plan rules) every block receives its input
-in the layout the previous one produced, so the count is affine in depth:
-``c(L) = c(1) + (L-1)·(c(2)-c(1))``. The third trace checks that (``c(3)-c(2) = c(2)-c(1)``);
-if it does not hold, or the blocks differ, the whole model is traced instead. Selective
-checkpointing of every k-th block makes the period k: depths k, 2k, 3k, the same way
-(r, r + k, r + 2k where k leaves a remainder r of the depth).
+Deep models are traced once, at 4 of their repeated blocks (4k under selective
+checkpointing of every k-th block, r + 3k where k leaves a remainder r), each collective
+counted by the period of blocks it ran in (after backward, that of the parameter whose
+gradient it reduces). For identical blocks (same module types, parameter shapes and plan
+rules) every block receives its input in the layout the previous one produced and its
+input's gradient in the one the next sends back, so a period with a period on each side
+issues what any other such period does: the second and third are held equal, and a model of
+L blocks issues the trace's collectives and (L − D)/k times the second period's (D the
+depth traced). If they differ, or the blocks do, the whole model is traced instead.
 """
 
 from __future__ import annotations
@@ -101,7 +103,11 @@ def _naming_the_module(rec: CollectiveRecorder):
 
 
 def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[str, str],
-         io: StageIO | None = None) -> Counter:
+         io: StageIO | None = None, place: Callable[[str], int | None] = lambda _: None
+         ) -> Counter:
+    """The collectives of one micro-batch, counted by ``(place, key)``: ``place(module)``
+    of the module each ran in (of the parameter whose gradient it reduces, after backward),
+    the position of its repeated block, or None outside them."""
     model.zero_grad(set_to_none=True)  # each trace starts as a fresh step would
     io = io or StageIO(True, True)
     with CollectiveRecorder() as rec, fused_attention_on_meta(), _naming_the_module(rec):
@@ -119,23 +125,25 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
                 io.sent = (tuple(logits.shape), logits.dtype)
                 logits.backward(torch.zeros_like(logits))
         in_backward = len(rec.collectives)
-        _reduce_partial_grads(model)
+        owners = _reduce_partial_grads(model, rec)
     counts: Counter = Counter()
     root = type(model).__name__ + "."
     for i, c in enumerate(rec.collectives):
         module = c.module.removeprefix(root) if c.module != "Global" else "<loss>"
         if c.module == type(model).__name__:
             module = "<root>"
+        where = place(module)
         backward = c.backward or i >= in_backward
         if i >= in_backward:
-            module = "<gradients>"
-        counts[(c.kind, groups.get(c.group, c.group), backward, c.bytes,
-                generalize(module))] += 1
+            module, where = "<gradients>", place(owners[i - in_backward])
+        counts[where, (c.kind, groups.get(c.group, c.group), backward, c.bytes,
+                       generalize(module))] += 1
     return counts
 
 
-def _reduce_partial_grads(model: nn.Module) -> None:
-    """Bring each gradient to its parameter's placement, as FSDP2 (or the optimizer) does.
+def _reduce_partial_grads(model: nn.Module, rec: CollectiveRecorder) -> list[str]:
+    """Bring each gradient to its parameter's placement, as FSDP2 (or the optimizer) does;
+    the parameter's name for each collective that issues, in order.
 
     A weight replicated over tp but used on sequence shards (a sequence-parallel norm) gets
     a partial gradient; turning it into the replicated one is an all-reduce per step that
@@ -143,10 +151,22 @@ def _reduce_partial_grads(model: nn.Module) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    for p in model.parameters():
+    owners: list[str] = []
+    for name, p in model.named_parameters():
         g = p.grad
         if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            before = len(rec.collectives)
             p.grad = g.redistribute(p.device_mesh, p.placements)
+            owners += [name] * (len(rec.collectives) - before)
+    return owners
+
+
+def _unplaced(counts: Counter) -> Counter:
+    """:func:`_run`'s counts by key alone."""
+    out: Counter = Counter()
+    for (_, key), n in counts.items():
+        out[key] += n
+    return out
 
 
 def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Module], seq_len: int,
@@ -158,11 +178,11 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     ``build`` makes one pipeline stage (``res`` resolved on it): a stage after the first
     takes an activation of ``io.received``, one before the last runs backward from a
     gradient of its output, whose (shape, dtype) goes to ``io.sent``. ``shallow``: ``(cache,
-    key)``: the three shallow traces of identical blocks kept under ``key``, which the caller
-    makes of everything they read except the depth (``search``: pipeline stages of every
-    length share them; the extrapolation to this depth is the same arithmetic). A stage's
-    ``build`` as a :class:`StageBuilder`: read in place for its blocks, copied only to be
-    run (its first ``3k`` blocks for the shallow traces)."""
+    key)``: the shallow trace of identical blocks kept under ``key``, which the caller makes
+    of everything it reads except the depth (``search``: pipeline stages of every length
+    share it; the extrapolation to this depth is the same arithmetic). A stage's ``build``
+    as a :class:`StageBuilder`: read in place for its blocks, copied only to be run (its
+    first ``4k`` blocks for the shallow trace)."""
     import warnings
 
     groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
@@ -217,39 +237,45 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
         found = build.read(blocks_of) if copied else blocks_of(model)
         # Selective checkpointing of every k-th block repeats with period k, not 1.
         period = plan.activation_checkpointing.every
-        # A depth that the period does not divide (a stage of odd length under every
-        # second block checkpointed) ends as the shallow ones do: its remainder r on top of
-        # 0, 1 and 2 periods, its checkpointed blocks at the same places from the first.
+        # One trace of 4 periods (3 and the remainder r where k leaves one: a stage of odd
+        # length under every second block checkpointed ends as the model does), its
+        # checkpointed blocks at the same places from the first.
         r = found[1] % period if found else 0
-        depths = period_depths(found[1] if found else 0, period)
-        if found is None or found[1] < depths[-1]:
+        traced = period_depths(found[1] if found else 0, period)[-1] + period
+        if found is None or found[1] < traced:
             whole = build() if model is None else model
-            return TPTrace(_run(prepared(whole), plan, tokens, groups, io), [], None)
+            return TPTrace(_unplaced(_run(prepared(whole), plan, tokens, groups, io)), [], None)
         path, depth = found
 
-        def shallow_runs() -> list[Counter]:
+        def shallow_run() -> tuple[Counter, Counter, Counter]:
             # Cut before applying TP: the blocks past the traced ones are never run (nor
             # copied, from a stage whose blocks they are).
             run = model if model is not None else \
-                build(depths[-1]) if not staged or path == build.split.blocks_path else build()
+                build(traced) if not staged or path == build.split.blocks_path else build()
             parent_path, _, attr = path.rpartition(".")
             parent = run.get_submodule(parent_path)
-            kept = truncated(getattr(parent, attr), depths[-1])
+            kept = truncated(getattr(parent, attr), traced)
             setattr(parent, attr, kept)
             prepared(run)
-            out = []
-            for k in depths:
-                setattr(parent, attr, truncated(kept, k))
-                out.append(_run(run, plan, tokens, groups, io))
-            return out
+            position = {name: i // period for i, (name, _) in enumerate(kept.named_children())}
+            prefix = path + "."
+
+            def place(module: str) -> int | None:  # the period of the block it is in
+                return position.get(module[len(prefix):].split(".")[0]) \
+                    if module.startswith(prefix) else None
+
+            counts = _run(run, plan, tokens, groups, io, place)
+            return (_unplaced(counts), *(Counter({key: n for (where, key), n in counts.items()
+                                                  if where == i}) for i in (1, 2)))
 
         # The remainder is part of the key: a stage of even length runs other depths.
-        traced = kept_traces(shallow and (shallow[0], (shallow[1], r)), io, shallow_runs)
-        c1, c2, c3 = traced
-        keys = set(c1) | set(c2) | set(c3)
-        delta = {k: c2[k] - c1[k] for k in keys}
-        if any(v < 0 for v in delta.values()) or any(c3[k] - c2[k] != delta[k] for k in keys):
-            log.warning("TP collectives are not affine in depth; tracing all %d blocks", depth)
-            return TPTrace(_run(prepared(build()), plan, tokens, groups, io), [], None)
-        total = Counter({k: c1[k] + (depth - depths[0]) // period * delta[k] for k in keys})
-        return TPTrace(+total, depths, path)
+        total, second, third = kept_traces(shallow and (shallow[0], (shallow[1], r)), io,
+                                           shallow_run)
+        if second != third:
+            log.warning("TP collectives differ between alike blocks; tracing all %d blocks",
+                        depth)
+            return TPTrace(_unplaced(_run(prepared(build()), plan, tokens, groups, io)), [],
+                           None)
+        more = (depth - traced) // period
+        return TPTrace(+Counter({k: total[k] + more * second[k] for k in total | second}),
+                       [traced], path)

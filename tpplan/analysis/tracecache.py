@@ -240,8 +240,8 @@ class Evaluator:
         key = (*common, n_blocks, stage)
         name = "first_forward" if first else "memory"
         if key not in self.memories:
-            # The three shallow traces of a deep model or stage read its first 6k blocks
-            # and what is around them: shared by every depth (pipeline stages of any pp).
+            # A deep model's shallow traces read its first blocks (memory's up to 6k, the
+            # first forward's r + 4k) and around them: shared by every depth (any pp).
             # Any depth from the shallowest that takes them (the deepest traced) shares
             # them: a shorter alike model or stage reuses them where they are kept already.
             depths = first_depths(spec, n_blocks, blocks, cut, True) if first else \
