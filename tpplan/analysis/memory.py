@@ -122,7 +122,7 @@ def shallow_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool 
     when it is traced whole (three shallow traces cost 15k blocks: deeper models pay; with
     ``kept``, the three are cached already and every model of 6k blocks or more takes them:
     the extrapolation is the same arithmetic)."""
-    k = _period(spec)
+    k = spec.activation_checkpointing.every
     depths = period_depths(n_blocks, k, 4)
     least = depths[-1] if kept else 15 * k + 1
     return depths if cut and blocks is not None and not n_blocks % k and n_blocks >= least \
@@ -187,7 +187,7 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     :func:`memory_per_rank`'s (``shallow`` keeps that run for any depth)."""
     depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
     if depths and same_in_every_block(spec, build):
-        k = _period(spec)
+        k = spec.activation_checkpointing.every
         total, ends = kept_traces(shallow, io, lambda: first_forward_ends(
             spec, mesh, build, shape, depths[0], k, io))
         if ends[2] - ends[1] == ends[3] - ends[2]:
@@ -196,19 +196,13 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
                                           first_forward=True))
 
 
-def _period(spec: PlanSpec) -> int:
-    """k: 1, or the period of selective checkpointing."""
-    ac = spec.activation_checkpointing
-    return ac.every if ac.enabled else 1
-
-
 def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
                  kept: bool = False) -> list[int] | None:
     """:func:`first_forward`'s one depth (a list of it): r + 4k, where k leaves a remainder
     r; None where it runs every block (a model of fewer blocks: a model as deep runs no
     more than the one run, and takes the one a cache keeps for an alike model). ``kept``
     changes nothing: any model as deep takes the one run."""
-    k = _period(spec)
+    k = spec.activation_checkpointing.every
     depth = n_blocks % k + 4 * k
     return [depth] if cut and blocks is not None and n_blocks >= depth else None
 

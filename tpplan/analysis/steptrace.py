@@ -205,7 +205,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
                                   weight_decay=t.weight_decay)
     fsdp = hasattr(model, "set_requires_gradient_sync")
     ac = spec.activation_checkpointing
-    where = Where(model, blocks, ac.every if ac.enabled else 1)
+    where = Where(model, blocks, ac.every)  # 1 unless selective (ACSpec)
     tracker = MemoryTracker(where) if shards is None else ScalableTracker(where)
 
     # The trainer's loop variables: the last logits and loss live on until the next forward.
