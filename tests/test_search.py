@@ -256,6 +256,73 @@ def test_deep_stages_of_any_pp_share_their_shallow_traces():
         assert ev.traces["first_forward_from_shallow"] == before + 2  # pp 16's first and last
 
 
+def test_a_pipelines_interior_periods_bound_each_pp_ranks_tp_rows():
+    """The whole model's traced period, times each stage's periods with a whole period on
+    each side (``interior_rows``: what ``search`` bounds a pipeline layout by before its
+    stages are traced), is at most every pp rank's own TP rows (count and wire bytes of
+    each kind), above nothing where a stage has such periods, and the bound with it at
+    most the layout's estimate; under checkpointing, the period traced without it too:
+    stages of 3 to 6 blocks, one or two stages per rank, checkpointing none, full and
+    every second block, two head layouts."""
+    from tpplan.analysis import fsdp_rows
+    from tpplan.analysis.cost import step_time_bound
+    from tpplan.analysis.interior import interior_rows
+    from tpplan.analysis.stagemem import pipeline_schedule
+
+    pipes = [(2, "pipeline={schedule: 1f1b, microbatches: 8}"),  # 6 blocks a stage
+             (2, "pipeline={schedule: interleaved_1f1b, microbatches: 8, stages_per_rank: 2}"),
+             (4, "pipeline={schedule: 1f1b, microbatches: 16}")]  # 3 blocks a stage
+    acs = ["{mode: none}", "{mode: full}", "{mode: selective, every: 2}"]
+    heads = [[], ["model.kwargs.n_heads=4", "model.kwargs.n_kv_heads=2"]]
+    checked = bounded = 0
+    for extra in heads:
+        ev = Evaluator(PLAN, SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=12",
+                                      *extra], 8)
+        with fake_process_group(8):
+            for ac in acs:
+                whole = ev.check(["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}",
+                                  f"activation_checkpointing={ac}", "train.micro_batch_size=1"])
+                assert interior_rows(whole, ev.tp_traces, ev.stages) is None  # no pipeline
+                for pp, pipe in pipes:
+                    sets = [f"mesh={{pp: {pp}, dp_replicate: 1, dp_shard: {4 // pp}, tp: 2}}",
+                            f"activation_checkpointing={ac}", pipe]
+                    r = ev.check(sets)
+                    assert r.step.micro_batch == 1, sets
+                    if pipe is pipes[0][1]:  # before the whole model's trace: no bound
+                        assert interior_rows(r, ev.tp_traces, ev.stages) is None
+                    ev.comm(whole)
+                    inner = interior_rows(r, ev.tp_traces, ev.stages)
+                    # Without checkpointing's period (traced first): recomputation only adds.
+                    plain = interior_rows(r, ev.tp_traces, ev.stages, True)
+                    assert (plain == inner) == (ac == acs[0]) and plain, sets
+                    r.extra["pipeline"] = pipeline_schedule(r.plan.spec, r.resolution.dims,
+                                                            r.resolution.pipeline)
+                    ev.comm(r)
+                    assert r.ok, r.analysis_errors
+                    ranks = r.extra["comm_per_step"]["pp_ranks"]
+                    assert len(inner) == len(ranks) == pp
+                    for mine, theirs, rank in zip(inner, plain, ranks):
+                        own = {(x["source"], x["kind"], x["mesh_dim"]): x
+                               for x in rank["collectives"]}
+                        for x in mine + theirs:
+                            y = own[(x["source"], x["kind"], x["mesh_dim"])]
+                            assert x["count"] <= y["count"] and \
+                                x["wire_bytes"] <= y["wire_bytes"], (sets, x, y)
+                        blocks = [len(s.blocks) for s in r.resolution.pipeline.of_rank(
+                            rank["pp_rank"])]
+                        every = 2 if "every" in ac else 1
+                        assert bool(mine) == any(b // every > 2 for b in blocks), (sets, blocks)
+                        bounded += bool(mine)
+                    step = estimate_step(r, DEVICES["h100"]).step_time
+                    rows = fsdp_rows(r, ev.stages)
+                    alone = step_time_bound(r, DEVICES["h100"], fsdp=rows)
+                    for traced in (inner, plain):
+                        tighter = step_time_bound(r, DEVICES["h100"], fsdp=rows, traced=traced)
+                        assert alone <= tighter <= step, sets
+                    checked += 1
+    assert checked == 18 and bounded >= 20
+
+
 LORA = ('lora={targets: ["layers.*.attention.{wq,wk,wv,wo}", "layers.*.feed_forward.{w1,w2,w3}"], '
         'rank: 8, modules_to_save: [output]}')
 

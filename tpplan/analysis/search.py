@@ -13,8 +13,9 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    fsdp_rows`) and, for a layout with activation checkpointing, the TP, ep and cp terms of
    the same layout without it where that one's communication was analysed (recomputation
    issues every collective of the step without it, and more: :func:`tpplan.analysis.
-   traced_rows`), back into the queue where that is higher (and looked at again there, as
-   such a trace may have run since);
+   traced_rows`), or for a pipeline those of its stages' interior periods where the whole
+   model's trace ran (:func:`tpplan.analysis.interior.interior_rows`), back into the queue
+   where that is higher (and looked at again there, as such a trace may have run since);
 2. its communication analysis (TP traced, cached by what the trace reads) and a first
    estimate, without the pipeline's point-to-point traffic (which the memory trace
    measures): a tighter bound;
@@ -48,6 +49,7 @@ from . import fsdp_rows, traced_rows
 from .cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from .dryrun import DryRun, fake_process_group
 from .fit import needed
+from .interior import interior_rows
 from .memfloor import smallest_element
 from .stagemem import pipeline_schedule
 from .tracecache import Evaluator
@@ -204,9 +206,15 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                         continue
                     row = fsdp_rows(r, ev.stages)  # kept in the queue for the next look
                 # The FSDP and DP terms, from the units alone, and the TP trace of the same
-                # layout without checkpointing where it ran: back in the queue if higher.
-                tighter = step_time_bound(r, device, constants, flops[0], row, gpus_per_node,
-                                          unrecomputed.get(_but_checkpointing(c)))
+                # layout without checkpointing where it ran, or a pipeline's interior
+                # periods where the whole model's ran (the higher): back in the queue if higher.
+                ac = r.plan.spec.activation_checkpointing.enabled  # and without it, then
+                pipe = c.pp > 1 and (interior_rows(r, ev.tp_traces, ev.stages),
+                                     ac and interior_rows(r, ev.tp_traces, ev.stages, True))
+                known = [t for t in (unrecomputed.get(_but_checkpointing(c)), *(pipe or ()))
+                         if t]
+                tighter = max(step_time_bound(r, device, constants, flops[0], row,
+                                              gpus_per_node, traced) for traced in known or [None])
                 if tighter > bound:
                     heapq.heappush(queue, (tighter, i, 1, c, row))
                     continue

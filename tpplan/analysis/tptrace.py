@@ -54,10 +54,13 @@ Key = tuple[str, str, bool, int, str]
 
 
 class TPTrace:
-    """Collectives of one micro-batch: ``counts[key]`` over :data:`Key`; ``depths`` traced."""
+    """Collectives of one micro-batch: ``counts[key]`` over :data:`Key`; ``depths`` traced;
+    ``period``: what one period of blocks with a period on each side issues, where the
+    one-run trace held the second and third equal (:mod:`tpplan.analysis.interior`)."""
 
-    def __init__(self, counts: Counter, depths: list[int], blocks: str | None):
-        self.counts, self.depths, self.blocks = counts, depths, blocks
+    def __init__(self, counts: Counter, depths: list[int], blocks: str | None,
+                 period: Counter | None = None):
+        self.counts, self.depths, self.blocks, self.period = counts, depths, blocks, period
 
 
 def identical_blocks(model: nn.Module, rule_of: dict) -> tuple[nn.Module, str, str] | None:
@@ -278,4 +281,4 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
                            None)
         more = (depth - traced) // period
         return TPTrace(+Counter({k: total[k] + more * second[k] for k in total | second}),
-                       [traced], path)
+                       [traced], path, second)

@@ -57,6 +57,7 @@ from .steptrace import ModelBuilder, StageIO
 from .batchtrace import traced_in_batch
 from .checkcache import PartCache
 from .tptrace import trace_tp
+from .interior import tp_key
 
 __all__ = ["Evaluator"]
 
@@ -273,16 +274,15 @@ class Evaluator:
 
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
-        # Keyed without the micro-batch: past three sizes, extrapolated from them where
-        # that is checked to hold (batchtrace.traced_in_batch). ``build`` copies the plan's
-        # one model: ``builder`` does the same, its blocks found once for every candidate.
-        ac, cp = plan.activation_checkpointing, plan.context_parallel
-        key = (res.dims.tp, res.dims.ep, res.dims.cp, cp.method, cp.load_balance, seq_len,
-               dtype, ac.mode, ac.every)
-        return traced_in_batch(
-            self.tp_traces, key, micro_batch, None,
-            lambda b, _: (trace_tp(plan, res, mesh, self.builder, seq_len, b, dtype), None),
-            self.traces, "tp")[0]
+        # Keyed without the micro-batch: past three sizes, extrapolated where checked
+        # (batchtrace.traced_in_batch). ``builder`` copies the plan's one model, as ``build``
+        # would. A period kept: pipeline layouts' bounds (interior.interior_rows).
+        key = tp_key(plan, res.dims, seq_len, dtype)
+        trace = traced_in_batch(self.tp_traces, key, micro_batch, None, lambda b, _: (
+            trace_tp(plan, res, mesh, self.builder, seq_len, b, dtype), None), self.traces, "tp")[0]
+        if trace.period is not None:
+            self.tp_traces["period", key, micro_batch] = trace.period
+        return trace
 
 
 def _resolution_key(spec: PlanSpec, dims: ParallelDims) -> tuple:
