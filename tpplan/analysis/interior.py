@@ -12,7 +12,7 @@ traced at the same micro-batch (and everything else the trace reads): ``search``
 rows to a pipeline layout's bound before its stages are traced (docs/search.md). Under
 checkpointing, also from the period traced without it (``plain``): recomputation re-issues
 a block's forward collectives and leaves the rest as they are (the same argument as
-:func:`tpplan.analysis.traced_rows`'), so a stage issues at least what it would without.
+:func:`tpplan.analysis.traced_rows`), so a stage issues at least what it would without.
 """
 
 from __future__ import annotations

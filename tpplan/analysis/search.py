@@ -205,16 +205,17 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                              "AdamW state alone (arithmetic, nothing traced)", c)
                         continue
                     row = fsdp_rows(r, ev.stages)  # kept in the queue for the next look
-                # The FSDP and DP terms, from the units alone, and the TP trace of the same
-                # layout without checkpointing where it ran, or a pipeline's interior
-                # periods where the whole model's ran (the higher): back in the queue if higher.
-                ac = r.plan.spec.activation_checkpointing.enabled  # and without it, then
-                pipe = c.pp > 1 and (interior_rows(r, ev.tp_traces, ev.stages),
-                                     ac and interior_rows(r, ev.tp_traces, ev.stages, True))
-                known = [t for t in (unrecomputed.get(_but_checkpointing(c)), *(pipe or ()))
-                         if t]
+                # The FSDP and DP terms, from the units alone, and TP rows the layout's own
+                # trace holds where they are known (the highest bound of them): those of
+                # its twin without checkpointing, or a pipeline's stages' interior periods
+                # from the whole model's trace (with its checkpointing, and without).
+                known = [unrecomputed.get(_but_checkpointing(c))]
+                if c.pp > 1:
+                    known += [interior_rows(r, ev.tp_traces, ev.stages, plain) for plain in
+                              {False, r.plan.spec.activation_checkpointing.enabled}]
                 tighter = max(step_time_bound(r, device, constants, flops[0], row,
-                                              gpus_per_node, traced) for traced in known or [None])
+                                              gpus_per_node, rows) for rows in
+                              [rows for rows in known if rows] or [None])
                 if tighter > bound:
                     heapq.heappush(queue, (tighter, i, 1, c, row))
                     continue
