@@ -185,7 +185,7 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
     first two may differ, the stage's input lives on), so does every period a deeper model
     has in between, and the figure is extrapolated; else every block is run. Arguments as
     :func:`memory_per_rank`'s (``shallow`` keeps that run for any depth)."""
-    depths = first_depths(spec, n_blocks, blocks, cut, _kept(shallow))
+    depths = first_depths(spec, n_blocks, blocks, cut)
     if depths and same_in_every_block(spec, build):
         k = spec.activation_checkpointing.every
         total, ends = kept_traces(shallow, io, lambda: first_forward_ends(
@@ -196,12 +196,11 @@ def first_forward(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
                                           first_forward=True))
 
 
-def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True,
-                 kept: bool = False) -> list[int] | None:
+def first_depths(spec: PlanSpec, n_blocks: int, blocks: str | None, cut: bool = True
+                 ) -> list[int] | None:
     """:func:`first_forward`'s one depth (a list of it): r + 4k, where k leaves a remainder
     r; None where it runs every block (a model of fewer blocks: a model as deep runs no
-    more than the one run, and takes the one a cache keeps for an alike model). ``kept``
-    changes nothing: any model as deep takes the one run."""
+    more than the one run, and takes the one a cache keeps for an alike model)."""
     k = spec.activation_checkpointing.every
     depth = n_blocks % k + 4 * k
     return [depth] if cut and blocks is not None and n_blocks >= depth else None

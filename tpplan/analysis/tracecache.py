@@ -245,13 +245,12 @@ class Evaluator:
             # first forward's r + 4k) and around them: shared by every depth (any pp).
             # Any depth from the shallowest that takes them (the deepest traced) shares
             # them: a shorter alike model or stage reuses them where they are kept already.
-            depths = first_depths(spec, n_blocks, blocks, cut, True) if first else \
+            depths = first_depths(spec, n_blocks, blocks, cut) if first else \
                 shallow_depths(spec, n_blocks, blocks, cut, True)
             shallow = depths and (self.shallow, (*common, io and (io.first, io.last, io.received),
                                                  signature(blocks, depths[-1])))
-            if shallow and shallow[1] not in self.shallow:  # the usual rule: worth tracing?
-                depths = first_depths(spec, n_blocks, blocks, cut) if first else \
-                    shallow_depths(spec, n_blocks, blocks, cut)
+            if not first and shallow and shallow[1] not in self.shallow:  # worth tracing?
+                depths = shallow_depths(spec, n_blocks, blocks, cut)
             before = len(self.shallow)
             if first:
                 out = first_forward(spec, mesh, build, shape, n_blocks, blocks, cut, io, shallow)
