@@ -459,9 +459,9 @@ def test_the_first_forward_bounds_the_traced_peak():
 def test_a_candidate_whose_ep_borrows_tp_after_one_without_ep_counts_as_alone(tmp_path, capsys):
     """With its MoE blocks on the sequence shard, ep 2 borrows tp 2's ranks: ep's group
     holds the same ranks as tp's. After a candidate on a tp mesh equal to its own (DTensor's
-    caches, were they kept, would hand on that mesh and its group, which the TP trace
-    cannot tell from ep's: it counted other collectives), the evaluator's figures are a
-    fresh dry run's."""
+    caches, kept across candidates, hand on that mesh and its group, which a lookup by
+    ranks cannot tell from ep's: it counted other collectives), the evaluator's figures are
+    a fresh dry run's."""
     import sys
 
     from helpers import ROOT, run_main

@@ -19,7 +19,6 @@ depth traced). If they differ, or the blocks do, the whole model is traced inste
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import logging
 from collections import Counter
@@ -139,9 +138,26 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
         backward = c.backward or i >= in_backward
         if i >= in_backward:
             module, where = "<gradients>", place(owners[i - in_backward])
-        counts[where, (c.kind, groups.get(c.group, c.group), backward, c.bytes,
+        counts[where, (c.kind, groups[c.group], backward, c.bytes,
                        generalize(module))] += 1
     return counts
+
+
+class _Dims(dict):
+    """Process group name -> the mesh dimension it is, for this trace's mesh. A group of
+    another mesh (DTensor's caches, kept across candidates, hand on an equal mesh and its
+    group) is the dimension it was made for (DeviceMesh's ``mesh_<dimension>``) where
+    this trace knows it; any other keeps its name, which no row reads as a dimension."""
+
+    def __missing__(self, name: str) -> str:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        try:
+            dim = _resolve_process_group(name).group_desc.removeprefix("mesh_")
+        except (ValueError, RuntimeError, KeyError):
+            dim = None
+        self[name] = dim if dim in self.values() else name
+        return self[name]
 
 
 def _reduce_partial_grads(model: nn.Module, rec: CollectiveRecorder) -> list[str]:
@@ -188,7 +204,7 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     first ``4k`` blocks for the shallow trace)."""
     import warnings
 
-    groups = {mesh[d].get_group().group_name: d for d in MESH_DIMS}
+    groups = _Dims({mesh[d].get_group().group_name: d for d in MESH_DIMS})
     ep_mesh = None
     if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
         ep_mesh, _ = expert_meshes(mesh, res.dims.ep, res.dims.ep_borrows_tp)

@@ -50,7 +50,7 @@ from ..plan.specs import PlanSpec
 from ..plan.step import StepShape
 from ..plan.styles import ep_borrows_tp
 from . import analyze_comm, analyze_memory
-from .dryrun import DryRun, forget_meshes, run_analysis
+from .dryrun import DryRun, run_analysis
 from .memfloor import memory_floor
 from .memory import first_depths, first_forward, memory_per_rank, shallow_depths
 from .steptrace import ModelBuilder, StageIO
@@ -166,11 +166,11 @@ class Evaluator:
     def _mesh(self, dims: ParallelDims):
         if dims not in self.meshes:
             self.meshes[dims] = dims.build_mesh("cpu")
-        if self._last is not dims:
-            # DTensor's caches key on meshes that compare equal across groups (dryrun's
-            # forget_meshes): a trace on this mesh must not reuse another mesh's groups.
-            forget_meshes()
-            self._last = dims
+        # DTensor's caches key on meshes that compare equal across groups (dryrun's
+        # forget_meshes) and are kept: every mesh here lives as long as the search, and a
+        # collective on an equal mesh's group is counted on the dimension it was made for
+        # (tptrace's _Dims).
+        self._last = dims
         return self.meshes[dims]
 
     def memory(self, result: DryRun, over: Callable[[int], bool] | None = None) -> None:
