@@ -86,13 +86,16 @@ def _own_groups_only(rank: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _fsdp_init_on_demand() -> Iterator[None]:
-    """FSDP2's parameter sharding with :class:`ChunksOnDemand` and each mesh pair joined once: the
-    same tensors and meshes, made only as often as they differ."""
+    """FSDP2's parameter sharding with :class:`ChunksOnDemand`, each mesh pair joined once and
+    each data-parallel mesh's shard dimension sliced once: the same tensors and meshes, made
+    only as often as they differ."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     original_chunks, original_concatenate = _fsdp_param._chunk_with_empty, DeviceMesh._concatenate
+    original_shard_mesh = _fsdp_param.FSDPParam._init_shard_mesh
     concatenated: dict[tuple[int, ...], tuple[list, DeviceMesh]] = {}
+    sliced: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
     def concatenate(meshes: list) -> DeviceMesh:
         # FSDP2 joins its data-parallel mesh and a parameter's TP mesh once per parameter;
@@ -102,13 +105,23 @@ def _fsdp_init_on_demand() -> Iterator[None]:
             concatenated[key] = (list(meshes), original_concatenate(meshes))
         return concatenated[key][1]
 
+    def shard_mesh(param) -> DeviceMesh:  # noqa: ANN001 - an FSDPParam
+        # Under HSDP every parameter of a unit slices its 2-D mesh's shard dimension anew
+        # (a DeviceMesh each, equal to the others): a third of a whole-step trace's setup.
+        mesh = param.mesh_info.mesh
+        if id(mesh) not in sliced:  # the mesh is kept with its slice, so its id stays its own
+            sliced[id(mesh)] = (mesh, original_shard_mesh(param))
+        return sliced[id(mesh)][1]
+
     _fsdp_param._chunk_with_empty = ChunksOnDemand
     DeviceMesh._concatenate = staticmethod(concatenate)
+    _fsdp_param.FSDPParam._init_shard_mesh = shard_mesh
     try:
         yield
     finally:
         _fsdp_param._chunk_with_empty = original_chunks
         DeviceMesh._concatenate = staticmethod(original_concatenate)
+        _fsdp_param.FSDPParam._init_shard_mesh = original_shard_mesh
 
 
 def forget_meshes() -> None:
