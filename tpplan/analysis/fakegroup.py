@@ -88,12 +88,13 @@ def _own_groups_only(rank: int) -> Iterator[None]:
 def _fsdp_init_on_demand() -> Iterator[None]:
     """FSDP2's parameter sharding with :class:`ChunksOnDemand`, each mesh pair joined once and
     each data-parallel mesh's shard dimension sliced once: the same tensors and meshes, made
-    only as often as they differ."""
+    only as often as they differ; and its parameter groups without profiler marks."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp._fully_shard import _fsdp_param
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
     original_chunks, original_concatenate = _fsdp_param._chunk_with_empty, DeviceMesh._concatenate
     original_shard_mesh = _fsdp_param.FSDPParam._init_shard_mesh
+    original_marks = _fsdp_param_group.record_function
     concatenated: dict[tuple[int, ...], tuple[list, DeviceMesh]] = {}
     sliced: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
@@ -116,12 +117,16 @@ def _fsdp_init_on_demand() -> Iterator[None]:
     _fsdp_param._chunk_with_empty = ChunksOnDemand
     DeviceMesh._concatenate = staticmethod(concatenate)
     _fsdp_param.FSDPParam._init_shard_mesh = shard_mesh
+    # A parameter group's profiler marks (eight a unit a micro-batch): ops that make nothing,
+    # each a dispatch through every mode up; no dry run has a profiler to read them.
+    _fsdp_param_group.record_function = lambda _name: contextlib.nullcontext()
     try:
         yield
     finally:
         _fsdp_param._chunk_with_empty = original_chunks
         DeviceMesh._concatenate = staticmethod(original_concatenate)
         _fsdp_param.FSDPParam._init_shard_mesh = original_shard_mesh
+        _fsdp_param_group.record_function = original_marks
 
 
 def forget_meshes() -> None:
