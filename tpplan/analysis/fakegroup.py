@@ -108,7 +108,7 @@ def _fsdp_init_on_demand() -> Iterator[None]:
 
     def shard_mesh(param) -> DeviceMesh:  # noqa: ANN001 - an FSDPParam
         # Under HSDP every parameter of a unit slices its 2-D mesh's shard dimension anew
-        # (a DeviceMesh each, equal to the others): a third of a whole-step trace's setup.
+        # (a DeviceMesh each, equal to the others): a third of a first forward's setup (8B).
         mesh = param.mesh_info.mesh
         if id(mesh) not in sliced:  # the mesh is kept with its slice, so its id stays its own
             sliced[id(mesh)] = (mesh, original_shard_mesh(param))
