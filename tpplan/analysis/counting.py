@@ -22,6 +22,8 @@ from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker, c1
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..parallel.metacache import META
+
 __all__ = ["Collective", "CollectiveRecorder", "KINDS"]
 
 # op name (in the functional and c10d namespaces) -> the kind we report
@@ -181,7 +183,7 @@ class CollectiveRecorder(CommDebugMode):
             # As it does: DTensor runs first, and its local ops come back here.
             if any(issubclass(t, DTensor) for t in types):
                 return NotImplemented
-            return func(*args, **(kwargs or {}))
+            return META(func, args, kwargs or {})  # a meta kernel's output kept
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is NotImplemented:
             return out

@@ -36,6 +36,7 @@ from .stagemem import kept_split, p2p_per_rank, reported_ranks
 from .steptrace import StageIO
 from .batchtrace import traced_in_batch
 from .checkcache import PartCache
+from ..parallel.metacache import MetaCacheMode
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["pipeline_comm", "pipeline_fsdp_rows", "StageComm"]
@@ -186,7 +187,7 @@ def _output(module, io: StageIO, micro_batch: int, seq_len: int, dtype: torch.dt
     module.to(dtype)
     x = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta") \
         if io.first else torch.zeros(io.received[0], dtype=io.received[1], device="meta")
-    with torch.no_grad():
+    with torch.no_grad(), MetaCacheMode():
         y = module(x)
     return tuple(y.shape), y.dtype
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..plan.errors import PlanError
 from ..plan.specs import PlanSpec
+from .metacache import MetaCacheMode
 from .pipeline import PipelineSplit, Stage, stage_module
 
 __all__ = ["stage_contract"]
@@ -81,7 +82,7 @@ def _run(module: nn.Module, x: torch.Tensor) -> tuple[Any, BaseException | None,
         handles.append(m.register_forward_pre_hook(lambda _m, _a, p=path: stack.append(p)))
         handles.append(m.register_forward_hook(leave))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), MetaCacheMode():
             return module(x), None, ""
     except Exception as e:  # noqa: BLE001 - the model's own code: reported with its place
         return None, e, stack[-1] if stack else ""

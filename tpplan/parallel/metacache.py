@@ -1,0 +1,179 @@
+"""Meta kernels' outputs kept by what they read: the dry run's forwards on meta tensors
+(the TP trace, the stage contract, a stage's output shape) call each operator with the same
+shapes again and again, block after block and candidate after candidate, and many of
+PyTorch's meta kernels are Python (``torch._refs``, ``torch._decomp``: an elementwise op's
+type promotion, broadcasting and strides worked out anew each call).
+
+A meta tensor has no values, so a meta kernel's output can depend only on the operator,
+its non-tensor arguments, PyTorch's default dtype and each input's metadata: dtype, shape,
+strides, storage offset and its conjugate and negative bits (a plain strided
+``torch.Tensor`` or ``nn.Parameter``). :data:`META` keys a call by exactly those and, on a
+hit, returns new tensors of the kept outputs' dtype, shape and strides, as the kernel
+would have made them. It keeps only what that makes exact:
+
+- the operator is ``aten``'s, neither writes nor aliases an argument (no ``Tensor(a)`` in
+  its schema: views, in-place and ``out=`` ops always run; one whose output turns out to
+  share an input's storage all the same, ``_unsafe_view``, is never kept), and its output
+  shape is not data dependent;
+- every argument is a meta tensor (as above), a plain value or a list of them, at least
+  one a tensor (factories run), and no dispatch mode lies below (a fake mode makes its
+  own tensors); any other argument (a DTensor, a fake or CPU tensor, a symbolic size, a
+  generator) runs the kernel;
+- every output is a meta tensor with storage offset 0, storage of exactly the bytes its
+  shape and strides span, its own storage (none shared with an input or another output),
+  no conjugate or negative bit (or a plain value such as an int, kept as is).
+
+``tests/test_metacache.py`` holds forwards and backwards with the cache to the same
+shapes, strides and dtypes as without it, and the TP trace to the same counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["MetaCache", "META", "MetaCacheMode"]
+
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format))
+_TENSORS = (torch.Tensor, nn.Parameter)
+_UNSAFE_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
+                torch.Tag.inplace_view)
+
+
+class _Skip(Exception):
+    """An argument or output the cache does not take: the kernel runs."""
+
+
+def _meta_key(t: torch.Tensor, storages: list | None) -> tuple:
+    if t.device.type != "meta" or t.layout is not torch.strided or t.is_conj() or t.is_neg():
+        raise _Skip
+    if storages is not None:
+        storages.append(t.untyped_storage()._cdata)
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _flatten(out: list, args, storages: list) -> None:
+    for a in args:
+        t = type(a)
+        if t in _TENSORS:
+            out.append(_meta_key(a, storages))
+        elif t in _PLAIN:
+            out += (t, a)  # the type too: 1 and 1.0 hash alike
+        elif t is list or t is tuple:
+            out += (t, len(a))
+            _flatten(out, a, storages)
+        else:
+            raise _Skip
+
+
+def _kept(out) -> tuple:
+    """What a fresh output is made from: ``(kind, parts)``; :class:`_Skip` where it is not
+    one of this module's exact cases."""
+    if type(out) in _TENSORS:
+        if type(out) is not torch.Tensor or out.requires_grad or out.storage_offset():
+            raise _Skip
+        _meta_key(out, None)
+        made = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
+        if made.untyped_storage().nbytes() != out.untyped_storage().nbytes():
+            raise _Skip
+        return ("t", (tuple(out.shape), out.stride(), out.dtype))
+    if type(out) in _PLAIN:
+        return ("v", out)
+    if type(out) in (tuple, list):
+        return (type(out), tuple(_kept(o) for o in out))
+    raise _Skip
+
+
+def _make(kept: tuple):
+    kind, parts = kept
+    if kind == "t":
+        shape, stride, dtype = parts
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    if kind == "v":
+        return parts
+    return kind(_make(p) for p in parts)
+
+
+def _storages(out, into: list) -> None:
+    if isinstance(out, torch.Tensor):
+        into.append(out.untyped_storage()._cdata)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            _storages(o, into)
+
+
+class MetaCache:
+    """Each cacheable operator's outputs by the key of this module's docstring."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple, tuple] = {}
+        self._ops: dict = {}  # op -> whether its schema and tags allow it
+        self.hits = self.misses = 0
+
+    def _allowed(self, func) -> bool:
+        ok = self._ops.get(func)
+        if ok is None:
+            schema = func._schema
+            ok = self._ops[func] = func.namespace == "aten" \
+                and not any(a.alias_info is not None for a in schema.arguments) \
+                and not any(r.alias_info is not None for r in schema.returns) \
+                and not any(tag in func.tags for tag in _UNSAFE_TAGS)
+        return ok
+
+    def __call__(self, func, args, kwargs):
+        """``func(*args, **kwargs)``, or its kept outputs made anew."""
+        if not self._allowed(func) or torch._C._len_torch_dispatch_stack():
+            return func(*args, **kwargs)  # (a mode below, such as a fake one, makes them)
+        key: list = [func, torch.get_default_dtype()]
+        inputs: list = []
+        try:
+            _flatten(key, args, inputs)
+            if kwargs:
+                for name, value in kwargs.items():
+                    key.append(name)
+                    _flatten(key, (value,), inputs)
+        except _Skip:
+            return func(*args, **kwargs)
+        if not inputs:  # a factory: left to the kernel
+            return func(*args, **kwargs)
+        key_t = tuple(key)
+        kept = self.kept.get(key_t)
+        if kept is not None:
+            self.hits += 1
+            return _make(kept)
+        out = func(*args, **kwargs)
+        self.misses += 1
+        made: list = []
+        _storages(out, made)
+        if set(made) & set(inputs):  # an output on an input's storage, its schema says not
+            self._ops[func] = False  # (``_unsafe_view``): never kept
+        elif len(set(made)) == len(made):
+            try:
+                self.kept[key_t] = _kept(out)
+            except _Skip:
+                pass
+        return out
+
+
+META = MetaCache()
+
+
+class MetaCacheMode(TorchDispatchMode):
+    """Every operator on plain tensors through ``cache`` (:data:`META`; a tensor subclass,
+    such as DTensor, runs its own dispatch first, and its local operators come back here)."""
+
+    def __init__(self, cache: MetaCache | None = None) -> None:
+        super().__init__()
+        self.cache = cache or META
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no compile runs under it
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t not in _TENSORS and t is not FakeTensor for t in types):
+            return NotImplemented  # (a fake tensor's mode runs below: the kernel runs)
+        return self.cache(func, args, kwargs or {})
