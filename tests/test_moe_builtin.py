@@ -9,6 +9,8 @@ training resumed on another ep along one process's curve; its config mistakes lo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,30 @@ def test_a_run_on_ep_4_resumes_on_ep_2_along_one_curve(tmp_path):
     assert_same_curve(metrics(parts), metrics(whole), (1, 2, 3))  # loss and gradient norm
     state = read_model_state(latest(parts / "checkpoints"))
     assert tuple(state["layers.0.feed_forward.experts.gate_up_proj"].shape) == (8, 256, 64)
+
+
+def test_a_profiled_step_names_the_experts_groups_as_the_dry_run_does(tmp_path):
+    """``--profile`` under ep 2 of dp_shard 4: every collective of the profiled step under
+    the mesh dimension the dry run counts it on, the experts' all-to-all on ``ep`` and their
+    FSDP2 on ``efsdp`` (groups that ``expert_meshes`` makes, by the dimension DeviceMesh
+    made them for, not by their ranks), as many as the dry run counts, on every rank."""
+    from trainrun import TINY as RUN, ok, tpplan_train
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+
+    sets = ["train.steps=3", "checkpoint.enabled=false"]
+    ok(tpplan_train(tmp_path, "--profile", "2:2", nproc=4, plan=PLAN, sets=sets))
+    predicted = dry_run(PLAN, 4, [*RUN, *sets],  # the sizes the run trains at
+                        [a for a in ANALYSES if a[0] == "comm_per_step"])
+    expected: dict[str, int] = {}
+    for r in predicted.extra["comm_per_step"]["collectives"]:
+        key = f"{r['mesh_dim']} {r['kind']}"
+        expected[key] = expected.get(key, 0) + r["count"]
+    assert expected["ep all_to_all"] > 0 and expected["efsdp all_gather"] > 0
+    for rank in range(4):
+        summary = json.loads((tmp_path / "profile" / f"summary-rank{rank}.json").read_text())
+        assert summary["steps"][0]["collectives"] == expected, rank
 
 
 def test_experts_match_a_loop_over_tokens():

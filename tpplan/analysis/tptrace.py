@@ -35,7 +35,7 @@ from ..parallel.context import apply_context_parallel, shard_batch
 from ..parallel.freeze import apply_freeze
 from ..parallel.lora import apply_lora, freeze_base
 from ..parallel.lora_sizes import same_in_every_block
-from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes
+from ..parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes, group_dim
 from ..parallel.pipeline import StageBuilder
 from ..parallel.resolve import Resolution
 from ..plan.patterns import generalize
@@ -150,12 +150,7 @@ class _Dims(dict):
     this trace knows it; any other keeps its name, which no row reads as a dimension."""
 
     def __missing__(self, name: str) -> str:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        try:
-            dim = _resolve_process_group(name).group_desc.removeprefix("mesh_")
-        except (ValueError, RuntimeError, KeyError):
-            dim = None
+        dim = group_dim(name)
         self[name] = dim if dim in self.values() else name
         return self[name]
 

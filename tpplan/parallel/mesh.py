@@ -204,6 +204,20 @@ def cp_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
     return mesh[CP_DIM] if CP_DIM in (mesh.mesh_dim_names or ()) else None
 
 
+def group_dim(group_name: str) -> str | None:
+    """The mesh dimension the process group ``group_name`` was made for, read from the
+    description DeviceMesh gives every group it makes (``mesh_<dimension>``: an experts'
+    ``ep`` group is told from ``tp``'s or ``dp_shard``'s of the same ranks); None for a
+    group without one, or none of this process."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        desc = _resolve_process_group(group_name).group_desc
+    except (ValueError, RuntimeError, KeyError):
+        return None
+    return desc.removeprefix("mesh_") if desc and desc.startswith("mesh_") else None
+
+
 def expert_meshes(mesh: "DeviceMesh", ep: int,
                   borrow_tp: bool = False) -> tuple["DeviceMesh", "DeviceMesh"]:
     """``(ep_mesh, efsdp_mesh)``: the ranks an experts module's all-to-all spans, and the

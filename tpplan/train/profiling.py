@@ -26,6 +26,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..parallel.mesh import group_dim
+
 __all__ = ["StepProfiler", "format_table", "summarize"]
 
 # Collective operators as the dispatcher sees them (c10d: FSDP2 and the trainer;
@@ -63,15 +65,20 @@ class _Annotate:
         self.phase = "step"
 
         def dim_of(group_name: str) -> str:
+            """The mesh's own groups by name; any other (the experts' ep and efsdp groups,
+            a flattened dimension) by the dimension DeviceMesh made it for, as the dry run
+            names them (their ranks may be another dimension's: ep 4 of 4 holds
+            dp_shard's); else by its ranks."""
             if group_name not in by_name:
                 from torch.distributed.distributed_c10d import _resolve_process_group
 
+                dim = group_dim(group_name)
                 try:
-                    ranks = tuple(dist.get_process_group_ranks(
+                    ranks = () if dim else tuple(dist.get_process_group_ranks(
                         _resolve_process_group(group_name)))
                 except (RuntimeError, ValueError, KeyError):
                     ranks = ()
-                by_name[group_name] = by_ranks.get(ranks) or (
+                by_name[group_name] = dim or by_ranks.get(ranks) or (
                     "world" if len(ranks) == dist.get_world_size() else
                     "ranks:" + ",".join(map(str, ranks)) if ranks else "other")
             return by_name[group_name]
