@@ -4,6 +4,7 @@ extrapolating gives what tracing every block gives, moment for moment."""
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import PLANS
 
 from tpplan.analysis.dryrun import dry_run
@@ -127,6 +128,42 @@ def test_the_trace_mode_keys_two_calls_alike_only_where_pytorch_does():
     with mode:
         t = torch.empty(2)
     assert keys(True, ({"a": 1}, t)) == keys(False, ({"a": 1}, t))
+
+
+def test_the_trace_mode_takes_unsafe_view_and_a_meta_tensors_empty_like_from_its_cache():
+    """Two ops PyTorch's fake mode passes its cache by, made cacheable as what they are:
+    ``_unsafe_view`` (a view by its kernel: the output on its input's storage) and
+    ``empty_like`` of a plain meta tensor (each parameter made fake: ``empty_strided`` of its
+    shape and strides, where they are dense); the same tensors as PyTorch's mode makes, and
+    a meta tensor whose strides are not dense takes PyTorch's path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpplan.analysis.fakemode import fake_mode
+
+    dense = torch.empty(6, 4, device="meta").t()  # strides (1, 4): dense, not contiguous
+    gappy = torch.empty(6, 8, device="meta")[:, ::2]  # not dense
+    made, counts = {}, {}
+    for name, mode in (("ours", fake_mode(allow_non_fake_inputs=True)),
+                       ("theirs", FakeTensorMode(allow_non_fake_inputs=True))):
+        with mode:
+            x = torch.empty(4, 6)
+            rounds = []
+            for _ in range(2):
+                hits = FakeTensorMode.cache_hits
+                bypasses = sum(FakeTensorMode.cache_bypasses.values())
+                v = torch.ops.aten._unsafe_view(x, [3, 8])
+                e = torch.empty_like(dense, device="cpu")
+                g = torch.empty_like(gappy, device="cpu")
+                rounds.append((FakeTensorMode.cache_hits - hits,
+                               sum(FakeTensorMode.cache_bypasses.values()) - bypasses))
+                assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
+            made[name] = [(tuple(t.shape), t.stride(), t.dtype, t.device) for t in (v, e, g)]
+        counts[name] = rounds[1]  # (cache hits, bypasses) of the second round
+    assert made["ours"] == made["theirs"]
+    # ours: the two served from the cache where PyTorch's mode passes them by
+    assert counts["theirs"][1] == 3 and counts["ours"][1] == 1  # the gappy one's
+    assert counts["ours"][0] >= 2
+    assert made["ours"][1][1] == (1, 4) and made["ours"][2][1] == (4, 1)
 
 
 @pytest.mark.parametrize("overrides", [

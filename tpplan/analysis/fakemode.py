@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense_strides
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["TraceMode", "fake_mode"]
@@ -34,6 +35,20 @@ __all__ = ["TraceMode", "fake_mode"]
 _PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
 _TAG = ("tpplan.fakemode",)  # in front of each fast key: never equal to PyTorch's
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
+_EMPTY_LIKE, _EMPTY_STRIDED = torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default
+
+
+def _plain_meta(args, kwargs) -> bool:
+    """``empty_like``'s arguments where it makes what ``empty_strided`` of the input's shape
+    and strides makes: a plain dense meta tensor, its memory format preserved."""
+    if len(args) != 1 or type(args[0]) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    t, kwargs = args[0], kwargs or {}
+    return t.device.type == "meta" and t.layout is torch.strided \
+        and kwargs.get("memory_format") in (None, torch.preserve_format) \
+        and set(kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"} \
+        and kwargs.get("layout") in (None, torch.strided) and _dense_strides(t)
 
 
 class _Unusual(Exception):
@@ -78,6 +93,17 @@ class TraceMode(FakeTensorMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func is _UNSAFE_VIEW:  # a view by its kernel, not by its schema: as one, cached
+            func = _VIEW
+        elif func is _EMPTY_LIKE and _plain_meta(args, kwargs):  # a meta parameter made fake
+            t, kwargs = args[0], kwargs or {}
+            func, args = _EMPTY_STRIDED, (tuple(t.shape), t.stride())
+            kwargs = dict(dtype=kwargs.get("dtype") or t.dtype, layout=torch.strided,
+                          device=kwargs.get("device") or t.device,
+                          pin_memory=kwargs.get("pin_memory"))
+        return super().dispatch(func, types, args, kwargs)
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
         out: list = [_TAG]
