@@ -17,6 +17,12 @@ have made. Any other argument (a dict, a symbolic size, a tensor of another kind
 object not plainly hashable) hands the whole call to PyTorch's own key, which also
 decides what must bypass the cache. The keys are tagged, so the two kinds never meet.
 
+PyTorch's cache passes three kinds of operator by that a trace calls again and again; the
+trace mode takes them as what they are: ``_unsafe_view`` as ``view`` (its kernel's), the
+``empty_like`` of a plain dense meta tensor as ``empty_strided`` of its shape and strides,
+and the functional collectives (another namespace) from a cache of its own, kept only where
+their outputs are fresh tensors (:meth:`TraceMode._functional`).
+
 Where this PyTorch's ``FakeTensorMode`` has no ``_prep_args_for_hash`` of the expected
 signature, :func:`fake_mode` gives the plain mode. ``tests/test_memory_trace.py`` holds a
 step traced in either mode to the same moments, and the key to PyTorch's on equality.
@@ -29,6 +35,7 @@ import inspect
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense_strides
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["TraceMode", "fake_mode"]
 
@@ -82,6 +89,13 @@ def _flatten(mode: FakeTensorMode, out: list, args) -> None:
             raise _Unusual
 
 
+def _spans(t: FakeTensor) -> bool:
+    """Whether ``t``'s storage is exactly what its shape and strides span."""
+    with torch._C._DisableTorchDispatch():
+        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return made.untyped_storage().nbytes() == t.untyped_storage().nbytes()
+
+
 class TraceMode(FakeTensorMode):
     """``FakeTensorMode`` with the cheaper cache key of this module's docstring, its
     dispatch called as written: without the frame-evaluation guard (and call counter)
@@ -90,11 +104,17 @@ class TraceMode(FakeTensorMode):
 
     __torch_dispatch__ = inspect.unwrap(FakeTensorMode.__dict__["__torch_dispatch__"])
 
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._collectives: dict[tuple, list] = {}
+
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
 
     def dispatch(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and not kwargs:
+            return self._functional(func, types, args)
         if func is _UNSAFE_VIEW:  # a view by its kernel, not by its schema: as one, cached
             func = _VIEW
         elif func is _EMPTY_LIKE and _plain_meta(args, kwargs):  # a meta parameter made fake
@@ -104,6 +124,35 @@ class TraceMode(FakeTensorMode):
                           device=kwargs.get("device") or t.device,
                           pin_memory=kwargs.get("pin_memory"))
         return super().dispatch(func, types, args, kwargs)
+
+    def _functional(self, func, types, args):
+        """A functional collective (PyTorch's cache passes its namespace by) served from
+        this mode's own: kept by the fast key of its arguments where its outputs are
+        fresh fake tensors, each of the storage its shape and strides span, none on an
+        input's storage (its meta kernel allocates them: ``wait_tensor``'s is
+        ``empty_like``); anything else runs every time."""
+        key: list = [func]
+        try:
+            _flatten(self, key, args)
+        except _Unusual:
+            return super().dispatch(func, types, args, {})
+        kept = self._collectives.get(tuple(key))
+        if kept is not None:
+            with torch._C._DisableTorchDispatch():
+                made = [FakeTensor(self, torch.empty_strided(shape, stride, dtype=dtype,
+                                                             device="meta"), device)
+                        for shape, stride, dtype, device in kept]
+            return made[0] if len(made) == 1 else tuple(made)
+        out = super().dispatch(func, types, args, {})
+        outs = [out] if type(out) is FakeTensor else list(out) if type(out) is tuple else None
+        inputs = {a.untyped_storage()._cdata for a in tree_flatten(args)[0]
+                  if isinstance(a, torch.Tensor)}
+        if outs and all(type(o) is FakeTensor and not o.requires_grad and not o.storage_offset()
+                        and o.untyped_storage()._cdata not in inputs and _spans(o) for o in outs) \
+                and len({o.untyped_storage()._cdata for o in outs}) == len(outs):
+            self._collectives[tuple(key)] = [(tuple(o.shape), o.stride(), o.dtype, o.device)
+                                             for o in outs]
+        return out
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
         out: list = [_TAG]
