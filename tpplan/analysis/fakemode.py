@@ -37,10 +37,10 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense_
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
+from ..parallel.metacache import Unkeyed, flatten_key
+
 __all__ = ["TraceMode", "fake_mode"]
 
-_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                    torch.memory_format))
 _TAG = ("tpplan.fakemode",)  # in front of each fast key: never equal to PyTorch's
 _UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 _EMPTY_LIKE, _EMPTY_STRIDED = torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default
@@ -58,8 +58,8 @@ def _plain_meta(args, kwargs) -> bool:
         and kwargs.get("layout") in (None, torch.strided) and _dense_strides(t)
 
 
-class _Unusual(Exception):
-    """An argument the fast key does not take: PyTorch's own key is built instead."""
+_Unusual = Unkeyed  # an argument the fast key does not take: PyTorch's own key is built
+_FAKE = (FakeTensor,)
 
 
 def _dense(mode: FakeTensorMode, t: FakeTensor) -> tuple:
@@ -77,16 +77,7 @@ def _flatten(mode: FakeTensorMode, out: list, args) -> None:
         out += (kind, len(args))
     elif kind is not type({}.keys()) and kind is not type({}.values()):
         raise _Unusual  # a dict, or an iterable PyTorch's key knows how to take
-    for a in args:
-        t = type(a)
-        if t is FakeTensor:
-            out.append(_dense(mode, a))
-        elif t in _PLAIN:
-            out += (t, a)  # the type too: 1 and 1.0 hash alike
-        elif t is list or t is tuple:
-            _flatten(mode, out, a)
-        else:
-            raise _Unusual
+    flatten_key(out, args, _FAKE, lambda t: _dense(mode, t))
 
 
 def _spans(t: FakeTensor) -> bool:

@@ -29,62 +29,68 @@ shapes, strides and dtypes as without it, and the TP trace to the same counts.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaCache", "META", "MetaCacheMode"]
+__all__ = ["MetaCache", "META", "MetaCacheMode", "PLAIN", "Unkeyed", "flatten_key"]
 
-_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
 _TENSORS = (torch.Tensor, nn.Parameter)
 _UNSAFE_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
                 torch.Tag.inplace_view)
 
 
-class _Skip(Exception):
-    """An argument or output the cache does not take: the kernel runs."""
+class Unkeyed(Exception):
+    """An argument (or output) a key does not take."""
 
 
 def _meta_key(t: torch.Tensor, storages: list | None) -> tuple:
     if t.device.type != "meta" or t.layout is not torch.strided or t.is_conj() or t.is_neg():
-        raise _Skip
+        raise Unkeyed
     if storages is not None:
         storages.append(t.untyped_storage()._cdata)
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def _flatten(out: list, args, storages: list) -> None:
+def flatten_key(out: list, args, tensors: tuple, key: Callable[[torch.Tensor], tuple]) -> None:
+    """Append the key of ``args`` to ``out``: a tensor of a type in ``tensors`` by
+    ``key(t)``, a plain value with its type (1 and 1.0 hash alike), a list or tuple by its
+    kind and length, then its items; anything else raises :class:`Unkeyed`. (The fake
+    mode's cache key, :mod:`tpplan.analysis.fakemode`, is built by it too.)"""
     for a in args:
         t = type(a)
-        if t in _TENSORS:
-            out.append(_meta_key(a, storages))
-        elif t in _PLAIN:
-            out += (t, a)  # the type too: 1 and 1.0 hash alike
+        if t in tensors:
+            out.append(key(a))
+        elif t in PLAIN:
+            out += (t, a)
         elif t is list or t is tuple:
             out += (t, len(a))
-            _flatten(out, a, storages)
+            flatten_key(out, a, tensors, key)
         else:
-            raise _Skip
+            raise Unkeyed
 
 
 def _kept(out) -> tuple:
-    """What a fresh output is made from: ``(kind, parts)``; :class:`_Skip` where it is not
+    """What a fresh output is made from: ``(kind, parts)``; :class:`Unkeyed` where it is not
     one of this module's exact cases."""
     if type(out) in _TENSORS:
         if type(out) is not torch.Tensor or out.requires_grad or out.storage_offset():
-            raise _Skip
+            raise Unkeyed
         _meta_key(out, None)
         made = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
         if made.untyped_storage().nbytes() != out.untyped_storage().nbytes():
-            raise _Skip
+            raise Unkeyed
         return ("t", (tuple(out.shape), out.stride(), out.dtype))
-    if type(out) in _PLAIN:
+    if type(out) in PLAIN:
         return ("v", out)
     if type(out) in (tuple, list):
         return (type(out), tuple(_kept(o) for o in out))
-    raise _Skip
+    raise Unkeyed
 
 
 def _make(kept: tuple):
@@ -129,13 +135,16 @@ class MetaCache:
             return func(*args, **kwargs)  # (a mode below, such as a fake one, makes them)
         key: list = [func, torch.get_default_dtype()]
         inputs: list = []
+        def meta_key(t: torch.Tensor) -> tuple:
+            return _meta_key(t, inputs)
+
         try:
-            _flatten(key, args, inputs)
+            flatten_key(key, args, _TENSORS, meta_key)
             if kwargs:
                 for name, value in kwargs.items():
                     key.append(name)
-                    _flatten(key, (value,), inputs)
-        except _Skip:
+                    flatten_key(key, (value,), _TENSORS, meta_key)
+        except Unkeyed:
             return func(*args, **kwargs)
         if not inputs:  # a factory: left to the kernel
             return func(*args, **kwargs)
@@ -153,7 +162,7 @@ class MetaCache:
         elif len(set(made)) == len(made):
             try:
                 self.kept[key_t] = _kept(out)
-            except _Skip:
+            except Unkeyed:
                 pass
         return out
 
