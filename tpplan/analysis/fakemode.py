@@ -37,7 +37,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense_
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
-from ..parallel.metacache import Unkeyed, flatten_key
+from ..parallel.metacache import Unkeyed, flatten_key, recipe, remake
 
 __all__ = ["TraceMode", "fake_mode"]
 
@@ -58,14 +58,13 @@ def _plain_meta(args, kwargs) -> bool:
         and kwargs.get("layout") in (None, torch.strided) and _dense_strides(t)
 
 
-_Unusual = Unkeyed  # an argument the fast key does not take: PyTorch's own key is built
 _FAKE = (FakeTensor,)
 
 
 def _dense(mode: FakeTensorMode, t: FakeTensor) -> tuple:
     if t.fake_mode is not mode or t.constant is not None or t.layout is not torch.strided \
             or t._has_symbolic_sizes_strides:
-        raise _Unusual
+        raise Unkeyed
     return (t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(),
             t.untyped_storage().nbytes(), t.requires_grad, t.is_quantized, t.is_conj(),
             t.is_neg(), t.is_inference())
@@ -76,15 +75,8 @@ def _flatten(mode: FakeTensorMode, out: list, args) -> None:
     if kind is list or kind is tuple:
         out += (kind, len(args))
     elif kind is not type({}.keys()) and kind is not type({}.values()):
-        raise _Unusual  # a dict, or an iterable PyTorch's key knows how to take
+        raise Unkeyed  # a dict, or an iterable PyTorch's key knows how to take
     flatten_key(out, args, _FAKE, lambda t: _dense(mode, t))
-
-
-def _spans(t: FakeTensor) -> bool:
-    """Whether ``t``'s storage is exactly what its shape and strides span."""
-    with torch._C._DisableTorchDispatch():
-        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return made.untyped_storage().nbytes() == t.untyped_storage().nbytes()
 
 
 class TraceMode(FakeTensorMode):
@@ -118,38 +110,31 @@ class TraceMode(FakeTensorMode):
 
     def _functional(self, func, types, args):
         """A functional collective (PyTorch's cache passes its namespace by) served from
-        this mode's own: kept by the fast key of its arguments where its outputs are
-        fresh fake tensors, each of the storage its shape and strides span, none on an
-        input's storage (its meta kernel allocates them: ``wait_tensor``'s is
-        ``empty_like``); anything else runs every time."""
+        this mode's own: kept by the fast key of its arguments where its outputs are fresh
+        fake tensors (:func:`~tpplan.parallel.metacache.recipe`; its meta kernel allocates
+        them: ``wait_tensor``'s is ``empty_like``); anything else runs every time."""
         key: list = [func]
         try:
             _flatten(self, key, args)
-        except _Unusual:
+        except Unkeyed:
             return super().dispatch(func, types, args, {})
         kept = self._collectives.get(tuple(key))
         if kept is not None:
-            with torch._C._DisableTorchDispatch():
-                made = [FakeTensor(self, torch.empty_strided(shape, stride, dtype=dtype,
-                                                             device="meta"), device)
-                        for shape, stride, dtype, device in kept]
-            return made[0] if len(made) == 1 else tuple(made)
+            return remake(kept, lambda t, device: FakeTensor(self, t, device))
         out = super().dispatch(func, types, args, {})
-        outs = [out] if type(out) is FakeTensor else list(out) if type(out) is tuple else None
         inputs = {a.untyped_storage()._cdata for a in tree_flatten(args)[0]
                   if isinstance(a, torch.Tensor)}
-        if outs and all(type(o) is FakeTensor and not o.requires_grad and not o.storage_offset()
-                        and o.untyped_storage()._cdata not in inputs and _spans(o) for o in outs) \
-                and len({o.untyped_storage()._cdata for o in outs}) == len(outs):
-            self._collectives[tuple(key)] = [(tuple(o.shape), o.stride(), o.dtype, o.device)
-                                             for o in outs]
+        try:
+            self._collectives[tuple(key)] = recipe(out, inputs, FakeTensor)
+        except Unkeyed:
+            pass
         return out
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
         out: list = [_TAG]
         try:
             _flatten(self, out, args)
-        except _Unusual:
+        except Unkeyed:  # an argument the fast key does not take: PyTorch's own key
             return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
         result += out
         return None

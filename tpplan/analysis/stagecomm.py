@@ -25,6 +25,7 @@ import torch
 
 from ..models import build_model
 from ..parallel.fsdp_units import ROOT, unit_shapes
+from ..parallel.metacache import MetaCacheMode
 from ..parallel.lora_sizes import same_in_every_block
 from ..parallel.pipeline import StageBuilder, stage_module
 from ..parallel.resolve import AC_BLOCKS, match_modules, resolve
@@ -36,7 +37,6 @@ from .stagemem import kept_split, p2p_per_rank, reported_ranks
 from .steptrace import StageIO
 from .batchtrace import traced_in_batch
 from .checkcache import PartCache
-from ..parallel.metacache import MetaCacheMode
 from .tptrace import TPTrace, identical_blocks, trace_tp
 
 __all__ = ["pipeline_comm", "pipeline_fsdp_rows", "StageComm"]

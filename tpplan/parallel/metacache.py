@@ -36,7 +36,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MetaCache", "META", "MetaCacheMode", "PLAIN", "Unkeyed", "flatten_key"]
+__all__ = ["MetaCache", "META", "MetaCacheMode", "PLAIN", "Unkeyed", "flatten_key", "recipe",
+           "remake", "spans"]
 
 PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
                     torch.memory_format))
@@ -75,40 +76,61 @@ def flatten_key(out: list, args, tensors: tuple, key: Callable[[torch.Tensor], t
             raise Unkeyed
 
 
-def _kept(out) -> tuple:
-    """What a fresh output is made from: ``(kind, parts)``; :class:`Unkeyed` where it is not
-    one of this module's exact cases."""
-    if type(out) in _TENSORS:
-        if type(out) is not torch.Tensor or out.requires_grad or out.storage_offset():
-            raise Unkeyed
-        _meta_key(out, None)
-        made = torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device="meta")
-        if made.untyped_storage().nbytes() != out.untyped_storage().nbytes():
-            raise Unkeyed
-        return ("t", (tuple(out.shape), out.stride(), out.dtype))
-    if type(out) in PLAIN:
-        return ("v", out)
-    if type(out) in (tuple, list):
-        return (type(out), tuple(_kept(o) for o in out))
-    raise Unkeyed
+def spans(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is exactly what its shape and strides span."""
+    with torch._C._DisableTorchDispatch():
+        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return made.untyped_storage().nbytes() == t.untyped_storage().nbytes()
 
 
-def _make(kept: tuple):
-    kind, parts = kept
-    if kind == "t":
-        shape, stride, dtype = parts
-        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    if kind == "v":
-        return parts
-    return kind(_make(p) for p in parts)
-
-
-def _storages(out, into: list) -> None:
+def _storages(out, into: list) -> list:
     if isinstance(out, torch.Tensor):
         into.append(out.untyped_storage()._cdata)
     elif isinstance(out, (tuple, list)):
         for o in out:
             _storages(o, into)
+    return into
+
+
+def _recipe(out, tensor_type: type) -> tuple:
+    if isinstance(out, torch.Tensor):
+        if type(out) is not tensor_type or (tensor_type is torch.Tensor and not out.is_meta) \
+                or out.layout is not torch.strided or out.is_conj() or out.is_neg() \
+                or out.requires_grad or out.storage_offset() or not spans(out):
+            raise Unkeyed
+        return ("t", (tuple(out.shape), out.stride(), out.dtype, out.device))
+    if type(out) in PLAIN:
+        return ("v", out)
+    if type(out) in (tuple, list):
+        return (type(out), tuple(_recipe(o, tensor_type) for o in out))
+    raise Unkeyed
+
+
+def recipe(out, inputs: set, tensor_type: type = torch.Tensor) -> tuple:
+    """How :func:`remake` makes ``out`` anew, where every tensor in it is fresh: of
+    ``tensor_type`` (a plain one on meta), on a storage of its own (no input's in
+    ``inputs``, by ``_cdata``, nor another output's) of exactly the bytes its shape and
+    strides span, at offset 0, strided, no conjugate or negative bit, no autograd; plain
+    values as they are, in tuples and lists. :class:`Unkeyed` otherwise. (The fake mode's
+    cache of the functional collectives, :mod:`tpplan.analysis.fakemode`, keeps them so too.)"""
+    made = _storages(out, [])
+    if len(set(made)) != len(made) or not inputs.isdisjoint(made):
+        raise Unkeyed
+    return _recipe(out, tensor_type)
+
+
+def remake(kept: tuple, wrap: Callable[[torch.Tensor, torch.device], torch.Tensor] | None = None):
+    """The outputs :func:`recipe` kept, made anew: each tensor a new meta tensor of its
+    shape, strides and dtype (``wrap(tensor, device)``'s, for a fake one)."""
+    kind, parts = kept
+    if kind == "t":
+        shape, stride, dtype, device = parts
+        with torch._C._DisableTorchDispatch():
+            t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        return t if wrap is None else wrap(t, device)
+    if kind == "v":
+        return parts
+    return kind(remake(p, wrap) for p in parts)
 
 
 class MetaCache:
@@ -152,18 +174,14 @@ class MetaCache:
         kept = self.kept.get(key_t)
         if kept is not None:
             self.hits += 1
-            return _make(kept)
+            return remake(kept)
         out = func(*args, **kwargs)
         self.misses += 1
-        made: list = []
-        _storages(out, made)
-        if set(made) & set(inputs):  # an output on an input's storage, its schema says not
-            self._ops[func] = False  # (``_unsafe_view``): never kept
-        elif len(set(made)) == len(made):
-            try:
-                self.kept[key_t] = _kept(out)
-            except Unkeyed:
-                pass
+        try:
+            self.kept[key_t] = recipe(out, set(inputs))
+        except Unkeyed:
+            if not set(inputs).isdisjoint(_storages(out, [])):  # on an input's storage, its
+                self._ops[func] = False  # schema says not (``_unsafe_view``): never kept
         return out
 
 

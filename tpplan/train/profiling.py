@@ -67,8 +67,9 @@ class _Annotate:
         def dim_of(group_name: str) -> str:
             """The mesh's own groups by name; any other (the experts' ep and efsdp groups,
             a flattened dimension) by the dimension DeviceMesh made it for, as the dry run
-            names them (their ranks may be another dimension's: ep 4 of 4 holds
-            dp_shard's); else by its ranks."""
+            names them (their ranks may be another dimension's, or no dimension's: ep 2 of
+            dp_shard 4); else by its ranks. A group spanning every rank is the default
+            group, the mesh's own (docs/training.md)."""
             if group_name not in by_name:
                 from torch.distributed.distributed_c10d import _resolve_process_group
 
