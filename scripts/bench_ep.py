@@ -87,7 +87,7 @@ def _hand(block, group, rank: int):
 def _tpplan(block, mesh):
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.parallel.expert_parallel import ExpertParallel
+    from tpplan.parallel.experts.style import ExpertParallel
 
     parallelize_module(block.experts, mesh, ExpertParallel())
     return block

@@ -40,7 +40,7 @@ CASES = {  # name: (plan, GPUs, --set lines); every case runs on H100s, --top 5
 
 
 def one(name: str) -> None:
-    from tpplan.analysis.search import search
+    from tpplan.analysis.search.ranking import search
     from tpplan.plan.devices import DEVICES
 
     plan, gpus, sets = CASES[name]

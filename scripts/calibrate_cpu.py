@@ -27,8 +27,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 
-from tpplan.analysis.calibration import fit_report, measured_step  # noqa: E402
-from tpplan.analysis.cost import DEFAULT_CONSTANTS  # noqa: E402
+from tpplan.analysis.cost.calibration import fit_report, measured_step  # noqa: E402
+from tpplan.analysis.cost.step_time import DEFAULT_CONSTANTS  # noqa: E402
 from tpplan.plan.devices import GiB, Device  # noqa: E402
 
 SIZE = ["model.kwargs={n_layers: 4, dim: 256, n_heads: 8, n_kv_heads: 4}", "train.seq_len=128",
@@ -108,7 +108,7 @@ def main() -> int:
     fitted, fit_rows = fit_report([metrics[names[0]]], None, [], cpu, 2, c)
     measured_b = measured_step(metrics[names[1]])["step_time"]
     from tpplan.analysis import ANALYSES
-    from tpplan.analysis.cost import estimate_step
+    from tpplan.analysis.cost.step_time import estimate_step
     from tpplan.analysis.dryrun import dry_run
 
     r = dry_run(str(metrics[names[1]].parent / "plan.yaml"), 2, [], ANALYSES)

@@ -24,9 +24,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tpplan.analysis import ANALYSES  # noqa: E402
-from tpplan.analysis.cost import DEFAULT_CONSTANTS, estimate_step  # noqa: E402
+from tpplan.analysis.cost.step_time import DEFAULT_CONSTANTS, estimate_step  # noqa: E402
 from tpplan.analysis.dryrun import dry_run  # noqa: E402
-from tpplan.analysis.schedule import schedule_facts  # noqa: E402
+from tpplan.analysis.cost.schedule import schedule_facts  # noqa: E402
 from tpplan.plan.devices import DEVICES  # noqa: E402
 
 # torchtitan's benchmark H100s, as its pages describe them (asyncTP page): "The H100 GPUs used
@@ -126,7 +126,7 @@ LAYOUT = ("mesh", "activation_checkpointing", "train.micro_batch_size", "pipelin
 
 def searched(plan: str, device, world: int, sets: list[str], constants) -> dict:
     """``search``'s first layout for the row's plan with its layout settings left open."""
-    from tpplan.analysis.search import search
+    from tpplan.analysis.search.ranking import search
 
     t0 = time.perf_counter()
     data = search(plan, world, device, [s for s in sets if not s.startswith(LAYOUT)],

@@ -1,5 +1,5 @@
 """Measure bf16 GEMM rates on this GPU at the shapes a rank of the Llama 3 models runs, and
-set each beside the cost model's shape efficiency (``tpplan.analysis.gemm``), which was
+set each beside the cost model's shape efficiency (``tpplan.analysis.cost.gemm``), which was
 taken from NVIDIA's tile and wave quantization rules and the roofline, not fitted to this.
 
     PYTHONPATH=. python scripts/gemm_shapes.py [--preset h100|h200] [--json]
@@ -17,7 +17,7 @@ import statistics
 import sys
 
 # (label, M, N, K): a Linear's forward Y = X Wᵀ is tokens × out × in, dX is tokens × in ×
-# out, dW is out × in × tokens (tpplan.analysis.gemm.linear_efficiencies).
+# out, dW is out × in × tokens (tpplan.analysis.cost.gemm.linear_efficiencies).
 MODELS = {  # name: width, feed-forward width, KV width (8 KV heads of 128)
     "8b": (4096, 14336, 1024),
     "70b": (8192, 28672, 1024),
@@ -60,7 +60,7 @@ def measure(m: int, n: int, k: int, reps: int = 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from tpplan.analysis.gemm import gemm_efficiency
+    from tpplan.analysis.cost.gemm import gemm_efficiency
     from tpplan.plan.devices import DEVICES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

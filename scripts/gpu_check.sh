@@ -67,7 +67,7 @@ fi
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 GPU=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
 TORCH=$("$PY" -c "import torch; print(torch.__version__)")
-PRESET=$("$PY" -c "from tpplan.analysis.runcheck import device_preset as d; p = d('$GPU'); print(p.name if p else '')")
+PRESET=$("$PY" -c "from tpplan.analysis.runs.expected import device_preset as d; p = d('$GPU'); print(p.name if p else '')")
 echo "gpu_check: $NGPU × $GPU, torch $TORCH, device preset '${PRESET:-none}', $STEPS steps per run, runs in $OUT"
 mkdir -p "$OUT"
 

@@ -226,7 +226,7 @@ MAX_PARAMS = 20_000_000  # a "tiny" config past this left a size field unshrunk
 
 
 def _run(names: list[str], modes: list[str], out: Path, world: int, log) -> list[Cell]:
-    from tpplan.analysis.numerics import (compare, parallel_steps, reference_step,
+    from tpplan.analysis.verify.numerics import (compare, parallel_steps, reference_step,
                                           verify_step)
     from tpplan.plan.errors import PlanError, PlanErrors
 

@@ -29,7 +29,7 @@ TOLERANCE = 1e-5
 
 
 def _worst(a, b) -> float:
-    from tpplan.analysis.numerics import rel_err
+    from tpplan.analysis.verify.numerics import rel_err
 
     return rel_err(a, b)
 
@@ -41,7 +41,7 @@ def check(model_type: str, folder: Path, stages: int = 3) -> tuple[str, float | 
     import tpplan
     from tpplan.models import build_model
     from tpplan.models.hf_stages import enable_stages, layout_refusal
-    from tpplan.parallel.pipeline import split_stages, stage_module
+    from tpplan.parallel.pipeline.split import split_stages, stage_module
 
     fields = {"num_hidden_layers": 2 * stages, "tie_word_embeddings": False}
     config = sweep_hf.tiny_config(model_type, **fields)

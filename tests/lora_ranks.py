@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import tpplan
 from tpplan.models import build_model
-from tpplan.parallel.lora import lora_targets, saved_modules
+from tpplan.parallel.lora.adapters import lora_targets, saved_modules
 from tpplan.parallel.mesh import dp_rank as data_parallel_rank
 from tpplan.parallel.runtime import as_spawned_rank, ensure_process_group, spawn
 from tpplan.train.optim import make_optimizer

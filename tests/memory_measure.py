@@ -129,7 +129,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
     import torch.nn.functional as F
     import tpplan
     from tpplan.models import build_model, init_weights, materialize
-    from tpplan.parallel.context import shard_batch
+    from tpplan.parallel.context.sequence import shard_batch
     from tpplan.parallel.mesh import dp_rank
 
     warnings.simplefilter("ignore")

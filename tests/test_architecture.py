@@ -17,7 +17,7 @@ from helpers import ROOT
 PACKAGE = ROOT / "tpplan"
 # layer -> level; a module may import its own layer and any layer of a lower level.
 LEVELS = {
-    "plan": 0,
+    "plan": 0, "exports": 0, "_torch": 0,
     "models": 1, "parallel": 1, "checkpoint": 1,
     "api": 2,
     "analysis": 3, "train": 3, "byom": 3,

@@ -11,7 +11,7 @@ import torch
 from helpers import run_main
 
 import tpplan
-from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step
+from tpplan.analysis.verify.numerics import compare, make_batch, parallel_steps, reference_step
 from tpplan.plan.errors import PlanErrors
 
 pytest.importorskip("transformers")
@@ -167,7 +167,7 @@ def test_document_positions_restart_after_each_separator():
                                                       [0, 1, 2, 3, 4, 5, 6, 7, 8]]
     assert document_positions(tokens, None) is None  # bytes: no boundaries
     # cp's attention builds no mask where every row is one document
-    from tpplan.parallel.context_attention import one_document_per_row
+    from tpplan.parallel.context.attention import one_document_per_row
 
     assert not one_document_per_row(document_positions(tokens, 0))
     assert one_document_per_row(torch.arange(9).expand(2, -1))
@@ -275,7 +275,7 @@ def test_fit_proposes_the_smallest_cp_that_fits(root, monkeypatch):
     each degree dry-run again, the first that fits proposed (here cp 4: cp 2 falls short)."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
-    from tpplan.analysis.fit import fit, needed
+    from tpplan.analysis.memory.fit import fit, needed
     from tpplan.plan.devices import GiB, Device
 
     monkeypatch.chdir(root)

@@ -10,7 +10,7 @@ import pytest
 from helpers import PLANS
 
 from tpplan.analysis import ANALYSES
-from tpplan.analysis.cost import DEFAULT_CONSTANTS, CostConstants, estimate_step, links
+from tpplan.analysis.cost.step_time import DEFAULT_CONSTANTS, CostConstants, estimate_step, links
 from tpplan.analysis.dryrun import dry_run
 from tpplan.plan.devices import Device
 
@@ -143,8 +143,8 @@ def test_calibration_reproduces_a_real_runs_step_time(reference_run, capsys):
 
     from helpers import run_main
 
-    from tpplan.analysis.calibration import measured_step
-    from tpplan.analysis.cost import calibrate
+    from tpplan.analysis.cost.calibration import measured_step
+    from tpplan.analysis.cost.step_time import calibrate
 
     metrics = reference_run / "metrics.jsonl"
     measured = measured_step(metrics)
@@ -179,7 +179,7 @@ def test_latency_dominates_tiny_messages_and_bandwidth_large_ones():
     latency nothing. Steps per algorithm: ring all-reduce 2(n-1), all-gather and
     reduce-scatter n-1, all-to-all n-1 (pairwise), a send 1; a group over k nodes pays the
     network's α on the k-1 steps per pass that cross nodes."""
-    from tpplan.analysis.collectives import collective_time, latency, steps
+    from tpplan.analysis.cost.collectives import collective_time, latency, steps
 
     assert [steps(k, 8) for k in ("all_reduce", "all_gather", "reduce_scatter",
                                   "all_to_all", "send")] == [14, 7, 7, 7, 1]
@@ -203,7 +203,7 @@ def test_gemm_efficiency_rises_with_size_and_falls_with_unfriendly_shapes():
     square GEMMs get faster per FLOP with size up to 1; one tile more than the SMs (133 on
     132) takes two waves; a dimension one past a tile wastes most of the next tile; a
     skinny GEMM (K = 64) is memory-bound."""
-    from tpplan.analysis.gemm import gemm_efficiency
+    from tpplan.analysis.cost.gemm import gemm_efficiency
 
     rate = H100.bf16_flops * 0.5
     sizes = [64, 256, 1024, 4096, 16384]
@@ -229,7 +229,7 @@ def test_the_compute_term_reads_each_ranks_matrix_shapes():
     compute term is each GEMM's FLOPs over the rate times its own efficiency, summed. Here
     recomputed by hand for the single-block model on one rank, then the per-rank shapes at
     tp 2 make each FLOP slower than at tp 1."""
-    from tpplan.analysis.gemm import gemm_efficiency
+    from tpplan.analysis.cost.gemm import gemm_efficiency
 
     sets = ["model.kwargs={n_layers: 1, dim: 512, n_heads: 8, n_kv_heads: 8}",
             "train.seq_len=64", "train.global_batch_size=4", "fsdp=null",
@@ -274,7 +274,7 @@ def test_expert_and_context_parallel_terms():
     what a rotation takes beyond it; all-gather CP is an all-gather on the critical path.
     Rows of source ``ep`` in ``comm_per_step`` become the ``ep`` term, hidden up to
     ``ep_overlap``."""
-    from tpplan.analysis import cost
+    from tpplan.analysis.cost import step_time as cost
 
     a2a = cost.all_to_all_time(64 * 2**20, 8, "intra", H100)
     assert a2a == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 7 / 8 * 64 * 2**20 / 450e9)
@@ -308,7 +308,7 @@ def test_the_bound_never_exceeds_the_estimate():
     import random
 
     from tpplan.analysis import fsdp_rows, traced_rows
-    from tpplan.analysis.cost import step_time_bound
+    from tpplan.analysis.cost.step_time import step_time_bound
     from tpplan.plan.devices import DEVICES
 
     rng = random.Random(27)
@@ -368,7 +368,7 @@ def test_calibration_fits_what_the_runs_tell_apart(tmp_path):
     reproduces its own step."""
     import json
 
-    from tpplan.analysis.calibration import fit_report
+    from tpplan.analysis.cost.calibration import fit_report
 
     dev = Device("cpu", 8 * 2**30, bf16_flops=50e9, intra_node_bandwidth=2e9,
                  inter_node_bandwidth=1e9, collective_latency=0.0, intra_node_latency=20e-6)
@@ -405,7 +405,7 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_runs_through(sets):
     import torch
 
     import tpplan
-    from tpplan.analysis.flops import model_flops
+    from tpplan.analysis.cost.flops import model_flops
     from tpplan.models import build_model
 
     plan = tpplan.load(PLANS / "moe.yaml", sets)

@@ -1,4 +1,4 @@
-"""One memory trace serves every ``dp_shard`` of a layout (:mod:`tpplan.analysis.dpscale`):
+"""One memory trace serves every ``dp_shard`` of a layout (:mod:`tpplan.analysis.memory.dp_shards`):
 the moments ``search`` scales from a step traced at another dp_shard equal those of a dry
 run at that dp_shard, moment for moment, on several layouts; where scaling would not be
 exact (a parameter padded, FSDP2 over one rank) the step is traced instead."""
@@ -10,7 +10,7 @@ from helpers import PLANS
 from test_search import _evaluated
 
 from tpplan.analysis import analyze_memory
-from tpplan.analysis.dpscale import ScaledTrace
+from tpplan.analysis.memory.dp_shards import ScaledTrace
 from tpplan.analysis.dryrun import dry_run
 
 PLAN = str(PLANS / "llama.yaml")

@@ -16,7 +16,7 @@ from helpers import PLANS, TEST_PLANS
 
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.tptrace import trace_tp
+from tpplan.analysis.comm.tp_trace import trace_tp
 from tpplan.cli import main
 from tpplan.models import build_model
 from tpplan.parallel.fsdp_units import unit_sizes
@@ -39,7 +39,7 @@ def _real_worker(rank: int, world: int, port: int, plan_path: str, overrides: li
     from torch.distributed.tensor import DTensor
 
     import tpplan
-    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.analysis.comm.counting import CollectiveRecorder
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -128,7 +128,7 @@ def test_the_recorder_lets_a_model_write_into_a_modules_output_and_names_backwar
     runs under the recorder with the gradients it has without it, and a backward operation
     placed after a module's forward (as a style's output hook places its redistribution) is
     named for that module, also where the parent returns the module's output as it is."""
-    from tpplan.analysis.counting import CollectiveRecorder
+    from tpplan.analysis.comm.counting import CollectiveRecorder
 
     seen: list[str] = []
     recorder: list[CollectiveRecorder] = []

@@ -17,8 +17,8 @@ from helpers import ROOT
 
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.experts import ExpertsModule, distinct_remote_ranks, expert_all_to_all
-from tpplan.analysis.fit import fit, needed
+from tpplan.analysis.comm.experts import ExpertsModule, distinct_remote_ranks, expert_all_to_all
+from tpplan.analysis.memory.fit import fit, needed
 from tpplan.plan.devices import DEVICES
 
 pytest.importorskip("transformers")

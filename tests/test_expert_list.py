@@ -76,10 +76,10 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
 
     import tpplan
     from tpplan import checkpoint as ckpt
-    from tpplan.analysis.counting import CollectiveRecorder
-    from tpplan.analysis.numerics import make_batch
+    from tpplan.analysis.comm.counting import CollectiveRecorder
+    from tpplan.analysis.verify.numerics import make_batch
     from tpplan.models import build_model
-    from tpplan.parallel.expert_list import expert_list_groups
+    from tpplan.parallel.experts.module_list import expert_list_groups
     from tpplan.parallel.runtime import as_spawned_rank
     from tpplan.train.optim import clip_grad_norm
 
@@ -136,7 +136,7 @@ def test_expert_list_held_per_rank_counted_by_the_dry_run_and_resharded_by_check
 
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
-    from tpplan.analysis.numerics import make_batch
+    from tpplan.analysis.verify.numerics import make_batch
     from tpplan.checkpoint import latest, read_model_state
     from tpplan.models import build_model
     from tpplan.parallel.runtime import spawn

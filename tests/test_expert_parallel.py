@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, run_main
 
-from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -220,8 +220,8 @@ def _a2a_run(rank: int, world: int, plan_path: str, overrides: list, out: str) -
     import torch.distributed._functional_collectives as fc
 
     import tpplan
-    from tpplan.analysis.counting import CollectiveRecorder
-    from tpplan.analysis.numerics import make_batch
+    from tpplan.analysis.comm.counting import CollectiveRecorder
+    from tpplan.analysis.verify.numerics import make_batch
     from tpplan.models import build_model
     from tpplan.parallel.mesh import dp_rank
 
@@ -323,9 +323,9 @@ def test_dry_run_all_to_all_is_what_a_real_run_issues(configs, tmp_path, capsys)
 
 def _counts_bytes(model) -> int:
     """The bytes of the counts exchanged before each routed dispatch, one per expert."""
-    from tpplan.analysis.experts import COUNT_BYTES
-    from tpplan.parallel.expert_forms import call_form
-    from tpplan.parallel.expert_parallel import expert_count
+    from tpplan.analysis.comm.experts import COUNT_BYTES
+    from tpplan.parallel.experts.forms import call_form
+    from tpplan.parallel.experts.style import expert_count
 
     return sum(COUNT_BYTES * m.num_experts for m in model.modules()
                if expert_count(m) and call_form(m) != "dense")
@@ -339,9 +339,9 @@ def all_to_all_as_predicted(cases: list) -> list:
     run and its all-to-all figures."""
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
-    from tpplan.analysis.experts import ep_figures
-    from tpplan.parallel.expert_forms import call_form
-    from tpplan.parallel.expert_parallel import expert_count
+    from tpplan.analysis.comm.experts import ep_figures
+    from tpplan.parallel.experts.forms import call_form
+    from tpplan.parallel.experts.style import expert_count
     from tpplan.parallel.runtime import spawn
 
     comm = [a for a in ANALYSES if a[0] == "comm_per_step"]
@@ -419,8 +419,8 @@ def test_expert_ids_out_of_range_refused_and_every_local_expert_has_a_gradient()
     use a zero gradient; with no row at all, the tie does."""
     import torch
 
-    from tpplan.parallel.expert_forms import local_experts, tie_experts
-    from tpplan.parallel.expert_parallel import dispatch_counts
+    from tpplan.parallel.experts.forms import local_experts, tie_experts
+    from tpplan.parallel.experts.style import dispatch_counts
 
     ids = torch.tensor([[0, 3], [3, 1]])
     assert dispatch_counts(ids, 4).tolist() == [1, 1, 0, 2]

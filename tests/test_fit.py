@@ -9,7 +9,7 @@ from helpers import PLANS
 
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.fit import ALLOCATOR_OVERHEAD, RUNTIME_RESERVE, needed
+from tpplan.analysis.memory.fit import ALLOCATOR_OVERHEAD, RUNTIME_RESERVE, needed
 from tpplan.cli import main
 from tpplan.plan.devices import DEVICES, parse_bytes
 

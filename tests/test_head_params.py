@@ -12,7 +12,7 @@ import sys
 import pytest
 from helpers import ROOT, run_main
 
-from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 from tpplan.api import load
 from tpplan.models import build_model
 

@@ -15,7 +15,7 @@ from helpers import TEST_PLANS, tpplan_cli
 pytest.importorskip("transformers")
 
 import tpplan  # noqa: E402
-from tpplan.analysis.numerics import compare, make_batch, parallel_step, reference_step  # noqa: E402
+from tpplan.analysis.verify.numerics import compare, make_batch, parallel_step, reference_step  # noqa: E402
 
 HF = TEST_PLANS / "hf"
 

@@ -9,7 +9,7 @@ import json
 import pytest
 from helpers import run_main
 
-from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""LoRA (tpplan/parallel/lora.py): the ``lora`` section's located errors, and adapters under
+"""LoRA (tpplan/parallel/lora/adapters.py): the ``lora`` section's located errors, and adapters under
 TP + SP + loss parallel + FSDP2 (+ activation checkpointing) and pp 2 × tp 2 on 4 gloo
 processes against ``peft``'s own LoRA on one device (tests/lora_ranks.py)."""
 
@@ -18,8 +18,8 @@ import sweep_hf  # noqa: E402
 from lora_ranks import peft_reference, run_jobs  # noqa: E402
 
 import tpplan  # noqa: E402
-from tpplan.analysis.comparison import rel_err  # noqa: E402
-from tpplan.analysis.numerics import make_batch  # noqa: E402
+from tpplan.analysis.verify.comparison import rel_err  # noqa: E402
+from tpplan.analysis.verify.numerics import make_batch  # noqa: E402
 from tpplan.models import build_model  # noqa: E402
 from tpplan.models.introspect import vocab_size  # noqa: E402
 
@@ -355,7 +355,7 @@ def test_the_dry_run_counts_gradients_and_adamw_state_for_the_adapters_only(caps
 
     from tpplan.analysis import ANALYSES, moduletable
     from tpplan.analysis.dryrun import dry_run
-    from tpplan.analysis.fit import LORA_RANK, needed
+    from tpplan.analysis.memory.fit import LORA_RANK, needed
 
     memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
     plan = str(ROOT / "plans" / "llama.yaml")

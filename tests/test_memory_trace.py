@@ -8,7 +8,7 @@ import torch
 from helpers import PLANS
 
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.memory import first_forward, memory_per_rank
+from tpplan.analysis.memory.per_rank import first_forward, memory_per_rank
 from tpplan.models import build_model
 
 
@@ -47,8 +47,8 @@ def test_a_first_forward_run_once_shallow_and_extrapolated_equals_running_every_
     14) and extrapolated from the activations each period of blocks adds equals running
     every block. That one run's figure is a probe of a model built at its depth, and the
     periods past the second each add the same bytes."""
-    import tpplan.analysis.memory as memory
-    from tpplan.analysis.steptrace import first_forward_ends, forward_activations, trace_step
+    import tpplan.analysis.memory.per_rank as memory
+    from tpplan.analysis.memory.step import first_forward_ends, forward_activations, trace_step
 
     runs = []
 
@@ -87,7 +87,7 @@ def test_a_first_forward_run_once_shallow_and_extrapolated_equals_running_every_
 
 def test_the_trace_mode_keys_two_calls_alike_only_where_pytorch_does():
     """The memory trace's fake mode builds its own dispatch-cache key for plain dense fake
-    tensors (tpplan.analysis.fakemode): two argument lists get the same key only where
+    tensors (tpplan.analysis.fake.tensors): two argument lists get the same key only where
     PyTorch's own key is the same, and what it does not take (a dict, a real tensor) gets
     PyTorch's key."""
     import itertools
@@ -96,7 +96,7 @@ def test_the_trace_mode_keys_two_calls_alike_only_where_pytorch_does():
     from torch._subclasses._fake_tensor_utils import _CacheKeyState
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tpplan.analysis.fakemode import TraceMode, fake_mode
+    from tpplan.analysis.fake.tensors import TraceMode, fake_mode
 
     mode = fake_mode()
     assert isinstance(mode, TraceMode)
@@ -138,7 +138,7 @@ def test_the_trace_mode_takes_unsafe_view_and_a_meta_tensors_empty_like_from_its
     a meta tensor whose strides are not dense takes PyTorch's path."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tpplan.analysis.fakemode import fake_mode
+    from tpplan.analysis.fake.tensors import fake_mode
 
     dense = torch.empty(6, 4, device="meta").t()  # strides (1, 4): dense, not contiguous
     gappy = torch.empty(6, 8, device="meta")[:, ::2]  # not dense
@@ -176,8 +176,8 @@ def test_a_step_traced_in_the_trace_mode_equals_one_in_pytorchs_fake_mode(overri
     ``FakeTensorMode``: every moment equal."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import tpplan.analysis.steptrace as steptrace
-    from tpplan.analysis.steptrace import trace_step
+    import tpplan.analysis.memory.step as steptrace
+    from tpplan.analysis.memory.step import trace_step
 
     def both(result) -> None:
         spec, step = result.plan.spec, result.step
@@ -206,7 +206,7 @@ def test_a_cut_copy_is_the_model_built_and_cut_and_traces_the_same():
     afresh and cut there, the model it copies from left whole and untouched by the copy's
     changes; a deep model's memory traced from such copies equals one traced from fresh
     builds, moment for moment."""
-    from tpplan.analysis.steptrace import ModelBuilder, truncated
+    from tpplan.analysis.memory.step import ModelBuilder, truncated
 
     def both(result) -> None:
         spec, step = result.plan.spec, result.step

@@ -1,4 +1,4 @@
-"""The meta kernels' output cache (tpplan/parallel/metacache.py) against the kernels
+"""The meta kernels' output cache (tpplan/parallel/meta_kernel_cache.py) against the kernels
 themselves: every operator of a forward and backward on meta, on four models (the
 built-in Llama with grouped KV heads, the built-in MoE with a shared expert, HF Llama, HF
 Qwen3-MoE), makes outputs of the same shape, strides, dtype, storage offset and storage
@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tpplan
 from tpplan.models import build_model
-from tpplan.parallel.metacache import MetaCache, MetaCacheMode
+from tpplan.parallel.meta_kernel_cache import MetaCache, MetaCacheMode
 
 MODELS = {
     "llama-gqa": (PLANS / "llama.yaml", ["model.kwargs.n_layers=3", "model.kwargs.n_heads=8",
@@ -108,7 +108,7 @@ def test_what_the_cache_must_not_keep_runs_every_time():
 ])
 def test_the_tp_trace_counts_the_same_collectives_without_the_cache(plan, overrides,
                                                                     monkeypatch):
-    import tpplan.analysis.counting as counting
+    import tpplan.analysis.comm.counting as counting
     from tpplan.analysis import ANALYSES
     from tpplan.analysis.dryrun import dry_run
 

@@ -33,7 +33,7 @@ PP = ["mesh.pp=2", "pipeline={microbatches: 2}"]
 
 
 def test_builtin_moe_matches_one_device():
-    from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+    from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 
     cases = []
     for name, config in (("wide", WIDE), ("sparse", SPARSE)):

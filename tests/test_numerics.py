@@ -8,7 +8,7 @@ batch on one device, which involves no tpplan code at all.
 import pytest
 
 import tpplan
-from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step
+from tpplan.analysis.verify.numerics import compare, make_batch, parallel_steps, reference_step
 
 CASES = [
     # plan, overrides, world size, mesh it must resolve to (dp_replicate, dp_shard, tp)

@@ -41,7 +41,7 @@ def _full(model) -> dict:
     """Every parameter whole, in the model's order (packed ones un-interleaved)."""
     from torch.distributed.tensor import DTensor
 
-    from tpplan.parallel.packed import to_model_order
+    from tpplan.parallel.tp.packed import to_model_order
     from tpplan.plan.packing import packed_params
 
     packed = packed_params(model)
@@ -53,7 +53,7 @@ def _full(model) -> dict:
 
 
 def _exp_avg(model, opt) -> dict:
-    from tpplan.parallel.packed import to_model_order
+    from tpplan.parallel.tp.packed import to_model_order
     from tpplan.plan.packing import packed_params
 
     packed = packed_params(model)

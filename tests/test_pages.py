@@ -172,7 +172,7 @@ def test_report_on_a_folder_that_is_not_a_run_says_so(tmp_path):
 def test_the_validate_page_shows_the_estimated_step_time(browser, tmp_path):
     """``validate --device h100``'s step-time estimate: every term and the total, as --json."""
     from tpplan.analysis import ANALYSES
-    from tpplan.analysis.cost import estimate_step
+    from tpplan.analysis.cost.step_time import estimate_step
     from tpplan.analysis.dryrun import dry_run
     from tpplan.commands.page import write_page
     from tpplan.plan.devices import DEVICES

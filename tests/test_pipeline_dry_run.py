@@ -17,7 +17,7 @@ from helpers import PLANS, TEST_PLANS
 import tpplan
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.schedule import (TIME, bubble_fraction, fsdp_order, in_flight,
+from tpplan.analysis.cost.schedule import (TIME, bubble_fraction, fsdp_order, in_flight,
                                       schedule_actions, torch_table)
 from tpplan.parallel.runtime import as_spawned_rank, spawn
 
@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], out: str,
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    from tpplan.parallel.context import shard_batch
+    from tpplan.parallel.context.sequence import shard_batch
 
     plan = tpplan.load(plan_path, overrides)
     mesh = plan.build_mesh("cpu")
@@ -409,10 +409,10 @@ def test_a_shallow_trace_of_a_stage_copies_only_the_blocks_it_runs(plan, overrid
     1-3) build the stage with only those blocks copied (``StageBuilder``): each figure is
     the one the whole stage, copied and then cut, gives (a stage whose blocks ``freeze``
     takes differently: every block traced, as from a whole copy)."""
-    from tpplan.analysis.memory import first_forward, memory_per_rank
-    from tpplan.analysis.stagemem import stage_traces
+    from tpplan.analysis.memory.per_rank import first_forward, memory_per_rank
+    from tpplan.analysis.memory.stages import stage_traces
     from tpplan.models import build_model
-    from tpplan.parallel.pipeline import StageBuilder, stage_module
+    from tpplan.parallel.pipeline.split import StageBuilder, stage_module
 
     def whole_copies(run):  # the stage copied whole at every build, the trace cutting it
         def trace(spec, mesh, build, *args, **kwargs):
@@ -445,12 +445,12 @@ def test_a_stage_of_odd_length_under_selective_checkpointing_is_extrapolated_exa
     and last stage, the last taking the first's activation) run once at 7 blocks (the
     remainder on top of 3 periods), its first forward at 9 (on top of 4), and equal running
     every block of the stage."""
-    from tpplan.analysis.memory import first_forward
-    from tpplan.analysis.stagemem import stage_traces
-    from tpplan.analysis.steptrace import StageIO
-    from tpplan.analysis.tptrace import trace_tp
+    from tpplan.analysis.memory.per_rank import first_forward
+    from tpplan.analysis.memory.stages import stage_traces
+    from tpplan.analysis.memory.step import StageIO
+    from tpplan.analysis.comm.tp_trace import trace_tp
     from tpplan.models import build_model
-    from tpplan.parallel.pipeline import split_stages, stage_module
+    from tpplan.parallel.pipeline.split import split_stages, stage_module
     from tpplan.parallel.resolve import resolve
 
     out = {}
@@ -498,10 +498,10 @@ def test_a_rank_too_large_stops_the_stage_traces_at_its_own_figures(schedule, ra
     gives it. With ``first`` (a rank and the activation the first stage sends), that rank's
     two stages alone are traced, whichever it is; a boundary the first stage does not send
     is refused. With nothing over, the figures are those of no ``over`` at all."""
-    from tpplan.analysis.memory import memory_per_rank
-    from tpplan.analysis.stagemem import pipeline_memory
+    from tpplan.analysis.memory.per_rank import memory_per_rank
+    from tpplan.analysis.memory.stages import pipeline_memory
     from tpplan.models import build_model
-    from tpplan.parallel.pipeline import split_stages
+    from tpplan.parallel.pipeline.split import split_stages
 
     out = {}
 
@@ -555,9 +555,9 @@ def test_a_rank_over_stops_the_floor_probes_at_rank_0(schedule, probed):
     1F1B, the first alone under 1F1B), its bound exactly the one the full floor gives it
     and at most that floor. With nothing over, the floor is the full one."""
     from tpplan.analysis.dryrun import fake_process_group
-    from tpplan.analysis.memfloor import memory_floor
-    from tpplan.analysis.memory import first_forward
-    from tpplan.analysis.tracecache import Evaluator
+    from tpplan.analysis.memory.floor import memory_floor
+    from tpplan.analysis.memory.per_rank import first_forward
+    from tpplan.analysis.search.trace_cache import Evaluator
 
     probes = []
 

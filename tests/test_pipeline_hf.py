@@ -17,9 +17,9 @@ import sweep_hf  # noqa: E402
 import sweep_hf_stages  # noqa: E402
 
 import tpplan  # noqa: E402
-from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step  # noqa: E402
+from tpplan.analysis.verify.numerics import compare, make_batch, parallel_steps, reference_step  # noqa: E402
 from tpplan.models import build_model  # noqa: E402
-from tpplan.parallel.pipeline import split_stages, stage_module  # noqa: E402
+from tpplan.parallel.pipeline.split import split_stages, stage_module  # noqa: E402
 
 PP_PLAN = TEST_PLANS / "hf" / "llama-pp.yaml"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import tpplan
-from tpplan.analysis.numerics import compare, make_batch, parallel_steps, reference_step
+from tpplan.analysis.verify.numerics import compare, make_batch, parallel_steps, reference_step
 from tpplan.cli import main
 
 PLAN = "plans/llama-3d.yaml"

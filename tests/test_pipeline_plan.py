@@ -10,8 +10,8 @@ import torch.nn as nn
 import tpplan
 from tpplan.models import build_model
 from tpplan.models.introspect import find_blocks
-from tpplan.parallel.lora_sizes import same_in_every_block
-from tpplan.parallel.pipeline import (StageBlocks, StageBuilder, split_stages, stage_module, stage_ranks,
+from tpplan.parallel.lora.sizes import same_in_every_block
+from tpplan.parallel.pipeline.split import (StageBlocks, StageBuilder, split_stages, stage_module, stage_ranks,
                                       stage_view)
 from tpplan.plan import PlanErrors
 

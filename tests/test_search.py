@@ -11,12 +11,12 @@ import json
 from helpers import PLANS
 
 from tpplan.analysis import ANALYSES
-from tpplan.analysis.candidates import Options, candidates, factorizations
-from tpplan.analysis.cost import estimate_step
+from tpplan.analysis.search.candidates import Options, candidates, factorizations
+from tpplan.analysis.cost.step_time import estimate_step
 from tpplan.analysis.dryrun import dry_run, fake_process_group
-from tpplan.analysis.fit import needed
-from tpplan.analysis.search import search, sharded_state, split_free
-from tpplan.analysis.tracecache import Evaluator
+from tpplan.analysis.memory.fit import needed
+from tpplan.analysis.search.ranking import search, sharded_state, split_free
+from tpplan.analysis.search.trace_cache import Evaluator
 from tpplan.api import load
 from tpplan.cli import main
 from tpplan.plan.devices import DEVICES
@@ -227,7 +227,7 @@ def test_deep_stages_of_any_pp_share_their_shallow_traces():
     which alone are traced whole, take them too once they are kept, as the first forwards
     of 4-block stages (pp 16) take the one run (4 blocks) a deeper stage's kept.
     Each equals an uncached run, which traces every block of the short stages."""
-    from tpplan.analysis.memfloor import memory_floor
+    from tpplan.analysis.memory.floor import memory_floor
 
     base = ["model.kwargs.n_layers=64", "train.seq_len=32", "train.global_batch_size=64",
             "activation_checkpointing={mode: none}"]
@@ -265,9 +265,9 @@ def test_a_pipelines_interior_periods_bound_each_pp_ranks_tp_rows():
     stages of 3 to 6 blocks, one or two stages per rank, checkpointing none, full and
     every second block, two head layouts."""
     from tpplan.analysis import fsdp_rows
-    from tpplan.analysis.cost import step_time_bound
-    from tpplan.analysis.interior import interior_rows
-    from tpplan.analysis.stagemem import pipeline_schedule
+    from tpplan.analysis.cost.step_time import step_time_bound
+    from tpplan.analysis.comm.stage_bound import interior_rows
+    from tpplan.analysis.memory.stages import pipeline_schedule
 
     pipes = [(2, "pipeline={schedule: 1f1b, microbatches: 8}"),  # 6 blocks a stage
              (2, "pipeline={schedule: interleaved_1f1b, microbatches: 8, stages_per_rank: 2}"),
@@ -353,7 +353,7 @@ def test_stages_with_frozen_blocks_in_one_stage_equal_uncached():
     cache reads each stage in place (its blocks, its keys, whether its blocks are alike,
     without a copy); the second schedule, served from the first's stages, has the memory,
     communication and first-forward floor of uncached runs."""
-    from tpplan.analysis.memfloor import memory_floor
+    from tpplan.analysis.memory.floor import memory_floor
     from tpplan.models import build_model
 
     base = ["model.kwargs.n_layers=32", "train.seq_len=32", "train.global_batch_size=16",
@@ -392,9 +392,9 @@ def test_the_first_forward_bounds_the_traced_peak():
     the sharded state and FSDP2's kept gradients are the arithmetic's. A pipeline's bound
     holds rank by rank (``memory_floor``'s ``pp_ranks``, which ``search`` traces first)."""
     from tpplan.analysis import model_blocks
-    from tpplan.analysis.memfloor import memory_floor, state_elements
-    from tpplan.analysis.memory import first_forward
-    from tpplan.analysis.steptrace import trace_step
+    from tpplan.analysis.memory.floor import memory_floor, state_elements
+    from tpplan.analysis.memory.per_rank import first_forward
+    from tpplan.analysis.memory.step import trace_step
     from tpplan.models import build_model
 
     base = SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=8"]  # 8 > 6 blocks:

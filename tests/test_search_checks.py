@@ -1,4 +1,4 @@
-"""``tpplan search``'s checks of its candidates, cached by part (tpplan/analysis/checkcache.py:
+"""``tpplan search``'s checks of its candidates, cached by part (tpplan/analysis/search/check_cache.py:
 the plan's sections by the ``--set`` lines that touch them, a resolution's parts by the
 degrees they read): every candidate of a small search gets exactly the errors (messages and
 places) or the resolution and step of a fresh ``dry_run`` of the plan with its lines, on a
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from helpers import PLANS
 
-from tpplan.analysis.candidates import Options, candidates
+from tpplan.analysis.search.candidates import Options, candidates
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.tracecache import Evaluator
+from tpplan.analysis.search.trace_cache import Evaluator
 from tpplan.models.introspect import find_blocks
 
 

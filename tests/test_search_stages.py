@@ -1,5 +1,5 @@
 """``tpplan search``'s cache of TP traces: a pipeline's stage resolutions and traces
-(tpplan/analysis/stagecomm.py) shared across pp, stages per rank, schedules and
+(tpplan/analysis/comm/stages.py) shared across pp, stages per rank, schedules and
 checkpointing modes where they read none of them, and a trace (a stage's or a whole
 model's) past three micro-batch sizes extrapolated from them, checked affine; every
 communication row (every pp rank's) equal to an uncached dry run's."""
@@ -14,8 +14,8 @@ from test_search import _evaluated
 
 from tpplan.analysis import ANALYSES
 from tpplan.analysis.dryrun import dry_run
-from tpplan.analysis.batchtrace import extrapolated
-from tpplan.analysis.tptrace import TPTrace
+from tpplan.analysis.comm.tp_batch import extrapolated
+from tpplan.analysis.comm.tp_trace import TPTrace
 
 COMM = [a for a in ANALYSES if a[0] == "comm_per_step"]
 

@@ -135,7 +135,7 @@ def _worker(rank, world, port):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.parallel.prepare_io import PrepareInputOutput
+    from tpplan.parallel.tp.prepare_io import PrepareInputOutput
     from tpplan.parallel.runtime import as_spawned_rank
 
     as_spawned_rank(rank, world, port)
@@ -180,8 +180,8 @@ def _raising_forwards_give_back_what_they_swapped(mesh, mine):
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.parallel.expert_list import local_experts_call
-    from tpplan.parallel.sequence_local import SequenceLocal
+    from tpplan.parallel.experts.module_list import local_experts_call
+    from tpplan.parallel.experts.sequence_local import SequenceLocal
 
     block = parallelize_module(_Raises(), mesh, SequenceLocal())
     x = DTensor.from_local(mine, mesh, [Shard(1)])

@@ -11,7 +11,7 @@ import pytest
 from helpers import run_main
 from trainrun import metrics, ok, tpplan_train
 
-from tpplan.analysis.numerics import compare, parallel_steps, reference_step, verify_step
+from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 
 pytest.importorskip("transformers")
 

@@ -53,7 +53,7 @@ def test_a_nan_anywhere_fails_and_shows_in_the_table():
 
     import torch
 
-    from tpplan.analysis.numerics import StepResult, compare
+    from tpplan.analysis.verify.numerics import StepResult, compare
     from tpplan.commands.verify import group_rows
 
     grads = {f"layers.{i}.w": torch.ones(3) for i in range(3)}

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .parallel.mesh import ParallelDims
     from .plan.specs import ModelSpec
     from .parallel.report import ApplyReport
-    from .parallel.stages import Pipeline
+    from .parallel.pipeline.stages import Pipeline
     from .parallel.resolve import Resolution
 
 __all__ = ["Plan", "load"]
@@ -108,7 +108,7 @@ class Plan:
         (docs/pipeline.md). The result has
         ``errors`` (empty when the plan fits) and which modules each rule, unit and
         attribute resolved to. ``part``: a cache of the resolution's parts across variants
-        of one plan (``search``'s, :class:`tpplan.analysis.checkcache.PartCache`).
+        of one plan (``search``'s, :class:`tpplan.analysis.search.check_cache.PartCache`).
         """
         from .parallel.resolve import resolve
         from .plan.errors import run_part
@@ -116,7 +116,7 @@ class Plan:
         res = resolve(self.spec, model, world_size, part=part or run_part)
         if res.pipeline is not None and not res.errors:
             # the stage contract, run on meta (validate, verify and train all come here first)
-            from .parallel.contract import stage_contract
+            from .parallel.pipeline.contract import stage_contract
 
             res.errors.extend(stage_contract(model, res.pipeline, self.spec))
         return res
@@ -162,7 +162,7 @@ class Plan:
             ...     pipe.step(tokens, target=targets, losses=losses)
             >>> optimizer.step()                          # over pipe.parameters()
         """
-        from .parallel.stages import apply_pipeline
+        from .parallel.pipeline.stages import apply_pipeline
 
         if self.spec.pipeline is None:
             from .plan import PlanError, PlanErrors

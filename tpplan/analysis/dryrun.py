@@ -16,9 +16,9 @@ from typing import Any, Callable, Sequence
 from ..api import Plan, load
 from ..checkpoint import checkpoint_bytes
 from ..models import build_model
-from ..parallel.lora_sizes import checkpointed
+from ..parallel.lora.sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
-from .fakegroup import ChunksOnDemand, fake_process_group, forget_meshes
+from .fake.group import ChunksOnDemand, fake_process_group, forget_meshes
 from .moduletable import applied_report
 
 __all__ = ["Analysis", "AnalysisError", "ChunksOnDemand", "DryRun", "MAX_WORLD_SIZE", "dry_run",

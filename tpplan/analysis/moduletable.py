@@ -4,10 +4,10 @@ a model of identical blocks, from the plan applied to its first blocks only.
 Applying a plan to Llama 3 405B's 126 blocks on meta is a tenth of ``validate``'s time, and
 all it shows is a row per module: its rule, style and each parameter's global and local
 shape, placements and dtype. Where the blocks are identical (the same module types,
-parameter shapes and rules in every one, :func:`~tpplan.analysis.tptrace.identical_blocks`,
+parameter shapes and rules in every one, :func:`~tpplan.analysis.comm.tp_trace.identical_blocks`,
 and ``lora`` and ``freeze`` alike in each), a block's rows are another's but for the block's
 index in their paths: the plan is applied to a copy holding the first :data:`DEPTH` blocks
-(:class:`~tpplan.analysis.steptrace.ModelBuilder`), and the last of them stands for every
+(:class:`~tpplan.analysis.memory.step.ModelBuilder`), and the last of them stands for every
 block after it. That the rows of the blocks before it are its own, renamed, is checked; where
 they are not, or applying the cut copy fails (a pipeline split point past it, say), the plan
 is applied to the whole model as before, which reports what is wrong.
@@ -21,7 +21,7 @@ import time
 import torch.nn as nn
 
 from ..api import Plan
-from ..parallel.lora_sizes import same_in_every_block
+from ..parallel.lora.sizes import same_in_every_block
 from ..parallel.report import ApplyReport, ModuleRow
 from ..parallel.resolve import Resolution
 from ..plan import PlanErrors
@@ -51,8 +51,8 @@ def _from_first_blocks(plan: Plan, model: nn.Module, res: Resolution, mesh
                        ) -> list[ModuleRow] | None:
     """The whole model's rows from a copy of its first :data:`DEPTH` blocks, or None."""
     from ..parallel.apply import apply_plan
-    from .steptrace import ModelBuilder
-    from .tptrace import identical_blocks
+    from .memory.step import ModelBuilder
+    from .comm.tp_trace import identical_blocks
 
     found = identical_blocks(model, res.rule_of)
     if found is None or not same_in_every_block(plan.spec, model):

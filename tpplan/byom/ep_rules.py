@@ -7,7 +7,7 @@ import re
 
 import torch.nn as nn
 
-from ..parallel.expert_parallel import expert_count, experts_for_ep
+from ..parallel.experts.style import expert_count, experts_for_ep
 from ..plan.patterns import compile_pattern
 
 __all__ = ["ep_patterns", "ep_proposal", "route_experts", "with_ep"]

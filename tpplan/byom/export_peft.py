@@ -24,7 +24,7 @@ from ..api import load
 from ..checkpoint.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, to_peft_name
 from ..models import build_model
 from ..models.pretrained import pretrained_dir
-from ..parallel.lora import lora_targets, saved_modules
+from ..parallel.lora.adapters import lora_targets, saved_modules
 from ..plan.errors import CommandError
 from .export import checked_checkpoint, find_plan, read_weights
 from .export_hf import _out_folder

@@ -5,7 +5,7 @@ transformers says it in two entries: the parameter sharded as if it were a modul
 (``layers.*.self_attn.sinks: colwise``) and its owner run with local tensors
 (``layers.*.self_attn: local_params``). tpplan's rule is one option on the owner:
 ``head_params: [sinks]`` on its ``prepare_input`` rule, or ``{style: local_params,
-head_params: [sinks]}`` where it has none (tpplan.parallel.head_params).
+head_params: [sinks]}`` where it has none (tpplan.parallel.tp.head_params).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..checkpoint import hf_weights
 from ..models import build_model, init_weights, materialize
 from ..models.pretrained import expected_tensors, hf_name_map, pretrained_dir
-from ..parallel.lora import apply_lora
+from ..parallel.lora.adapters import apply_lora
 from ..plan.errors import CommandError
 
 __all__ = ["lora_model"]

@@ -32,8 +32,8 @@ from .head_rules import merge_local_params
 from .tp_fit import fit_to_tp
 from .seq_rules import input_layouts, sequence_inputs, sp_norm, whole_sequence_modules
 from .sublayers import sub_layer_rules, sub_layers
-from ..parallel.checks import composite_children
-from ..parallel.latent import latent_kv_heads_mismatch
+from ..parallel.tp.checks import composite_children
+from ..parallel.tp.latent import latent_kv_heads_mismatch
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 

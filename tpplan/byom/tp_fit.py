@@ -2,7 +2,7 @@
 
 - KV heads fewer than tp: the colwise rule of a key/value projection whose head count tp is
   a multiple of becomes ``kv_colwise`` (each rank computes the KV head its query heads use;
-  :mod:`tpplan.parallel.kv_heads`);
+  :mod:`tpplan.parallel.tp.kv_heads`);
 - a vocabulary tp does not divide (GPT-2's 50,257): the embedding's and the head's rules get
   ``uneven: true`` (the first ranks hold ``ceil(V/tp)`` rows, the last fewer; the weight keeps
   its real shape in checkpoints and exports, and no logit past the vocabulary exists).

@@ -1,7 +1,7 @@
 """AdamW's state made before its first step, as that step would make it.
 
 The trainer's measured CPU step (:mod:`tpplan.train.memwatch`) and the dry run's traced
-step (:mod:`tpplan.analysis.steptrace`) both start with the state every later step holds;
+step (:mod:`tpplan.analysis.memory.step`) both start with the state every later step holds;
 the checkpoint layer is where optimizer state is known to both.
 """
 

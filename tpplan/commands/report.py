@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..analysis.runreport import RunError
+    from ..analysis.runs.report import RunError
 
     try:
         if len(args.run_dirs) > 1:
@@ -53,7 +53,7 @@ def _page_or_json(args: argparse.Namespace, kind: str, data: dict, title: str,
 
 
 def _single(args: argparse.Namespace) -> int:
-    from ..analysis.runreport import run_report
+    from ..analysis.runs.report import run_report
     from ._common import console, size
 
     run_dir = args.run_dirs[0]
@@ -99,7 +99,7 @@ def _single(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from ..analysis.runcompare import compare_runs
+    from ..analysis.runs.compare import compare_runs
     from ._common import console
 
     data = compare_runs(args.run_dirs, args.tolerance)

@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..analysis.candidates import Options
-    from ..analysis.search import search
+    from ..analysis.search.candidates import Options
+    from ..analysis.search.ranking import search
 
     if bad_world_size(args.world_size, "--world-size"):
         return 2

@@ -32,7 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]:
     """The constants ``--cost`` and ``--calibrate`` give (and the calibration's per-run
     report), or SystemExit(2) with the reason."""
-    from ..analysis.cost import DEFAULT_CONSTANTS
+    from ..analysis.cost.step_time import DEFAULT_CONSTANTS
 
     if args.gpus_per_node < 1:
         _fail(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
@@ -46,7 +46,7 @@ def constants(args: argparse.Namespace, device) -> tuple[Any, list[dict] | None]
         _fail("--calibrate needs --device (a preset with a bf16 peak)")
     from pathlib import Path
 
-    from ..analysis.calibration import fit_report
+    from ..analysis.cost.calibration import fit_report
 
     # A run folder stands for its metrics.jsonl.
     args.calibrate = [str(Path(m) / "metrics.jsonl") if Path(m).is_dir() else m
@@ -71,7 +71,7 @@ def _fail(message: str) -> None:
 def estimate(result, device, args, c, calibration) -> dict[str, Any] | None:
     """``step_time`` for the JSON: the estimate, or ``{"error": ...}``; None when there is
     nothing to estimate against (no device, or one without a bf16 peak)."""
-    from ..analysis.cost import estimate_step
+    from ..analysis.cost.step_time import estimate_step
 
     if device is None or not device.bf16_flops or result.errors:
         return None

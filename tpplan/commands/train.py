@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             print("error: --nproc is for launching; under torchrun leave it out", file=sys.stderr)
             return 2
         return _relaunch(args)
-    from ..analysis.runcheck import estimate
+    from ..analysis.runs.expected import estimate
     from ..train import TrainError, train
 
     rank0 = os.environ.get("RANK", "0") == "0"

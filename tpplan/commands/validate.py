@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace) -> int:
     if not result.errors:  # the HF checkpoint a plan starts from, against its model
         result.errors.extend(plan_problems(args.plan, args.overrides))
     if device is not None and "peak" in result.extra.get("memory_per_rank", {}):
-        from ..analysis.fit import fit
+        from ..analysis.memory.fit import fit
 
         result.extra["fit"] = fit(result, device, args.plan, args.overrides)
     estimate = steptime.estimate(result, device, args, constants, calibration)

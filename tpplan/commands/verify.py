@@ -49,7 +49,7 @@ def group_rows(rows: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
 def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from ..analysis.numerics import compare, parallel_step, reference_step, verify_step
+    from ..analysis.verify.numerics import compare, parallel_step, reference_step, verify_step
 
     if args.nproc < 1:
         print("error: --nproc must be at least 1", file=sys.stderr)

@@ -14,7 +14,7 @@ transformers' own fallback operator (``transformers::grouped_mm_fallback``), who
 kernel takes every dtype and which saves for backward what ``grouped_mm`` saves (its input
 and the stacked weights, a parameter): so the dry run holds, per block, the rows the real run
 holds. Under expert parallelism those are the rows that arrived, ``T·k`` per rank under
-balanced routing (:mod:`tpplan.parallel.expert_parallel`).
+balanced routing (:mod:`tpplan.parallel.experts.style`).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
 
 
 def _adapters(model: nn.Module):
-    """(parameter name, module path) of LoRA adapters (``tpplan.parallel.lora``)."""
+    """(parameter name, module path) of LoRA adapters (``tpplan.parallel.lora.adapters``)."""
     return [(f"{path}.{n}", path) for path, m in model.named_modules()
             if getattr(m, "is_lora_adapter", False) for n, _ in m.named_parameters(recurse=False)]
 

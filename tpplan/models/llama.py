@@ -170,7 +170,7 @@ class Attention(nn.Module):
         """Causal attention of (bs, h, s, hd) queries on (bs, kv, s, hd) keys and values;
         kv heads are shared by h / kv query heads (the ratio survives TP). ``positions``
         (bs, s) restarting at 0 mark packed documents, which never attend to each other.
-        The seam context parallelism replaces (tpplan.parallel.context)."""
+        The seam context parallelism replaces (tpplan.parallel.context.sequence)."""
         mask = None if positions is None else document_mask(positions)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -19,21 +19,21 @@ from torch.utils.checkpoint import checkpoint
 
 from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import EP_STYLES, PACKED_STYLES, SEQUENCE_LOCAL
-from .attention import register_cpu_attention
-from .context import apply_context_parallel
+from .tp.attention import register_cpu_attention
+from .context.sequence import apply_context_parallel
 from .freeze import apply_freeze
-from .kv_heads import kv_style, localize_kv_groups
-from .lora import apply_lora, freeze_base
+from .tp.kv_heads import kv_style, localize_kv_groups
+from .lora.adapters import apply_lora, freeze_base
 from .fsdp_units import fsdp_calls
-from .expert_parallel import ExpertParallel
+from .experts.style import ExpertParallel
 from .mesh import cp_mesh, dp_mesh, expert_meshes
-from .packed import packed_style
+from .tp.packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
-from .sequence_local import SequenceLocal
-from .tied import retie, tied_groups
-from .prepare_io import check_layout_counts
-from .tp_styles import build_style
+from .experts.sequence_local import SequenceLocal
+from .tp.tied import retie, tied_groups
+from .tp.prepare_io import check_layout_counts
+from .tp.styles import build_style
 
 __all__ = ["apply_plan", "apply_tp", "apply_ep", "apply_ac", "apply_compile", "apply_fsdp",
            "loss_context"]
@@ -146,7 +146,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
                stage: bool = False) -> ApplyReport:
     """Check, then TP -> AC -> compile -> FSDP2; returns the report of what was applied.
 
-    ``stage``: ``model`` is one pipeline stage (:func:`tpplan.parallel.stages.apply_pipeline`),
+    ``stage``: ``model`` is one pipeline stage (:func:`tpplan.parallel.pipeline.stages.apply_pipeline`),
     parallelized on this rank's slice of the mesh (``mesh["tp"]``, ``mesh["dp_shard"]`` are
     within the stage's pp rank). :class:`~tpplan.plan.errors.PlanErrors` before touching the
     model if the plan does not fit."""

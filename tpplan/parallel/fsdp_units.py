@@ -25,9 +25,9 @@ from ..plan.patterns import generalize
 from ..plan.specs import PlanSpec
 from .mesh import ParallelDims
 from ..plan.styles import EP_STYLES
-from .expert_forms import expert_count
+from .experts.forms import expert_count
 from .freeze import frozen_names
-from .lora_sizes import adapter_shapes, adapter_tp_dim, trained_names
+from .lora.sizes import adapter_shapes, adapter_tp_dim, trained_names
 from .resolve import Resolution, shard_dims
 
 __all__ = ["UnitShapes", "UnitSize", "fsdp_calls", "unit_shapes", "unit_sizes", "tp_local_shape"]

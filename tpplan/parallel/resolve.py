@@ -14,18 +14,18 @@ from ..plan.patterns import compile_pattern, generalize
 from ..plan.pipeline import split_reads
 from ..plan.specs import AttrRule, PlanSpec, Rule, Unit
 from ..plan.styles import PACKED_STYLES, SHARDING_STYLES, ep_borrows_tp
-from .context import check_context_parallel
-from .expert_parallel import check_aux_loss, check_experts, expert_tp_inside_ep
-from .checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
+from .context.sequence import check_context_parallel
+from .experts.style import check_aux_loss, check_experts, expert_tp_inside_ep
+from .tp.checks import check_composite, check_heads, check_latent, check_norms_beside_colwise, check_whole_model
 from .freeze import check_freeze
-from .head_params import check_head_params
-from .kv_heads import check_kv_colwise
-from .lora import check_lora
-from .packed import check_packed
-from .tied import check_tied_across_stages
+from .tp.head_params import check_head_params
+from .tp.kv_heads import check_kv_colwise
+from .lora.adapters import check_lora
+from .tp.packed import check_packed
+from .tp.tied import check_tied_across_stages
 from .mesh import ParallelDims
-from .pipeline import PipelineSplit, split_stages
-from .sharding import SHARD_DIMS, check_sharding, shard_dims
+from .pipeline.split import PipelineSplit, split_stages
+from .tp.sharding import SHARD_DIMS, check_sharding, shard_dims
 
 __all__ = ["Resolution", "resolve", "match_modules", "AC_BLOCKS", "SHARD_DIMS", "shard_dims"]
 

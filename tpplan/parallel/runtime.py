@@ -100,7 +100,7 @@ def as_spawned_rank(rank: int, world: int, port: int) -> None:
 # What a forkserver imports once, so the ranks it forks start with torch and tpplan loaded
 # (four ``spawn``-ed ranks each import torch: about 10 s on 2 cores; forked: a tenth of one).
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint",
-            "torch.distributed.fsdp", "tpplan.models", "tpplan.analysis.numerics"]
+            "torch.distributed.fsdp", "tpplan.models", "tpplan.analysis.verify.numerics"]
 
 
 class _InEnvironment:

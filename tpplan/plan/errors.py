@@ -76,7 +76,7 @@ class ErrorList(list):
 # ``part(key, errs, run)``: ``run(errs)``, its errors added to ``errs``, its value returned;
 # or a cache's earlier value and errors under ``key``, which names what the part reads that
 # the variants of one plan change (parse_plan's sections, resolve's parts; ``search``'s
-# cache is tpplan.analysis.checkcache). Without a cache: :func:`run_part`.
+# cache is tpplan.analysis.search.check_cache). Without a cache: :func:`run_part`.
 Part = Callable[[tuple, "ErrorList", Callable[["ErrorList"], Any]], Any]
 
 

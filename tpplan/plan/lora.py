@@ -1,7 +1,7 @@
 """The ``lora`` section -> a :class:`~tpplan.plan.specs.LoraSpec`, mistakes located.
 
 Syntax, types and ranges only; whether a target matches a linear layer, and whether the
-rank fits it, needs the model (:mod:`tpplan.parallel.lora`).
+rank fits it, needs the model (:mod:`tpplan.parallel.lora.adapters`).
 """
 
 from __future__ import annotations

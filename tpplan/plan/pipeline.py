@@ -5,7 +5,7 @@ Checked here, without the model: the schedule's name, ``stages_per_rank`` agains
 schedule can run, ``microbatches`` against the schedule's own checks (the ones torch's
 constructors raise, made located errors), the number of explicit split points, and that
 ``mesh.pp`` and the section come together. Whether the split points name modules of the
-model, in order, is :func:`tpplan.parallel.pipeline.split_stages`' check; whether the batch
+model, in order, is :func:`tpplan.parallel.pipeline.split.split_stages`' check; whether the batch
 splits into the micro-batches is the step's (:func:`tpplan.plan.step.step_shape`).
 """
 

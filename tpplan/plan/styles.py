@@ -14,7 +14,7 @@ hold ``ceil(n/tp)`` rows, the last ones fewer; the parameter keeps its real shap
   use_local_output
 - ``prepare_input_output`` (PrepareModuleInputOutput): both of the above, and use_local_input;
   tpplan's ``flat_tokens: true`` reshards outputs shaped ``(batch × sequence, ...)`` (Llama
-  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.prepare_io)
+  4's MoE flattens its tokens) as ``(batch, sequence, ...)`` (tpplan.parallel.tp.prepare_io)
 - ``replicate`` (tpplan's ReplicateParallel): parameters replicated on tp; no options
 - ``kv_colwise`` (tpplan's KVColwiseParallel): head_dim (default: the parent module's
   ``head_dim`` attribute, as transformers' attentions store it), input_layouts; a key or
@@ -35,7 +35,7 @@ HuggingFace ``tp_plan`` strings with an exact equivalent are accepted as style n
 ``colwise_rep`` (or ``colwise_gather_output``) is colwise with ``output_layouts: replicate``,
 ``rowwise_rep`` (or ``rowwise_split_input``) is rowwise with ``input_layouts: replicate``.
 
-tpplan's own styles for weights PyTorch's styles cannot split (tpplan.parallel.packed):
+tpplan's own styles for weights PyTorch's styles cannot split (tpplan.parallel.tp.packed):
 
 - ``packed_colwise``: a linear layer whose output packs several parts (Phi-3's
   ``qkv_proj``, ``gate_up_proj``), each part split over tp, so every rank gets its slice of
@@ -48,7 +48,7 @@ tpplan's own styles for weights PyTorch's styles cannot split (tpplan.parallel.p
   hidden, inter]): each expert's intermediate dimension split over tp (gate and up halves
   separately), the output summed over tp. No options; transformers' ``moe_tp_experts``.
 
-Expert parallelism (tpplan.parallel.expert_parallel; docs/moe.md):
+Expert parallelism (tpplan.parallel.experts.style; docs/moe.md):
 
 - ``expert_parallel``: a mixture-of-experts module holding its routed experts as parameters
   ``[num_experts, ...]`` and called as ``experts(hidden_states, top_k_index,
@@ -57,7 +57,7 @@ Expert parallelism (tpplan.parallel.expert_parallel; docs/moe.md):
   ``num_experts / ep`` experts; tokens go to the rank owning each of their experts with an
   all-to-all and come back with another. No options. Not a tensor-parallel style: it is
   applied on the ``ep`` ranks, and whole on every tp rank.
-- ``sequence_local`` (tpplan's SequenceLocal; tpplan.parallel.sequence_local): a module (an
+- ``sequence_local`` (tpplan's SequenceLocal; tpplan.parallel.experts.sequence_local): a module (an
   MoE block) that runs on this rank's sequence shard as plain tensors: no gather before it,
   nothing after it (its output is the residual stream's shard). Every parameter below it,
   but those of an ``expert_parallel`` module inside, is replicated on tp and its gradient
@@ -153,8 +153,8 @@ STYLES: dict[str, dict[str, str]] = {
 
 # tpplan's own options, read by resolve and never passed to the PyTorch style: ``uneven``
 # lets a sharded dimension tp does not divide (GPT-2's 50,257 tokens) be split unevenly;
-# ``head_params`` splits a module's own per-head parameters (tpplan.parallel.head_params);
-# ``flat_tokens`` is read by tpplan's ``prepare_input_output`` (tpplan.parallel.prepare_io)
+# ``head_params`` splits a module's own per-head parameters (tpplan.parallel.tp.head_params);
+# ``flat_tokens`` is read by tpplan's ``prepare_input_output`` (tpplan.parallel.tp.prepare_io)
 TPPLAN_OPTIONS = ("uneven", "head_params", "flat_tokens")
 
 # options a style cannot do without
@@ -193,7 +193,7 @@ def ep_borrows_tp(rules) -> bool:
 
 @dataclass
 class StyleSpec:
-    """A style name with its parsed options (``tpplan.parallel.tp_styles.build_style`` makes
+    """A style name with its parsed options (``tpplan.parallel.tp.styles.build_style`` makes
     the PyTorch style object from it)."""
 
     name: str

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..parallel.context import position_kwarg, shard_batch
+from ..parallel.context.sequence import position_kwarg, shard_batch
 from .data import Batch, Corpus, document_positions, eval_batch
 
 __all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
 from ..models.init import init_adapters
-from ..parallel.expert_list import expert_list_groups
+from ..parallel.experts.module_list import expert_list_groups
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks

@@ -53,7 +53,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float | None,
 
     ``ep_local``: ``id(parameter)`` -> the ep process group, for parameters that only their
     ep rank holds (a list of experts split over ep:
-    :func:`tpplan.parallel.expert_list.expert_list_groups`); their squares add over it.
+    :func:`tpplan.parallel.experts.module_list.expert_list_groups`); their squares add over it.
     """
     params = [p for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)

@@ -176,7 +176,7 @@ def check_adapter(plan, model: nn.Module) -> dict[str, torch.Tensor]:
     before adapters are added): its rank, alpha and targets, every tensor's name and shape.
     Returns its tensors under tpplan's names; located errors at ``model.adapter``."""
     from ..checkpoint.peft_format import read_adapter
-    from ..parallel.lora import lora_targets, saved_modules
+    from ..parallel.lora.adapters import lora_targets, saved_modules
     from ..plan.errors import PlanError, PlanErrors
 
     spec, lora = plan.model, plan.lora

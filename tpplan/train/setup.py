@@ -20,7 +20,7 @@ from ..api import Plan, load
 from ..models import build_model
 from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
-from ..parallel.lora_sizes import checkpointed
+from ..parallel.lora.sizes import checkpointed
 from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
 from . import pretrained

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.context import position_kwarg, shard_batch
+from ..parallel.context.sequence import position_kwarg, shard_batch
 from ..models.moe_loss import aux_loss, with_aux_loss
 from .evaluate import IGNORE_INDEX, plain_loss, target_loss
 
