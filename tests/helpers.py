@@ -21,9 +21,18 @@ def cli_env(env: dict | None = None) -> dict:
     return full_env
 
 
+def tpplan_command(env: dict | None = None) -> list[str]:
+    """What runs ``tpplan`` after the interpreter: ``-m tpplan``, or tests/hooked.py (the same
+    command with test hooks installed) when ``env`` switches one of its hooks on."""
+    from hooked import HERE, HOOKS
+
+    return [str(HERE)] if any(name in (env or {}) for name in HOOKS) else ["-m", "tpplan"]
+
+
 def start_cli(*args, env: dict | None = None, **popen) -> subprocess.Popen:
-    """``python -m tpplan ARGS`` started in the background (stdout and stderr together)."""
-    return subprocess.Popen([sys.executable, "-m", "tpplan", *map(str, args)], cwd=ROOT,
+    """``python -m tpplan ARGS`` started in the background (stdout and stderr together);
+    through tests/hooked.py when ``env`` switches a test hook on (:func:`tpplan_command`)."""
+    return subprocess.Popen([sys.executable, *tpplan_command(env), *map(str, args)], cwd=ROOT,
                             env=cli_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, **popen)
 
@@ -31,8 +40,9 @@ def start_cli(*args, env: dict | None = None, **popen) -> subprocess.Popen:
 def tpplan_cli(*args, cwd=None, env: dict | None = None, timeout: int = 300,
                check: bool = False) -> subprocess.CompletedProcess:
     """``python -m tpplan ARGS`` in a fresh process, as a user runs it (CPU, one thread per
-    rank); ``check`` asserts exit 0 and shows the output's tail when it is not."""
-    proc = subprocess.run([sys.executable, "-m", "tpplan", *map(str, args)], cwd=cwd or ROOT,
+    rank; through tests/hooked.py when ``env`` switches a test hook on); ``check`` asserts
+    exit 0 and shows the output's tail when it is not."""
+    proc = subprocess.run([sys.executable, *tpplan_command(env), *map(str, args)], cwd=cwd or ROOT,
                           env=cli_env(env), capture_output=True, text=True, timeout=timeout)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

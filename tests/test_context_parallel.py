@@ -9,6 +9,7 @@ spawn of 4 gloo processes."""
 import pytest
 import torch
 from helpers import run_main
+from hooked import DIE_DURING_SAVE
 
 import tpplan
 from tpplan.analysis.verify.numerics import compare, make_batch, parallel_steps, reference_step
@@ -149,7 +150,7 @@ def test_train_on_cp4_matches_one_process_and_resumes_on_cp1(reference_run, tmp_
 
     d = tmp_path / "cp4"
     stopped = tpplan_train(d, nproc=4, sets=["mesh.tp=1", "mesh.cp=4"],
-                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+                           env={DIE_DURING_SAVE: str(STEPS)})
     assert stopped.returncode != 0
     assert "dp_shard=1 × cp=4 × tp=1 on 4 cpu ranks" in stopped.stdout
     assert_same_curve(metrics(d), metrics(reference_run), range(1, 11))

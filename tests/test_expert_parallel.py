@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ROOT, run_main
+from hooked import NO_DISPATCH, install
 
 from tpplan.analysis.verify.numerics import compare, parallel_steps, reference_step, verify_step
 
@@ -137,11 +138,11 @@ def match_one_device(plans: list[str]) -> list:
 
 def test_experts_sharded_without_dispatch_fail_verify(configs, tmp_path, capsys, monkeypatch):
     plan = _plan(tmp_path, "ep2", configs["qwen3_moe"], "{ep: 2, dp_shard: -1}")
-    monkeypatch.setenv("TPPLAN_TEST_EP_NO_DISPATCH", "1")  # spawned ranks inherit it
+    install({NO_DISPATCH: "1"}, monkeypatch.setattr)  # in the ranks verify spawns too
     rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "2", "--no-shrink")
     assert rc == 1, out
     assert "numerics differ" in out and "FAIL" in out
-    monkeypatch.delenv("TPPLAN_TEST_EP_NO_DISPATCH")
+    monkeypatch.undo()
     rc, out = run_main(capsys, "verify", "--plan", plan, "--nproc", "2", "--no-shrink")
     assert rc == 0, out
 
@@ -217,7 +218,7 @@ def _a2a_run(rank: int, world: int, plan_path: str, overrides: list, out: str) -
     as it holds; Llama 4's router is left alone: its experts take every token), the rows
     each of its dispatches received."""
     import torch
-    import torch.distributed._functional_collectives as fc
+    import tpplan._torch.collectives as fc  # the door the experts' all-to-all goes through
 
     import tpplan
     from tpplan.analysis.comm.counting import CollectiveRecorder
@@ -419,7 +420,7 @@ def test_expert_ids_out_of_range_refused_and_every_local_expert_has_a_gradient()
     use a zero gradient; with no row at all, the tie does."""
     import torch
 
-    from tpplan.parallel.experts.forms import local_experts, tie_experts
+    from tpplan.parallel.experts.forms import tie_experts, using_local_experts
     from tpplan.parallel.experts.style import dispatch_counts
 
     ids = torch.tensor([[0, 3], [3, 1]])
@@ -438,10 +439,9 @@ def test_expert_ids_out_of_range_refused_and_every_local_expert_has_a_gradient()
     ref = torch.nn.Parameter(module.w.detach().clone())
     (x @ ref[1]).square().sum().backward()
     for rows in (x, x[:0]):
-        held = local_experts(module, module._tpplan_ep_params, ep=4)
-        assert not module._parameters["frozen"].requires_grad
-        out = tie_experts(module, rows @ module._parameters["w"][1])  # "b" unused
-        module._parameters.update(held)
+        with using_local_experts(module, module._tpplan_ep_params, ep=4):
+            assert not module._parameters["frozen"].requires_grad
+            out = tie_experts(module, rows @ module._parameters["w"][1])  # "b" unused
         out.square().sum().backward()
         want = ref.grad / 4 if len(rows) else torch.zeros_like(ref)
         assert torch.allclose(module.w.grad, want) and module.b.grad is not None

@@ -18,7 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, tpplan_command
+from hooked import DIE_DURING_SAVE, SLOW_STEP
 from trainrun import STEPS, TINY, assert_same_curve, metrics
 
 from tpplan.parallel.runtime import free_port
@@ -31,7 +32,7 @@ def _node(run_dir: Path, port: int, launch: str, *extra: str, restarts: int = 0,
     sets = [f"--set={s}" for s in [*TINY, *HSDP, f"metrics.run_dir={run_dir}"]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={launch}",
-           f"--max-restarts={restarts}", "-m", "tpplan", "train", "--plan",
+           f"--max-restarts={restarts}", *tpplan_command(env), "train", "--plan",
            str(ROOT / "plans" / "llama.yaml"), *sets, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=cli_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -101,7 +102,7 @@ def _kill_node(proc: subprocess.Popen) -> None:
 
 def test_two_nodes_train_die_in_a_save_and_resume(reference_run, tmp_path):
     d = tmp_path / "two-nodes"
-    a, b, _, _ = _two_nodes(d, env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+    a, b, _, _ = _two_nodes(d, env={DIE_DURING_SAVE: str(STEPS)})
     outs = _finish(a, b)
     assert a.returncode != 0 and b.returncode != 0, outs  # every rank died in the save
     assert sorted(metrics(d)) == list(range(1, STEPS + 1))
@@ -118,7 +119,7 @@ def test_a_node_killed_and_started_again_under_max_restarts(reference_run, tmp_p
     node): node A's workers lose their peers, its agent restarts them, both agents meet in
     a new rendezvous round, and the run resumes by itself and ends on the reference curve."""
     d = tmp_path / "node-lost"
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TPPLAN_TEST_STEP_SLEEP_S": "0.3"}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SLOW_STEP: "0.3"}
     a, b, port, launch = _two_nodes(d, restarts=1, env=env)
     deadline = time.monotonic() + 240
     while not (d / "checkpoints" / "step-000005").is_dir():

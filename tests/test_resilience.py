@@ -3,7 +3,7 @@ runs in one folder, kills mid-write -- each as the user sees it (exit code, one 
 traceback) and with nothing lost: the curve after recovery is the single-process reference's
 (``reference_run``, made in this session), the metrics rows are exactly the steps run.
 
-Failures are real: a worker SIGKILLed by the test hook, signals sent to the real launcher,
+Failures are real: a worker SIGKILLed by a test hook (tests/hooked.py), signals sent to the real launcher,
 bytes flipped in real checkpoint files. Full disks and read-only folders: tests/test_disks.py.
 """
 
@@ -22,15 +22,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hooked import KILL_AT, SLOW_STEP as SLOW
 from trainrun import (
     STEPS, assert_same_curve, fails, finish, metrics, ok, start_train, tpplan_train, wait_for_step,
 )
 
 from tpplan import checkpoint as ckpt
 from tpplan.train.runfolder import LOCK_FILE, RunLock
-
-KILL_AT = "TPPLAN_TEST_KILL_AT"
-SLOW = "TPPLAN_TEST_STEP_SLEEP_S"
 
 
 def steps_logged(run_dir: Path) -> list[int]:

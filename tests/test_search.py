@@ -15,7 +15,8 @@ from tpplan.analysis.search.candidates import Options, candidates, factorization
 from tpplan.analysis.cost.step_time import estimate_step
 from tpplan.analysis.dryrun import dry_run, fake_process_group
 from tpplan.analysis.memory.fit import needed
-from tpplan.analysis.search.ranking import search, sharded_state, split_free
+from tpplan.analysis.search.bounds import sharded_state, split_free
+from tpplan.analysis.search.ranking import search
 from tpplan.analysis.search.trace_cache import Evaluator
 from tpplan.api import load
 from tpplan.cli import main

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hooked import DIE_DURING_SAVE, RECORD_BATCHES
 from trainrun import PLAN, STEPS, assert_same_curve, fails, metrics, ok, tpplan_train
 
 
@@ -28,7 +29,7 @@ def reference(reference_run) -> Path:
 @pytest.fixture(scope="module")
 def run_2x2(runs) -> Path:
     d = runs / "2x2"
-    ok(tpplan_train(d, nproc=4, sets=["mesh.tp=2"], env={"TPPLAN_RECORD_BATCHES": "1"}))
+    ok(tpplan_train(d, nproc=4, sets=["mesh.tp=2"], env={RECORD_BATCHES: "1"}))
     return d
 
 
@@ -73,7 +74,7 @@ def killed_1x4(runs) -> tuple[Path, dict[int, dict]]:
     """A 1×4 run killed inside its final (step-12) save; its curve as logged before dying."""
     d = runs / "1x4"
     killed = tpplan_train(d, nproc=4, sets=["mesh.tp=4", "checkpoint.interval=3"],
-                          env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+                          env={DIE_DURING_SAVE: str(STEPS)})
     assert killed.returncode != 0
     return d, metrics(d)
 
@@ -104,7 +105,7 @@ def test_stop_and_resume_same_mesh(reference, runs):
     """Stopped (killed in the final save), resumed from step 10: the same losses."""
     d = runs / "single-resumed"
     stopped = tpplan_train(d, sets=["mesh.tp=1"],
-                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+                           env={DIE_DURING_SAVE: str(STEPS)})
     assert stopped.returncode != 0
     resumed = tpplan_train(d, "--resume", sets=["mesh.tp=1"])
     ok(resumed)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import PLANS
+from hooked import DIE_DURING_SAVE
 from trainrun import STEPS, assert_same_curve, fails, metrics, ok, tpplan_train
 
 PLAN = str(PLANS / "llama-3d.yaml")
@@ -40,7 +41,7 @@ def pp2_tp2(runs) -> Path:
     """pp 2 × tp 2, killed inside its final save (stopped): checkpoints at steps 5 and 10."""
     d = runs / "pp2-tp2"
     stopped = tpplan_train(d, nproc=4, plan=PLAN, sets=[*PP, "mesh.pp=2", "mesh.tp=2"],
-                           env={"TPPLAN_TEST_DIE_DURING_SAVE": str(STEPS)})
+                           env={DIE_DURING_SAVE: str(STEPS)})
     assert stopped.returncode != 0
     assert (d / "checkpoints" / f"step-{AT:06d}").is_dir()
     return d

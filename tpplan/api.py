@@ -136,9 +136,11 @@ class Plan:
         Raises :class:`PlanErrors` before touching the model if the plan does not fit.
         The report of what was applied is left in :attr:`last_report`.
         """
+        from .models.moe_loss import gather_router_logits
         from .parallel.apply import apply_plan
 
         self.last_report = apply_plan(self.spec, model, mesh)
+        gather_router_logits(model, self.last_report.router_shards)
         return model
 
     def apply_pipeline(self, model: "nn.Module", mesh: "DeviceMesh", loss_fn: "Callable | None",

@@ -1,12 +1,7 @@
-"""The analysis layer: what a plan costs and whether it computes the right thing.
-
-``dryrun`` (apply at any world size on meta tensors and a fake process group), ``counting``
-(collectives with their sizes), ``tptrace`` (TP collectives of one micro-batch, traced),
-``comm`` (communication per step and the Megatron minimum; ``stagecomm`` per pp rank of a
-pipeline), ``memory`` (bytes per rank)
-and ``numerics`` (``tpplan verify``: a real gloo run against one device). The analyses
-``tpplan validate`` runs are :data:`ANALYSES`; each adds its figures to ``DryRun.extra``.
-Imports the plan, models and parallel layers and the façade; not the trainer or byom.
+"""The analyses ``tpplan validate`` runs (:data:`ANALYSES`), each adding its figures to
+``DryRun.extra``: memory per rank (from :mod:`.memory`) and communication per step (from
+:mod:`.comm`), with the helpers other analyses share (the model's blocks, the compute dtypes,
+the FSDP and traced TP rows).
 """
 
 from __future__ import annotations
@@ -104,12 +99,12 @@ def analyze_comm(result: DryRun, tp_trace: Callable = trace_tp, stage_cache: dic
     pipeline stages, per pp rank, for its own stages (:mod:`tpplan.analysis.comm.stages`).
     ``search`` passes its caches: ``tp_trace``, a function with :func:`trace_tp`'s
     signature, and ``stage_cache`` for a pipeline's stages (traced with their ends by
-    ``stagecomm``); and ``minimum=False`` (it ranks by the step's traffic, not by the
+    ``comm.stages``); and ``minimum=False`` (it ranks by the step's traffic, not by the
     Megatron minimum, which walks the model)."""
     spec, res, shape = result.plan.spec, result.resolved, result.step
     dims = res.dims
     param, reduce = compute_dtypes(result)
-    step = _accumulation(result, param, reduce)
+    step = accumulation(result, param, reduce)
     parts = None
     if spec.pipeline is not None:
         from .comm.stages import pipeline_comm
@@ -159,7 +154,7 @@ def fsdp_rows(result: DryRun, stage_cache: dict | None = None) -> list[list[dict
     p2p rows) for each pp rank (one without a pipeline), from arithmetic alone: no trace
     runs. ``stage_cache``: as :func:`analyze_comm`'s."""
     param, reduce = compute_dtypes(result)
-    step = _accumulation(result, param, reduce)
+    step = accumulation(result, param, reduce)
     if result.plan.spec.pipeline is not None:
         from .comm.stages import pipeline_fsdp_rows
 
@@ -200,7 +195,7 @@ def _recomputed(result: DryRun) -> set[str]:
     return {p for p, _ in result.model.named_modules() if p.startswith(blocks)}
 
 
-def _accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:
+def accumulation(result: DryRun, param: "torch.dtype", reduce: "torch.dtype") -> Accumulation:
     """FSDP2 keeps gradients accumulated over micro-batches in ``reduce_dtype``."""
     k = result.step.grad_accum
     upcast = result.plan.spec.fsdp is not None and k > 1 and reduce != param

@@ -125,7 +125,7 @@ def _check_tokenizer(source: Path, model) -> None:
                            "trained with")
 
 
-def _out_folder(out: Path) -> None:
+def prepare_out_folder(out: Path) -> None:
     """``out`` new or an empty folder, its parent created; else one line, nothing written."""
     if out.exists() and not out.is_dir():
         raise CommandError(f"cannot write to '{out}': it is a file; -o names a folder")
@@ -170,7 +170,7 @@ def export_hf(checkpoint: Path, out: Path, plan_path: Path | None = None,
     if source is not None:
         _check_tokenizer(source, model)
     out = Path(out)
-    _out_folder(out)
+    prepare_out_folder(out)
     head_dim = getattr(getattr(model, "config", None), "head_dim", None)
     by_entry = {e.name: rest for e, *rest in entries}
     held: dict[str, torch.Tensor] = {}  # the one fused tensor its experts are being cut from

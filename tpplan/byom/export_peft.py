@@ -27,7 +27,7 @@ from ..models.pretrained import pretrained_dir
 from ..parallel.lora.adapters import lora_targets, saved_modules
 from ..plan.errors import CommandError
 from .export import checked_checkpoint, find_plan, read_weights
-from .export_hf import _out_folder
+from .export_hf import prepare_out_folder
 from .tokenizer_files import copy_tokenizer_files
 
 __all__ = ["export_peft", "export_merged"]
@@ -57,7 +57,7 @@ def _publish(tmp: Path, out: Path) -> None:
 
 def _write(out: Path, fill) -> None:
     out = Path(out)
-    _out_folder(out)
+    prepare_out_folder(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         fill(tmp)

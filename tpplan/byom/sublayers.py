@@ -166,8 +166,60 @@ def sub_layer_rules(s: Any, model: nn.Module, trace: Trace, block: str, block_ca
     return rules
 
 
+def _unshardable(trace: Trace, block: str, parent: str, colwise: list[Call], rest: list[Call],
+                 rowwise: Call, channelwise: Call | None) -> tuple[str | None, list[str]]:
+    """Why a group whose projections close back to the hidden width still stays replicated
+    (None: it can be sharded), and its parent's per-head parameters, split with the heads."""
+    holder = trace.first_call(parent) if parent != block else None
+    own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
+        m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
+        if holder is not None else []
+    heads = per_head_params(holder.module, [c.module for c in colwise]) \
+        if own and rest == [rowwise] else []  # (not beside a linear left whole: Doge's dt_proj)
+    own = [n for n in own if n not in heads]  # Beam's gate_bias[heads]: split with the heads
+    if own:  # a Mamba mixer's conv1d and A_log: they would meet a slice of what they cover
+        return (f"left replicated: '{generalize(parent)}' uses weights of its own beside "
+                f"its projections ({', '.join(own)}); tpplan cannot shard them with them"), heads
+    if channelwise:
+        return (f"left replicated: {group_pattern([c.path for c in colwise])} feed "
+                f"'{generalize(channelwise.path)}' ({type(channelwise.module).__name__}), "
+                "which holds weights over the projection's channels (a per-channel "
+                "convolution?); tpplan has no style that shards it with the projection"), heads
+    changed = next((trace.modified[o] for o in rowwise.outputs if o in trace.modified), None)
+    if changed is not None:  # a rowwise output is a view of a DTensor's local tensor
+        return (f"left replicated: the code of '{generalize(changed)}' modifies the output "
+                f"of '{generalize(rowwise.path)}' in place, which autograd forbids on the "
+                "local view of a sharded projection's output"), heads
+    mixed = whole_operand(trace, colwise, rowwise, parent)
+    if mixed is not None:
+        return (f"left replicated: the code of '{generalize(mixed)}' combines the output "
+                f"of {group_pattern([c.path for c in colwise])} element by element with "
+                "a whole tensor of its shape, which would meet a slice"), heads
+    return None, heads
+
+
+def _prepare_input(trace: Trace, call: Call, container: str, colwise: list[Call], x: Any, seq: bool) -> Rule:
+    """The ``prepare_input`` of the colwise projections' parent: one all-gather of the
+    sequence (``seq``) or one replicated input, shared by all of them."""
+    src = "shard(1)" if seq else "replicate"
+    opts = {"style": "prepare_input", **input_layouts(call, x if not call.inputs or x in
+                                                      call.inputs else call.inputs[0],
+                                                      src, "replicate")}
+    why = ("one all-gather of the sequence, shared by " if seq else
+           "siblings share one replicated input: one gradient all-reduce for ")
+    if any(u.path.startswith(container + ".") and u not in colwise
+           for u in trace.consumers(x)):  # plain modules read it too (DeepSeek's indexer)
+        opts["use_local_output"], why = True, "a plain tensor: " + why
+    return (generalize(container), opts,
+            why + ", ".join(c.path.rpartition(".")[2] for c in colwise))
+
+
 def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call],
                  inner_norms: list[Call], d: int | None, seq: bool) -> list[Rule]:
+    """The rules of one group of linears under ``parent``: colwise those reading the group's
+    input, rowwise the last (back to the hidden width ``d``), with the parent's
+    ``prepare_input``, its norms and per-head parameters; none, with a note, where the group
+    cannot be sharded."""
     rules: list[Rule] = []
     first = group[0]
     x = first.args[0] if first.args else next(iter(first.kwargs.values()))
@@ -184,34 +236,9 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
             s.notes.append(f"undecided: '{generalize(c.path)}' is neither fed by the group's "
                            "input nor the last projection; left replicated")
     channelwise, scalar_rules = channelwise_readers(trace, colwise)
-    holder = trace.first_call(parent) if parent != block else None
-    own = [n for n, p in holder.module.named_parameters() if p.numel() > 1 and not isinstance(
-        m := holder.module.get_submodule(n.rpartition(".")[0]), nn.Linear) and not is_norm(m)] \
-        if holder is not None else []
-    heads = per_head_params(holder.module, [c.module for c in colwise]) \
-        if own and rest == [rowwise] else []  # (not beside a linear left whole: Doge's dt_proj)
-    own = [n for n in own if n not in heads]  # Beam's gate_bias[heads]: split with the heads
-    if own:  # a Mamba mixer's conv1d and A_log: they would meet a slice of what they cover
-        s.notes.append(f"left replicated: '{generalize(parent)}' uses weights of its own beside "
-                       f"its projections ({', '.join(own)}); tpplan cannot shard them with them")
-        return rules
-    if channelwise:
-        s.notes.append(f"left replicated: {group_pattern([c.path for c in colwise])} feed "
-                       f"'{generalize(channelwise.path)}' ({type(channelwise.module).__name__}), "
-                       "which holds weights over the projection's channels (a per-channel "
-                       "convolution?); tpplan has no style that shards it with the projection")
-        return rules
-    changed = next((trace.modified[o] for o in rowwise.outputs if o in trace.modified), None)
-    if changed is not None:  # a rowwise output is a view of a DTensor's local tensor
-        s.notes.append(f"left replicated: the code of '{generalize(changed)}' modifies the output "
-                       f"of '{generalize(rowwise.path)}' in place, which autograd forbids on the "
-                       "local view of a sharded projection's output")
-        return rules
-    mixed = whole_operand(trace, colwise, rowwise, parent)
-    if mixed is not None:
-        s.notes.append(f"left replicated: the code of '{generalize(mixed)}' combines the output "
-                       f"of {group_pattern([c.path for c in colwise])} element by element with "
-                       "a whole tensor of its shape, which would meet a slice")
+    why, heads = _unshardable(trace, block, parent, colwise, rest, rowwise, channelwise)
+    if why:
+        s.notes.append(why)
         return rules
     mine = [n for n in inner_norms if n.path.startswith(parent + ".")  # not on the rowwise
             and not set(n.inputs) & set(rowwise.outputs)]  # output: whole (Gemma 3n's LAuReL)
@@ -224,17 +251,7 @@ def _group_rules(s: Any, trace: Trace, block: str, parent: str, group: list[Call
         s.notes.append(f"gathered: {gather}; this part runs whole on every rank")
         parts = None
     if container != block and call is not None and (seq or len(colwise) > 1):
-        src = "shard(1)" if seq else "replicate"
-        opts = {"style": "prepare_input", **input_layouts(call, x if not call.inputs or x in
-                                                          call.inputs else call.inputs[0],
-                                                          src, "replicate")}
-        why = ("one all-gather of the sequence, shared by " if seq else
-               "siblings share one replicated input: one gradient all-reduce for ")
-        if any(u.path.startswith(container + ".") and u not in colwise
-               for u in trace.consumers(x)):  # plain modules read it too (DeepSeek's indexer)
-            opts["use_local_output"], why = True, "a plain tensor: " + why
-        rules.append((generalize(container), opts,
-                      why + ", ".join(c.path.rpartition(".")[2] for c in colwise)))
+        rules.append(_prepare_input(trace, call, container, colwise, x, seq))
     opts = {"style": "colwise", "output_layouts": "replicate"} if gather else "colwise"
     if parts is not None:
         opts = {"style": "packed_colwise", "parts": parts}

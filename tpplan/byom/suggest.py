@@ -52,14 +52,19 @@ class Suggestion:
     notes: list[str] = field(default_factory=list)  # what could not be decided, and why
 
 
-def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str = "auto"
-            ) -> Suggestion:
-    """``sequence_parallel``: ``auto`` (end to end where safe), ``blocks`` (inside each block
-    only: the block gathers its output back, for models that read the sequence length outside
-    the blocks), or ``off``."""
-    s = Suggestion(blocks=blocks)
-    first = first_block(model, blocks)
-    block_call = trace.first_call(first)
+@dataclass
+class _Ends:
+    """The model's calls outside its blocks, among them the output head (the last Linear) and
+    the vocabulary embedding (rows = the head's outputs), if found."""
+    outside: list
+    head: Any
+    embed: Any
+    whole: Any  # the embedding's children with parameters of their own (it stays replicated), or False
+    tied: bool  # the head shares its weight with the embedding
+
+
+def _ends(s: Suggestion, trace: Trace, blocks: str) -> _Ends:
+    """Find the embedding and the head, with a note on each one left replicated or missing."""
     outside = [c for c in trace.calls if not c.path.startswith(blocks + ".")]
     head = next((c for c in reversed(outside) if isinstance(c.module, nn.Linear)), None)
     vocab = head.module.out_features if head else None
@@ -82,7 +87,14 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         s.notes.append(f"'{head.path}' shares its weight with '{embed.path}' (tied embeddings): "
                        "both split the vocabulary (dimension 0), the weight stays one weight, "
                        "and one FSDP unit holds both")
+    return _Ends(outside, head, embed, whole, tied)
 
+
+def _sequence_parallelism(s: Suggestion, model: nn.Module, trace: Trace, blocks: str, first: str,
+                          block_call: Any, embed: Any, whole: Any, sequence_parallel: str) -> tuple[bool, bool]:
+    """Decide sequence parallelism (``s.sequence_parallel``, with a note where ``auto`` is
+    not safe) and, under ``blocks``, add the rule that shards each block's sequence. Returns
+    whether it runs end to end and whether it runs inside the blocks."""
     # Sequence parallel is safe only if the embedding output feeds the first block alone.
     hidden0 = embed.outputs[0] if embed and embed.outputs else None
     users = [c for c in trace.consumers(hidden0) if not c.path.startswith(first + ".")] \
@@ -121,6 +133,21 @@ def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str 
         s.rules.append((f"{blocks}.*", opts, "sequence parallel inside each block; its output "
                         "is gathered back for the code between blocks"))
         s.sequence_parallel = True
+    return sp, inner
+
+
+def analyse(model: nn.Module, trace: Trace, blocks: str, sequence_parallel: str = "auto"
+            ) -> Suggestion:
+    """``sequence_parallel``: ``auto`` (end to end where safe), ``blocks`` (inside each block
+    only: the block gathers its output back, for models that read the sequence length outside
+    the blocks), or ``off``."""
+    s = Suggestion(blocks=blocks)
+    first = first_block(model, blocks)
+    block_call = trace.first_call(first)
+    ends = _ends(s, trace, blocks)
+    outside, head, embed, whole, tied = ends.outside, ends.head, ends.embed, ends.whole, ends.tied
+    sp, inner = _sequence_parallelism(s, model, trace, blocks, first, block_call, embed, whole,
+                                      sequence_parallel)
 
     if embed and not whole:
         opts = {"style": "rowwise", "input_layouts": "replicate"}

@@ -10,12 +10,12 @@ Imports only the plan layer.
 
 from .integrity import Damaged, check_contents, check_structure
 from .sharded import (
-    DIE_DURING_SAVE_ENV, TRAINER_FILE, SaveFailed, checkpoint_bytes, complete_checkpoints,
+    TRAINER_FILE, SaveFailed, checkpoint_bytes, complete_checkpoints,
     find_checkpoint, is_complete, is_step_folder, latest, load, model_shapes, read_model_state,
     read_trainer_state, save, step_of,
 )
 
-__all__ = ["DIE_DURING_SAVE_ENV", "TRAINER_FILE", "Damaged", "SaveFailed", "check_contents",
+__all__ = ["TRAINER_FILE", "Damaged", "SaveFailed", "check_contents",
            "check_structure", "checkpoint_bytes", "complete_checkpoints", "find_checkpoint",
            "is_complete", "is_step_folder", "latest", "load", "model_shapes", "read_model_state",
            "read_trainer_state", "save", "step_of"]

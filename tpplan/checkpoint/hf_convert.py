@@ -30,10 +30,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .._torch.dtensor import compute_local_shape_and_global_offset
 from .hf_weights import TensorInfo, compress_names
-from .packed_io import PackedLoadPlanner, _chunks
+from .packed_io import PackedLoadPlanner, local_chunks
 
 __all__ = ["Conversion", "ConvertingLoadPlanner", "Fused", "conversion", "saved_names"]
 
@@ -249,7 +249,7 @@ def _local_blocks(t: torch.Tensor, packing):
     if isinstance(t, DTensor):
         if packing is not None:
             local = t.to_local()
-            for chunk, pos, n in _chunks(t, packing):
+            for chunk, pos, n in local_chunks(t, packing):
                 yield list(chunk.offsets), list(chunk.sizes), local.narrow(packing.dim, pos, n)
             return
         sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh,

@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from .._torch.checkpoint import metadata_path
+
 __all__ = [
     "LEGACY_TRAINER_FILE", "MANIFEST_FILE", "TRAINER_FILE", "Damaged", "SafeReader", "check_contents",
     "check_structure", "hash_files", "read_trainer_state", "write_manifest",
@@ -209,7 +211,7 @@ class SafeReader(FileSystemReader):
     """DCP's file reader, with ``.metadata`` read by :class:`_MetadataUnpickler`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = metadata_path(self, kwargs.get("rank"))
         try:
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()

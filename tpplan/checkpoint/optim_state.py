@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._torch.optim import init_group_state
+
 __all__ = ["init_state"]
 
 
@@ -22,5 +24,5 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = torch.zeros_like(p)
     with torch.no_grad():
         for g in optimizer.param_groups:
-            optimizer._init_group(g, [], [], [], [], [], [])
+            init_group_state(optimizer, g)
     optimizer.zero_grad(set_to_none=True)

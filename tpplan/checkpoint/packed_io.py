@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .._torch.dtensor import compute_local_shape_and_global_offset
 from ..plan.packing import Packing, packed_params, runs
 
 __all__ = ["PackedLoadPlanner", "PackedSavePlanner", "packed_of"]
@@ -36,7 +36,7 @@ __all__ = ["PackedLoadPlanner", "PackedSavePlanner", "packed_of"]
 Chunk = tuple[ChunkStorageMetadata, int, int]  # (model-order chunk, local start, length)
 
 
-def _chunks(t: DTensor, packing: Packing) -> list[Chunk]:
+def local_chunks(t: DTensor, packing: Packing) -> list[Chunk]:
     """This rank's block of ``t`` as chunks of the model-order tensor."""
     sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     d = packing.dim
@@ -86,7 +86,7 @@ class PackedSavePlanner(DefaultSavePlanner):
             if packing is None:
                 items.append(item)
                 continue
-            for chunk, pos, n in _chunks(t, packing):
+            for chunk, pos, n in local_chunks(t, packing):
                 index = MetadataIndex(item.index.fqn, chunk.offsets)
                 self._views[(index.fqn, tuple(chunk.offsets))] = (index.fqn, packing.dim, pos, n)
                 items.append(WriteItem(index=index, type=WriteItemType.SHARD,
@@ -125,7 +125,7 @@ class PackedLoadPlanner(DefaultLoadPlanner):
             if packing is None:
                 items.append(item)
             elif not any(i.dest_index.fqn == fqn for i in items):  # once per tensor
-                chunks = _chunks(t, packing)
+                chunks = local_chunks(t, packing)
                 for chunk, pos, n in chunks:
                     self._views[(fqn, tuple(chunk.offsets))] = (packing.dim, pos, n)
                 items += create_read_items_for_chunk_list(

@@ -36,7 +36,6 @@ from .integrity import (
 from .packed_io import PackedLoadPlanner, PackedSavePlanner, packed_of
 
 __all__ = [
-    "DIE_DURING_SAVE_ENV",
     "SaveFailed",
     "TRAINER_FILE",
     "checkpoint_bytes",
@@ -62,8 +61,6 @@ PER_OBJECT_BYTES = 1536
 FIXED_BYTES = 16 << 10  # trainer.json (its RNG state is 10 KiB of hex) and manifest.json
 MODEL_KEY = "model"  # the trainer saves {"model": ..., "optim": ...}
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# Test hook: the step whose save dies after the shards are written, before completion.
-DIE_DURING_SAVE_ENV = "TPPLAN_TEST_DIE_DURING_SAVE"
 # One model, or a pipeline rank's stage modules (each with its own optimizer).
 Parts = nn.Module | list[nn.Module]
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
@@ -209,8 +206,6 @@ def save(ckpt_dir: Path, step: int, model: Parts, optimizer: Optimizers,
                                   checkpoint_id=str(tmp),
                                   planner=PackedSavePlanner(packed_of(model)))):
         fail(problem)  # DCP raises on every rank when any rank fails; agreed anyway
-    if os.environ.get(DIE_DURING_SAVE_ENV) == str(step):
-        os._exit(17)  # simulates a kill between the shards and completion
     own: dict[str, Any] = {}
 
     def hash_own():  # this rank's shards, hashed in parallel with every other rank's

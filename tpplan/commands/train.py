@@ -19,6 +19,10 @@ from ._common import add_plan_args
 
 SHUTDOWN_S = 300  # how long torchrun waits for workers to save after a signal
 EXIT_STOPPED = 75  # tpplan.train.signals.EXIT_STOPPED (not imported: it would load torch)
+# What each worker that ``--nproc`` starts runs after the interpreter: this package's command.
+# A script that wraps the command (tests/hooked.py) puts its own path here, so the workers
+# torchrun starts run it too.
+WORKER_COMMAND = ["-m", "tpplan"]
 
 
 def register(sub) -> None:
@@ -52,12 +56,14 @@ def _relaunch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    from .._torch.launch import shutdown_timeout_args
+
     # --standalone, with a launch id we know, so a stop by a signal can be told from a crash.
     launch = f"tpplan-{uuid.uuid4().hex[:12]}"
     argv = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
             f"--rdzv-id={launch}", f"--nproc-per-node={args.nproc}",
-            f"--max-restarts={args.max_restarts}", f"--shutdown-timeout={SHUTDOWN_S}",
-            "-m", "tpplan", "train", "--plan", args.plan]
+            f"--max-restarts={args.max_restarts}", *shutdown_timeout_args(SHUTDOWN_S),
+            *WORKER_COMMAND, "train", "--plan", args.plan]
     for o in args.overrides:
         argv += ["--set", o]
     if args.resume is not None:

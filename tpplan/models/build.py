@@ -10,11 +10,12 @@ import os
 import re
 import sysconfig
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from .._torch.nn import parameters_on_meta
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 from . import llama, moe
@@ -133,24 +134,6 @@ def _check_built(spec: ModelSpec, model: Any) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Every parameter created inside goes to the meta device; buffers stay real."""
-    original = nn.Module.register_parameter
-
-    def register(self, name, param):
-        original(self, name, param)
-        if param is not None and param.device.type != "meta":
-            self._parameters[name] = nn.Parameter(param.to("meta"),
-                                                  requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
 # Tensor methods that only write values into their tensor (initializers and the arithmetic
 # they do on it with Python numbers): on a meta tensor there are no values, so they change
 # nothing, yet each costs a dispatch. A 405B model calls them thousands of times.
@@ -192,7 +175,7 @@ def build_model(spec: ModelSpec | None, device: str | torch.device = "meta", rea
     ``model.config``), and a factory that returns no runnable ``nn.Module``.
     """
     if real_buffers and str(device) == "meta":
-        with _parameters_on_meta():
+        with parameters_on_meta():
             return build_model(spec, "cpu")
     if spec is None:
         raise PlanErrors([PlanError("the plan has no 'model' section", None)])

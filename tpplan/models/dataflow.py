@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .._torch.dispatch import torch_function_disabled
+
 __all__ = ["Call", "Trace", "trace_forward"]
 
 
@@ -38,7 +40,7 @@ _INPLACE = re.compile(r"^(?!_)\w+_$|^__i(add|sub|mul|truediv|div|floordiv|mod|po
 def _quiet(hook):
     """A trace hook's own tensor accesses (``a.shape``) are not the model's code."""
     def run(*args):
-        with torch._C.DisableTorchFunction():
+        with torch_function_disabled():
             return hook(*args)
     return run
 

@@ -19,7 +19,7 @@ __all__ = ["ExpertList"]
 
 
 def _shapes_only(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
+    from .._torch.fake import is_fake
 
     return t.device.type == "meta" or is_fake(t)
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._torch.transformers import can_set_experts_implementation, causal_lm_mapping, from_config
 from ..plan.errors import ErrorList, PlanError, PlanErrors, nearest
 from ..plan.specs import ModelSpec
 from ..plan.yamlio import not_a_file
@@ -153,7 +154,7 @@ def causal_lm_for(config_class: type | None) -> type | None:
     """transformers' causal-LM class for a configuration class, if it has one."""
     transformers = require_transformers()
     try:
-        return transformers.AutoModelForCausalLM._model_mapping[config_class]
+        return causal_lm_mapping(transformers, config_class)
     except (KeyError, TypeError):
         return None
 
@@ -212,7 +213,7 @@ def _check_sizes(spec: ModelSpec) -> None:
 
 def _from_config(transformers, cls, config, kwargs: dict) -> nn.Module:
     if cls is not None:
-        return cls._from_config(config, **kwargs)
+        return from_config(cls, config, **kwargs)
     return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
 
 
@@ -228,7 +229,7 @@ def build_hf(spec: ModelSpec, config=None) -> nn.Module:
     # master weights; lower precision is the plan's mixed-precision setting.
     kwargs = {"attn_implementation": "sdpa", "dtype": torch.float32}
     if torch.empty(0).device.type == "meta" and cls is not None and \
-            cls._can_set_experts_implementation():
+            can_set_experts_implementation(cls):
         # A real run's grouped_mm, on shapes alone (hf_experts.py: what the dry run's traces
         # save is what the real run saves); batched_mm where this transformers lacks it.
         kwargs["experts_implementation"] = register_shapes_only() or "batched_mm"

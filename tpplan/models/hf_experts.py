@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .._torch.transformers import grouped_mm_ruled_out
+
 __all__ = ["SHAPES_ONLY", "register_shapes_only"]
 
 SHAPES_ONLY = "tpplan_grouped_mm_shapes"  # the name it is registered under
@@ -33,13 +35,9 @@ def _grouped_mm_on_shapes(module: torch.nn.Module, hidden_states: torch.Tensor,
     call (its fallback operator takes over: the same shapes and saved tensors)."""
     from transformers.integrations import moe
 
-    use = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda *a, **k: False
-    try:
+    with grouped_mm_ruled_out():
         return moe.grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights,
                                               *args, **kwargs)
-    finally:
-        moe._can_use_grouped_mm = use
 
 
 def register_shapes_only() -> str | None:

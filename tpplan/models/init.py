@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from .._torch.modules import own_parameters, set_buffers, set_parameters, shell_copy
 from ..plan.packing import Packing, packed_params
 
 __all__ = ["init_adapters", "init_weights", "materialize", "param_seed"]
@@ -31,19 +32,18 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     tied = _tied(model)
     model.to_empty(device=device)
     for (path, name), *others in tied:  # to_empty gives each owner of a shared weight its own
-        param = model.get_submodule(path)._parameters[name]
+        param = own_parameters(model.get_submodule(path))[name]
         for other, attr in others:
-            model.get_submodule(other)._parameters[attr] = param
+            set_parameters(model.get_submodule(other), {attr: param})
     for name, b in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._buffers[attr] = b.to(device)
+        set_buffers(model, {name: b.to(device)})
 
 
 def _tied(model: nn.Module) -> list[list[tuple[str, str]]]:
     """(module path, attribute) of each owner of a parameter shared by several modules."""
     owners: dict[int, list[tuple[str, str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             if p is not None and (path, name) not in owners.get(id(p), []):
                 owners.setdefault(id(p), []).append((path, name))
     return [group for group in owners.values() if len(group) > 1]
@@ -125,15 +125,7 @@ def _reset_each(model: nn.Module, seed: int, modules, packed: dict) -> None:
 
 def _cpu_copy(module: nn.Module) -> nn.Module:
     """A CPU module of the same class and shapes as ``module`` (whose params may be DTensors)."""
-    # A shallow copy that runs no constructor: FSDP2's module classes construct themselves
-    # again in ``__new__``, which copy.copy would call without arguments.
-    clone = object.__new__(type(module))
-    clone.__dict__ = dict(module.__dict__)
-    # Keep the entries registered as None (``nn.Linear(bias=False)`` has ``bias: None``):
-    # ``reset_parameters`` reads them.
-    clone._parameters = {name: None for name, p in module._parameters.items() if p is None}
-    clone._modules = {}
-    clone._buffers = dict(module._buffers)
-    for name, p in module.named_parameters(recurse=False):
-        clone._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+    clone = shell_copy(module)  # no constructor run, the None entries reset_parameters reads kept
+    set_parameters(clone, {name: nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
+                           for name, p in module.named_parameters(recurse=False)})
     return clone

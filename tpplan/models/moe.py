@@ -115,7 +115,7 @@ class TopKRouter(nn.Module):
 
 def _shapes_only(t: torch.Tensor) -> bool:
     """Meta or fake tensors (the dry run): no expert ids to count."""
-    from torch._subclasses.fake_tensor import is_fake
+    from .._torch.fake import is_fake
 
     return not torch.compiler.is_compiling() and (t.device.type == "meta" or is_fake(t))
 

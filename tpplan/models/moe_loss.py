@@ -4,24 +4,39 @@ transformers' MoE causal LMs (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE, gpt-oss, ...
 sets ``output_router_logits`` return ``aux_loss`` -- Switch Transformer's load-balancing loss
 over the batch the forward saw -- and their own ``loss`` adds ``router_aux_loss_coef ×
 aux_loss`` to the cross-entropy. tpplan's models return logits only (``models/hf.py``'s hook),
-so the hook keeps that term on the model and :func:`aux_loss` hands it to whoever computes
+so the hook keeps that term for the model and :func:`aux_loss` hands it to whoever computes
 the loss (the trainer's step, verify's both sides): the model's own loss, with the term its
 config asks for. It is per forward, i.e. per micro-batch: see docs/moe.md ("Auxiliary loss").
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 __all__ = ["aux_loss", "keep_aux_loss", "keep_aux_term", "micro_batch_aux", "with_aux_loss",
-           "aux_over_shards"]
+           "aux_over_shards", "gather_router_logits"]
 
-_KEPT = "_tpplan_aux_loss"
-_SHARDS = "_tpplan_router_shards"  # the tp mesh, when the routers see sequence shards (set by
-# tpplan.parallel.apply.apply_tp for a plan with sequence_local blocks)
+# By model: its last forward's term (taken by aux_loss), and the tp mesh whose sequence shards
+# its routers see (handed over by gather_router_logits). Weak: they go with the model.
+_KEPT: weakref.WeakKeyDictionary[nn.Module, torch.Tensor | None] = weakref.WeakKeyDictionary()
+_ROUTER_SHARDS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def gather_router_logits(model: nn.Module, router_shards: Any) -> None:
+    """From now on, take ``model``'s load-balancing loss over the whole micro-batch from its
+    routers' logits gathered over ``router_shards`` (:func:`aux_over_shards`), or not (None).
+
+    Whoever applies a plan hands this on: the apply step knows (``ApplyReport.router_shards``,
+    the tp mesh when ``sequence_local`` blocks run the routers on sequence shards) and the
+    parallel layer does not import the models'. ``tpplan.Plan.apply`` does it."""
+    if router_shards is None:
+        _ROUTER_SHARDS.pop(model, None)
+    else:
+        _ROUTER_SHARDS[model] = router_shards
 
 
 def aux_over_shards(model: nn.Module, router_logits, tp_mesh) -> torch.Tensor:
@@ -53,7 +68,7 @@ def keep_aux_loss(module: nn.Module, output: Any) -> None:
     nothing: no aux loss asked for, or a coefficient of 0); over the whole micro-batch when
     the routers saw sequence shards (``sequence_local`` blocks: :func:`aux_over_shards`)."""
     aux = getattr(output, "aux_loss", None)
-    mesh = module.__dict__.get(_SHARDS)
+    mesh = _ROUTER_SHARDS.get(module)
     if mesh is not None and isinstance(aux, torch.Tensor) and getattr(
             module, "router_aux_loss_coef", None):
         aux = aux_over_shards(module, getattr(output, "router_logits", None), mesh)
@@ -64,12 +79,12 @@ def keep_aux_term(module: nn.Module, aux: torch.Tensor | None) -> None:
     """Keep ``router_aux_loss_coef × aux`` on ``module`` (the built-in MoE's own term, or
     an HF output's ``aux_loss``); nothing when there is none or the coefficient is 0."""
     coef = getattr(module, "router_aux_loss_coef", None)
-    module.__dict__[_KEPT] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
+    _KEPT[module] = coef * aux if isinstance(aux, torch.Tensor) and coef else None
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """The auxiliary loss term of ``model``'s last forward (taken: a second call gives None)."""
-    return model.__dict__.pop(_KEPT, None)
+    return _KEPT.pop(model, None)
 
 
 def micro_batch_aux(model: nn.Module, forward: Callable, tokens: torch.Tensor,

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from .._torch.nn import non_persistent_buffers
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import ModelSpec
 from . import hf_llama, llama
@@ -85,5 +86,5 @@ def expected_tensors(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]
 def _non_persistent(model: nn.Module) -> set[str]:
     out = set()
     for path, m in model.named_modules():
-        out |= {f"{path}.{b}" if path else b for b in m._non_persistent_buffers_set}
+        out |= {f"{path}.{b}" if path else b for b in non_persistent_buffers(m)}
     return out

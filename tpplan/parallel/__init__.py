@@ -2,7 +2,9 @@
 
 ``mesh`` (degrees, the DeviceMesh, data-parallel views), ``runtime`` (process groups,
 spawning local ranks), ``resolve`` (patterns -> modules, every check that needs the model),
-``tp_styles`` (style specs -> PyTorch style objects), ``fsdp_units`` (the ``fully_shard``
-calls and their sizes), ``apply`` (TP -> AC -> compile -> FSDP2) and ``report`` (what was
-applied). Imports only the plan layer.
+``apply`` (TP -> AC -> compile -> FSDP2), ``fsdp_units`` (the ``fully_shard`` calls and their
+sizes), ``freeze``, ``report`` (what was applied) and ``meta_kernel_cache``; one package per
+axis: ``tp/`` (tensor-parallel styles and the projections they split whole), ``experts/``
+(expert parallelism), ``context/`` (context parallelism), ``lora/`` (adapters) and
+``pipeline/`` (stages and schedules). Imports only the plan layer and ``tpplan._torch``.
 """

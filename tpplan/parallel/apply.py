@@ -41,8 +41,11 @@ __all__ = ["apply_plan", "apply_tp", "apply_ep", "apply_ac", "apply_compile", "a
 log = logging.getLogger("tpplan")
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
-    """One ``parallelize_module`` call per matched module, then ``divide_by_tp``."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> DeviceMesh | None:
+    """One ``parallelize_module`` call per matched module, then ``divide_by_tp``. Returns
+    ``tp_mesh`` when the model's routers see its sequence shards (``sequence_local`` blocks:
+    the load-balancing loss must gather their logits, :attr:`ApplyReport.router_shards`),
+    else None."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     register_cpu_attention()  # attention run on DTensors works on a CPU mesh too
@@ -63,16 +66,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> None:
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
         if rule.style.name.startswith("prepare_"):
             check_layout_counts(modules[path], path, rule)
-    if any(r.style.name == SEQUENCE_LOCAL for r in res.rule_of.values()):
-        # the routers see sequence shards: the load-balancing loss gathers their logits
-        # (models.moe_loss.aux_over_shards; a layer apart, hence the attribute by name)
-        model.__dict__["_tpplan_router_shards"] = tp_mesh
     retie(model, tied)  # each style made its own copy of a shared weight: share it again
     tp = tp_mesh.size()
     localize_kv_groups(modules, res.rule_of, tp)
     for attr_rule, found in res.attrs:
         for path, value in found:
             setattr(modules[path], attr_rule.attribute, value // tp)
+    return tp_mesh if any(r.style.name == SEQUENCE_LOCAL for r in res.rule_of.values()) else None
 
 
 def expert_paths(res: Resolution) -> list[str]:
@@ -154,8 +154,9 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     res = resolve(plan, model, mesh.size(), stage=stage)
     res.errors.raise_if_any()
     dims = res.dims
+    router_shards = None
     if dims.tp > 1:
-        apply_tp(model, mesh["tp"], res)
+        router_shards = apply_tp(model, mesh["tp"], res)
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
     experts = None
     if dims.ep > 1:
@@ -186,7 +187,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         log.info("LoRA: %d parameters train, the base is frozen", freeze_base(plan.lora, model))
     if plan.freeze:
         log.info("froze %d parameters", apply_freeze(plan.freeze, model))
-    return ApplyReport(res, seconds=time.perf_counter() - start, model=model)
+    return ApplyReport(res, seconds=time.perf_counter() - start, model=model, router_shards=router_shards)
 
 
 def loss_context(plan: PlanSpec) -> contextlib.AbstractContextManager:

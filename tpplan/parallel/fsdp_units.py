@@ -93,7 +93,7 @@ def _gathered(shape: tuple[int, ...], shards: int) -> int:
     return -(-shape[0] // shards) * rest * shards
 
 
-def _parameters(model: nn.Module, plan: PlanSpec | None) -> list[tuple[str, tuple, bool]]:
+def plan_parameters(model: nn.Module, plan: PlanSpec | None) -> list[tuple[str, tuple, bool]]:
     """(name, global shape, trains) of every parameter ``plan`` gives ``model``: with a
     ``lora`` section its adapters too, added or not yet; without ``plan``, as ``model`` is."""
     params = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
@@ -140,7 +140,7 @@ def unit_sizes(model: nn.Module, res: Resolution, dims: ParallelDims,
                plan: PlanSpec | None = None) -> list[UnitSize]:
     """Each FSDP2 parameter group of the plan, in apply order, the root last; a call whose
     parameters all belong to deeper calls makes no group and is left out, as in FSDP2.
-    ``plan``: what trains and the adapters come from it (:func:`_parameters`)."""
+    ``plan``: what trains and the adapters come from it (:func:`plan_parameters`)."""
     return unit_shapes(model, res, dims, plan).sized(dims)
 
 
@@ -169,7 +169,7 @@ def unit_shapes(model: nn.Module, res: Resolution, dims: ParallelDims,
                 ep_owner[n] = i
                 (whole if int(n[len(path) + 1:].split(".")[0]) < local else elsewhere).add(n)
     params = []
-    for name, shape, trains in _parameters(model, plan):
+    for name, shape, trains in plan_parameters(model, plan):
         if name in elsewhere:
             continue
         if name in ep_owner:

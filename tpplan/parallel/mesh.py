@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from .._torch.mesh import concatenate, flatten, unflatten
 from ..plan.errors import PlanError, PlanErrors
 from ..plan.specs import MeshSpec
 
@@ -171,7 +172,7 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
         if self.cp > 1:  # FSDP's shard dimension: mesh["dp_shard_cp"] from here on
-            mesh["dp_shard", CP_DIM]._flatten(DP_SHARD_CP)
+            flatten(mesh["dp_shard", CP_DIM], DP_SHARD_CP)
         return mesh
 
     def __str__(self) -> str:
@@ -209,10 +210,10 @@ def group_dim(group_name: str) -> str | None:
     description DeviceMesh gives every group it makes (``mesh_<dimension>``: an experts'
     ``ep`` group is told from ``tp``'s or ``dp_shard``'s of the same ranks); None for a
     group without one, or none of this process."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from .._torch.collectives import resolve_process_group
 
     try:
-        desc = _resolve_process_group(group_name).group_desc
+        desc = resolve_process_group(group_name).group_desc
     except (ValueError, RuntimeError, KeyError):
         return None
     return desc.removeprefix("mesh_") if desc and desc.startswith("mesh_") else None
@@ -229,16 +230,14 @@ def expert_meshes(mesh: "DeviceMesh", ep: int,
     ranks, on a node's fast links). Both are views of the same root mesh, as FSDP2 needs for
     a DTensor parameter (Shard(0) on ep) sharded again over efsdp. Collective on every rank
     of ``mesh``; call it once per apply (each call makes process groups)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     names = EP_BORROWS_TP if borrow_tp and mesh["tp"].size() > 1 else EP_BORROWS
     borrowed = tuple(n for n in names if n in (mesh.mesh_dim_names or ()))
     if len(borrowed) > 1 and borrowed != EP_BORROWS:  # (dp_shard, [cp,] tp): flattened here
-        base = mesh[borrowed]._flatten("_".join(borrowed))
+        base = flatten(mesh[borrowed], "_".join(borrowed))
     else:  # under cp, build_mesh's dp_shard × cp flattening (FSDP's dimension): the same ranks
         base = mesh[DP_SHARD_CP] if borrowed == EP_BORROWS else mesh[borrowed[0]]
-    split = base._unflatten(0, (base.size() // ep, ep), ("efsdp", "ep"))
+    split = unflatten(base, 0, (base.size() // ep, ep), ("efsdp", "ep"))
     efsdp = split["efsdp"]
     if mesh["dp_replicate"].size() > 1:
-        efsdp = DeviceMesh._concatenate([mesh["dp_replicate"], efsdp])
+        efsdp = concatenate([mesh["dp_replicate"], efsdp])
     return split["ep"], efsdp

@@ -33,8 +33,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._torch.dispatch import (Traced, TorchDispatchMode, dispatch_disabled, dispatch_stack_depth,
+                               op_schema)
+from .._torch.fake import FakeTensor
+from .._torch.storage import storage_key
 
 __all__ = ["MetaCache", "META", "MetaCacheMode", "PLAIN", "Unkeyed", "flatten_key", "recipe",
            "remake", "spans"]
@@ -54,7 +57,7 @@ def _meta_key(t: torch.Tensor, storages: list | None) -> tuple:
     if t.device.type != "meta" or t.layout is not torch.strided or t.is_conj() or t.is_neg():
         raise Unkeyed
     if storages is not None:
-        storages.append(t.untyped_storage()._cdata)
+        storages.append(storage_key(t))
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
@@ -78,14 +81,14 @@ def flatten_key(out: list, args, tensors: tuple, key: Callable[[torch.Tensor], t
 
 def spans(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage is exactly what its shape and strides span."""
-    with torch._C._DisableTorchDispatch():
+    with dispatch_disabled():
         made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     return made.untyped_storage().nbytes() == t.untyped_storage().nbytes()
 
 
 def _storages(out, into: list) -> list:
     if isinstance(out, torch.Tensor):
-        into.append(out.untyped_storage()._cdata)
+        into.append(storage_key(out))
     elif isinstance(out, (tuple, list)):
         for o in out:
             _storages(o, into)
@@ -125,7 +128,7 @@ def remake(kept: tuple, wrap: Callable[[torch.Tensor, torch.device], torch.Tenso
     kind, parts = kept
     if kind == "t":
         shape, stride, dtype, device = parts
-        with torch._C._DisableTorchDispatch():
+        with dispatch_disabled():
             t = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         return t if wrap is None else wrap(t, device)
     if kind == "v":
@@ -144,7 +147,7 @@ class MetaCache:
     def _allowed(self, func) -> bool:
         ok = self._ops.get(func)
         if ok is None:
-            schema = func._schema
+            schema = op_schema(func)
             ok = self._ops[func] = func.namespace == "aten" \
                 and not any(a.alias_info is not None for a in schema.arguments) \
                 and not any(r.alias_info is not None for r in schema.returns) \
@@ -153,7 +156,7 @@ class MetaCache:
 
     def __call__(self, func, args, kwargs):
         """``func(*args, **kwargs)``, or its kept outputs made anew."""
-        if not self._allowed(func) or torch._C._len_torch_dispatch_stack():
+        if not self._allowed(func) or dispatch_stack_depth():
             return func(*args, **kwargs)  # (a mode below, such as a fake one, makes them)
         key: list = [func, torch.get_default_dtype()]
         inputs: list = []
@@ -188,17 +191,13 @@ class MetaCache:
 META = MetaCache()
 
 
-class MetaCacheMode(TorchDispatchMode):
+class MetaCacheMode(Traced, TorchDispatchMode):
     """Every operator on plain tensors through ``cache`` (:data:`META`; a tensor subclass,
     such as DTensor, runs its own dispatch first, and its local operators come back here)."""
 
     def __init__(self, cache: MetaCache | None = None) -> None:
         super().__init__()
         self.cache = cache or META
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # no compile runs under it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t not in _TENSORS and t is not FakeTensor for t in types):

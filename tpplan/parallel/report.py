@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..plan.patterns import generalize
 from .resolve import Resolution
@@ -65,24 +66,28 @@ def describe_params(module: nn.Module) -> list[ParamRow]:
 
 class ApplyReport:
     """Made by :meth:`Plan.apply`: rules with the modules they hit, and a row per module
-    that has a rule or parameters. ``print(report)`` prints the collapsed table."""
+    that has a rule or parameters. ``print(report)`` prints the collapsed table.
+    ``router_shards``: the tp mesh when the model's routers see sequence shards
+    (``sequence_local`` blocks), else None: the model's load-balancing loss is then taken
+    over the whole micro-batch (:func:`tpplan.models.moe_loss.gather_router_logits`)."""
 
     def __init__(self, res: Resolution, seconds: float = 0.0, model: nn.Module | None = None,
-                 rows: list[ModuleRow] | None = None):
+                 rows: list[ModuleRow] | None = None, router_shards: DeviceMesh | None = None):
         self.resolution, self.seconds = res, seconds
         self.dims = res.dims
         self.rules = [(rule, paths) for rule, paths in res.rules]
+        self.router_shards = router_shards
         # Rows are made on first use: apply() stays as fast as the bare torch calls.
         # ``rows``: made already (the dry run's, from the model's first blocks).
         self._model = weakref.ref(model) if model is not None else None
-        self._modules: list[ModuleRow] | None = rows
+        self._module_rows: list[ModuleRow] | None = rows
 
     @property
     def modules(self) -> list[ModuleRow]:
-        if self._modules is None:
+        if self._module_rows is None:
             model = self._model() if self._model is not None else None
-            self._modules = [] if model is None else self._rows(model)
-        return self._modules
+            self._module_rows = [] if model is None else self._rows(model)
+        return self._module_rows
 
     def _rows(self, model: nn.Module) -> list[ModuleRow]:
         rule_of = self.resolution.rule_of

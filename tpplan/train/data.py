@@ -103,7 +103,7 @@ class Batch:
         return self.tokens.to(device), None if self.mask is None else self.mask.to(device)
 
 
-def _text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
+def text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
     """Files under ``folder`` in sorted order (the same corpus on every rank and run),
     lazily, pruning skipped folders, so a capped read stops walking early."""
     for root, dirs, files in os.walk(folder):
@@ -144,7 +144,7 @@ def load_corpus(path: str | None, max_bytes: int) -> Corpus:
     """Read ``path`` (text file, folder of text files, ``.bin`` of uint16) or the stdlib."""
     if path is None:
         folder = stdlib_dir()
-        raw = _read_bytes(_text_files(folder, ".py"), max_bytes)
+        raw = _read_bytes(text_files(folder, ".py"), max_bytes)
         return Corpus(_bytes_to_tokens(raw), 256, f"python stdlib ({folder})")
     p = Path(path)
     if p.suffix == ".bin":
@@ -152,7 +152,7 @@ def load_corpus(path: str | None, max_bytes: int) -> Corpus:
         tokens = torch.from_numpy(arr.astype(np.int64))
         vocab = int(tokens.max()) + 1 if tokens.numel() else 0
         return Corpus(tokens, vocab, f"{p} (uint16 tokens)")
-    raw = _read_bytes(_text_files(p) if p.is_dir() else [p], max_bytes)
+    raw = _read_bytes(text_files(p) if p.is_dir() else [p], max_bytes)
     return Corpus(_bytes_to_tokens(raw), 256, str(p))
 
 

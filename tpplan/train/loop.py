@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,36 +22,26 @@ import torch
 import torch.distributed as dist
 
 from .. import checkpoint as ckpt
-from ..models import init_weights, materialize
-from ..models.init import init_adapters
-from ..parallel.experts.module_list import expert_list_groups
 from ..parallel.mesh import dp_rank as data_parallel_rank
 from ..parallel.runtime import default_device_type
 from . import hooks
-from .data import document_positions, step_batch
+from .data import Batch, document_positions, step_batch
 from .evaluate import Evaluation
 from .failures import out_of_memory, peer_lost
 from .memwatch import StepMemory, largest_peak
-from .optim import clip_grad_norm, lr_lambda, make_optimizer, trained_summary
-from .pretrained import load as load_pretrained
-from .pretrained import load_adapter
+from .optim import clip_grad_norm
 from .profiling import StepProfiler
-from .progress import GPU_ONLY, Reporter, flops_per_token, peak_flops
+from .progress import Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, start_folder
 from .setup import Prepared, TrainError, prepare
 from .signals import Preemption
 from .sinks import Sinks
+from .summary import Throughput, run_header, run_summary
+from .trainee import Trainee, build_trainee, save_checkpoint
 from .verdict import settle
-from .stepper import make_stepper
 
 __all__ = ["train"]
-
-
-def _init(parts: list, seed: int, device: torch.device) -> str:
-    """Seeded init of each part: parameters are seeded by their whole-model name, so the
-    numbers do not depend on the pipeline split."""
-    return [init_weights(part, seed, device) for part in parts][0]
 
 
 def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = None,
@@ -108,10 +99,45 @@ def _quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+@dataclass
+class _Watchers:
+    """What watches the steps and reports them."""
+    reporter: Reporter
+    sinks: Sinks
+    profiler: StepProfiler
+    memory: StepMemory
+    record: Callable[[int, torch.Tensor], None]  # the batch record (a test hook, off by default)
+    evaluation: Evaluation
+
+
+@dataclass
+class _Rank:
+    """This rank's place in the run, read by every step."""
+    device: torch.device
+    device_type: str
+    rank: int
+    dp_rank: int
+    pp_group: Any  # the pp process group, None without a pipeline
+    shapes: dict[str, list[int]]  # the whole model's parameter shapes, saved with each checkpoint
+    rate: Throughput
+
+
+@dataclass
+class _Progress:
+    """What the steps so far leave: their times and losses, the signal that stopped them (0:
+    none) and the last checkpoint saved."""
+    start: int
+    last_saved: Path | None
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    stopped: int = 0
+
+
 def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
          predicted: dict[str, Any] | None) -> dict:
+    """This rank's run once the plan is checked: the run folder started, the model built, the
+    steps, the summary."""
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
-    accum, micro_size = prep.step.grad_accum, prep.step.micro_batch
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device(device_type, torch.cuda.current_device()) \
         if device_type == "cuda" else torch.device(device_type)
@@ -121,177 +147,131 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
 
     shapes = ckpt.model_shapes(prep.model)  # the whole model's, on every pipeline degree
     n_params = sum(p.numel() for p in prep.model.parameters())
-    # FSDP2 averages gradients over dp ranks: scale them back to the global mean's (.evaluate)
-    # FSDP2 averages over dp_shard × cp: each rank's loss is its tokens' part of the sum
-    dp_scale = dims.dp * dims.cp if plan.fsdp is not None else 1
-    stepper = make_stepper(plan, prep.model, mesh, device, micro_size, accum, dp_scale, dims.dp)
-    parts = stepper.parts  # the model, or this rank's pipeline stages
-    for part in parts:
-        materialize(part, device)
-    lora = plan.lora is not None  # checkpoints hold what trains; the base is loaded as at start
-    if claimed.resume_from is not None and not (lora and prep.pretrained is not None):
-        init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
-    elif prep.pretrained is not None:
-        init_method = load_pretrained(prep.pretrained, parts[0])
-        if sum(init_adapters(part, t.seed) for part in parts):  # not in the HF folder
-            init_method += ", LoRA adapters drawn"
-    else:
-        init_method = _init(parts, t.seed, device) + " init"
-    if prep.adapter is not None and claimed.resume_from is None:
-        load_adapter(prep.adapter, parts)
-        init_method += f", LoRA adapters from {plan.model.adapter}"
-    made = [make_optimizer(part, t) for part in parts]  # over what `freeze` leaves training
-    optimizers = [o for o, _ in made]
-    trained = [p for _, ps in made for p in ps]
-    ep_local = expert_list_groups(parts)  # experts of a list: each on its ep rank only
-    schedules = [torch.optim.lr_scheduler.LambdaLR(
-        o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
-    if claimed.resume_from is not None:
-        state = ckpt.load(claimed.resume_from, parts, optimizers, trained_only=lora)
-        for schedule in schedules:
-            schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
+    trainee = build_trainee(prep, claimed, mesh, device)
     pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
-    local_params = sum(p.numel() for part in parts for p in part.parameters())
+    local_params = sum(p.numel() for part in trainee.parts for p in part.parameters())
 
     dp_rank, tp_rank = data_parallel_rank(mesh), mesh["tp"].get_local_rank()
     tokens_per_step = prep.step.global_batch * t.seq_len
     peak = peak_flops(device_type)
-    flops_token = flops_per_token(prep.model, n_params, t.seq_len)
-    header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
-              f"{n_params / 1e6:.2f}M params{trained_summary(trained, local_params)} "
-              f"({init_method}) | data {prep.corpus.source}, "
-              f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {prep.step.global_batch}×"
-              f"{t.seq_len} = {accum} micro-batch(es) of {micro_size} per dp rank | "
-              f"run folder {prep.run_dir}")
-    if prep.restarted:
-        header += "\nrestarted by torchrun: " + (
-            "continuing from the last checkpoint" if start else "no checkpoint yet, from step 0")
-    if claimed.resume_from is not None:
-        header += f"\nresumed from {claimed.resume_from} at step {start}"
-    header += "".join(f"\n{n}" for n in notes)
-    reporter = Reporter(prep.run_dir, t.steps, start, rank == 0, header)
-    sinks = Sinks(plan.metrics, prep.run_dir, rank == 0, plan.to_dict())
-    profiler = StepProfiler(plan.metrics.profile, prep.run_dir, rank, device_type, mesh)
-    memory = StepMemory(device_type)
-    record = hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank)
-    evaluation = Evaluation(prep, parts[0], micro_size, dp_rank, device)  # no eval under pp
-    times, losses, stopped = [], [], 0
-    last_saved = claimed.resume_from
+    rate = Throughput(tokens_per_step, flops_per_token(prep.model, n_params, t.seq_len), peak, world)
+    header = run_header(prep, claimed, start, notes, n_params, trainee, local_params, world, device_type)
+    watch = _Watchers(
+        Reporter(prep.run_dir, t.steps, start, rank == 0, header),
+        Sinks(plan.metrics, prep.run_dir, rank == 0, plan.to_dict()),
+        StepProfiler(plan.metrics.profile, prep.run_dir, rank, device_type, mesh),
+        StepMemory(device_type),
+        hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank),
+        Evaluation(prep, trainee.parts[0], prep.step.micro_batch, dp_rank, device))  # no eval under pp
+    where = _Rank(device, device_type, rank, dp_rank, pp_group, shapes, rate)
+    progress = _Progress(start, claimed.resume_from)
+    _steps(prep, trainee, watch, where, progress)
+    return _finish(prep, watch, where, progress, predicted)
 
-    def save(step: int, reason: str) -> Path:
-        state = {"step": step, "schedule": schedules[0].state_dict(), "data_step": step,
-                 "rng": torch.get_rng_state(), "model_shapes": shapes,
-                 "mesh": dims.as_dict(), "plan": plan.source, "reason": reason}
-        if lora:
-            state["lora_base"] = prep.lora_base
-        try:
-            return ckpt.save(prep.ckpt_dir, step, parts, optimizers, state, plan.checkpoint.keep,
-                             trained_only=lora)
-        except ckpt.SaveFailed as e:
-            kept = f"the previous checkpoint {last_saved} is intact" if last_saved else \
-                "no earlier checkpoint exists"
-            raise TrainError(f"{e}; {kept}") from None
 
+def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, progress: _Progress) -> None:
+    """The optimizer steps from ``progress.start`` on: each logged, checkpointed at the plan's
+    interval and at the end; a signal agreed by every rank ends them after its step."""
+    plan, t = prep.plan, prep.plan.train
     with Preemption(plan.checkpoint.on_signal) as preemption:
-        for step in range(start + 1, t.steps + 1):
-            memory.before(parts, optimizers)
+        for step in range(progress.start + 1, t.steps + 1):
+            watch.memory.before(trainee.parts, trainee.optimizers)
             t0 = time.perf_counter()
-            with profiler.step(step):
+            with watch.profiler.step(step):
                 batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch,
-                                   t.seq_len, dp_rank, dims.dp)
-                record(step, batch.tokens)
-                tokens, mask = batch.to(device)
-                positions = document_positions(tokens, prep.corpus.separator) \
-                    if plan.data.document_mask else None
-                count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
-                loss_sum = stepper(tokens, mask, count, positions)
-                # TP peers hold the same partial sums (under a pipeline, the last stage's
-                # ranks; the others hold 0): the world's total over tp is the global mean.
-                with profiler.phase("loss"):
-                    dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-                loss_value = loss_sum.item() / dims.tp
-                with profiler.phase("clip"):
-                    grad_norm = clip_grad_norm(trained, t.grad_clip, pp_group, ep_local)
-                if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                    raise TrainError(
-                        f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
-                        f"diverged; stopped before the optimizer step (last checkpoint: "
-                        f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
-                lr = schedules[0].get_last_lr()[0]
-                for optimizer, schedule in zip(optimizers, schedules):
-                    optimizer.step()
-                    schedule.step()
-                    optimizer.zero_grad(set_to_none=True)
-                if device_type == "cuda":
+                                   t.seq_len, where.dp_rank, prep.dims.dp)
+                watch.record(step, batch.tokens)
+                loss_value, grad_norm, lr = _update(prep, trainee, batch, step, where, watch.profiler,
+                                                    progress.last_saved)
+                if where.device_type == "cuda":
                     torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            memory.after(step)
-            if profiler.done(step):
-                profiler.show(reporter.note)
-            times.append(dt)
-            losses.append(loss_value)
+            watch.memory.after(step)
+            if watch.profiler.done(step):
+                watch.profiler.show(watch.reporter.note)
+            progress.times.append(dt)
+            progress.losses.append(loss_value)
             row = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-                   "tokens_per_s_per_device": tokens_per_step / dt / world}
+                   "step_time_s": dt, "tokens_per_s": where.rate.tokens_per_step / dt,
+                   "tokens_per_s_per_device": where.rate.tokens_per_step / dt / where.rate.world}
             if batch.mask is not None:
                 row["loss_tokens"] = batch.count
-            row.update(profiler.mark(step))
-            if device_type == "cuda":
+            row.update(watch.profiler.mark(step))
+            if where.device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
-                row["mfu"] = flops_token * tokens_per_step / dt / world / peak if peak else None
-            row.update(evaluation.after(step))
-            reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
-            sinks.log(row)
-            hooks.after_step(rank, step)
-            stopped = preemption.agreed(device)
+                row["mfu"] = where.rate.mfu(dt) if where.rate.peak else None
+            row.update(watch.evaluation.after(step))
+            watch.reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
+            watch.sinks.log(row)
+            hooks.after_step(where.rank, step)
+            progress.stopped = stopped = preemption.agreed(where.device)
             interval = plan.checkpoint.interval
             if plan.checkpoint.enabled and (stopped or step == t.steps
                                             or (interval and step % interval == 0)):
-                last_saved = save(step, Preemption.name(stopped) if stopped else "interval")
+                progress.last_saved = save_checkpoint(
+                    prep, trainee, step, Preemption.name(stopped) if stopped else "interval", where.shapes,
+                    progress.last_saved)
             if stopped:
                 break
 
+
+def _update(prep: Prepared, trainee: Trainee, batch: Batch, step: int, where: _Rank, profiler: StepProfiler,
+            last_saved: Path | None) -> tuple[float, float, float]:
+    """One optimizer step on ``batch``: forward and backward over its micro-batches, the loss
+    summed over the world, gradients clipped, then the update; a non-finite loss or gradient
+    norm stops the run before the update. Returns the loss, the gradient norm and the lr."""
+    plan, dims, t = prep.plan, prep.dims, prep.plan.train
+    tokens, mask = batch.to(where.device)
+    positions = document_positions(tokens, prep.corpus.separator) \
+        if plan.data.document_mask else None
+    count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
+    loss_sum = trainee.stepper(tokens, mask, count, positions)
+    # TP peers hold the same partial sums (under a pipeline, the last stage's
+    # ranks; the others hold 0): the world's total over tp is the global mean.
+    with profiler.phase("loss"):
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+    loss_value = loss_sum.item() / dims.tp
+    with profiler.phase("clip"):
+        grad_norm = clip_grad_norm(trainee.trained, t.grad_clip, where.pp_group, trainee.ep_local)
+    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+        raise TrainError(
+            f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
+            f"diverged; stopped before the optimizer step (last checkpoint: "
+            f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
+    lr = trainee.schedules[0].get_last_lr()[0]
+    for optimizer, schedule in zip(trainee.optimizers, trainee.schedules):
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss_value, grad_norm, lr
+
+
+def _finish(prep: Prepared, watch: _Watchers, where: _Rank, progress: _Progress,
+            predicted: dict[str, Any] | None) -> dict:
+    """The summary after the last step (shown, recorded, compared with ``predicted`` on rank
+    0), a note when a signal stopped the run, and the losses and step times."""
+    plan, start, times, stopped = prep.plan, progress.start, progress.times, progress.stopped
+    profiler, reporter = watch.profiler, watch.reporter
     if profiler.done(start + len(times), stopped=True):  # stopped inside the window
         profiler.show(reporter.note)
     steady = [dt for i, dt in enumerate(times[1:], start + 2) if not profiler.mark(i)] \
         or times[1:] or times
     mean_dt = sum(steady) / max(len(steady), 1)
-    measured = largest_peak(memory, device)
-    summary = {
-        "steps": f"{start + len(times)}/{t.steps}" + (f" (resumed at {start})" if start else ""),
-        "mesh": str(dims), "device": f"{world} × {device_type}",
-        "first loss": losses[0] if losses else float("nan"),
-        "final loss": losses[-1] if losses else float("nan"),
-        **evaluation.summary(),
-        f"step time (s, excl. first{' and profiled' * bool(plan.metrics.profile)})": mean_dt,
-        "tokens/s (global)": tokens_per_step / mean_dt if mean_dt else 0.0,
-        "tokens/s per device": tokens_per_step / mean_dt / world if mean_dt else 0.0,
-        "MFU": GPU_ONLY if device_type != "cuda" else (
-            "unknown GPU peak" if not peak else
-            f"{flops_token * tokens_per_step / mean_dt / world / peak:.1%}"),
-        "peak memory": f"{measured / 2 ** 20:,.1f} MiB ({memory.how}, largest rank)"
-        if measured is not None else "not measured on this system (Linux with glibc, or CUDA)",
-        "run folder": str(prep.run_dir),
-        "metrics": str(prep.run_dir / "metrics.jsonl"),
-        **sinks.where,
-        **({"profile": f"{profiler.folder} (trace-rank<R>.json: open in ui.perfetto.dev)"}
-           if plan.metrics.profile else {}),
-        "checkpoint": str(last_saved) if last_saved else "none",
-    }
-    if rank == 0:
-        summary.update(settle(prep.run_dir, predicted, measured, mean_dt, memory, sinks))
+    measured = largest_peak(watch.memory, where.device)
+    summary = run_summary(prep, start, progress.losses, mean_dt, measured, where.rate, where.device_type,
+                          watch.memory, watch.evaluation, watch.sinks, profiler, progress.last_saved)
+    if where.rank == 0:
+        summary.update(settle(prep.run_dir, predicted, measured, mean_dt, watch.memory, watch.sinks))
     reporter.close(summary)
-    sinks.close()
+    watch.sinks.close()
     if stopped:
         done = start + len(times)
-        where = (f"checkpoint saved at {last_saved}; continue with --resume"
+        saved = (f"checkpoint saved at {progress.last_saved}; continue with --resume"
                  if plan.checkpoint.enabled else "checkpoints are off: nothing saved")
         reporter.note(f"tpplan train: stopped by {Preemption.name(stopped)} after step {done}; "
-                      f"{where}")
+                      f"{saved}")
         summary["stopped"] = Preemption.name(stopped)
-        if rank == 0:
+        if where.rank == 0:
             record_launch(prep.run_dir, stopped=summary["stopped"], step=done)
-    summary["losses"], summary["step_times"] = losses, times
+    summary["losses"], summary["step_times"] = progress.losses, times
     return summary
-

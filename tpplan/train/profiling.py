@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from .._torch.cuda import dump_memory_snapshot, record_memory_history, stop_memory_history
 from ..parallel.mesh import group_dim
 
 __all__ = ["StepProfiler", "format_table", "summarize"]
@@ -58,7 +59,7 @@ class _Annotate:
     """A dispatch mode that wraps each collective in a ``tpplan.comm`` annotation."""
 
     def __init__(self, mesh):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from .._torch.dispatch import TorchDispatchMode, op_packet
 
         by_name, by_ranks = _group_dims(mesh)
         owner = self
@@ -71,12 +72,12 @@ class _Annotate:
             dp_shard 4); else by its ranks. A group spanning every rank is the default
             group, the mesh's own (docs/training.md)."""
             if group_name not in by_name:
-                from torch.distributed.distributed_c10d import _resolve_process_group
+                from .._torch.collectives import resolve_process_group
 
                 dim = group_dim(group_name)
                 try:
                     ranks = () if dim else tuple(dist.get_process_group_ranks(
-                        _resolve_process_group(group_name)))
+                        resolve_process_group(group_name)))
                 except (RuntimeError, ValueError, KeyError):
                     ranks = ()
                 by_name[group_name] = dim or by_ranks.get(ranks) or (
@@ -90,7 +91,7 @@ class _Annotate:
 
                 if any(issubclass(t, DTensor) for t in types):
                     return NotImplemented
-                name = func._overloadpacket.__name__
+                name = op_packet(func).__name__
                 if name not in KINDS or func.namespace not in ("c10d", "_c10d_functional"):
                     return func(*args, **(kwargs or {}))
                 if func.namespace == "c10d":
@@ -126,7 +127,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            record_memory_history(max_entries=200_000)
         self.prof = profile(activities=activities)
         self.prof.__enter__()
         self.annotate = _Annotate(self.mesh)
@@ -140,8 +141,8 @@ class StepProfiler:
         self.prof = self.annotate = None
         if self.device_type == "cuda":
             snapshot = self.folder / f"memory-rank{self.rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(snapshot))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_memory_snapshot(str(snapshot))
+            stop_memory_history()
             self.notes.append(f"memory snapshot: {snapshot} (drag it onto "
                               f"https://pytorch.org/memory_viz)")
         else:

@@ -99,11 +99,9 @@ def _pipeline_limits(plan: Plan, errs: ErrorList) -> None:
                  plan.model.locs.get("pretrained", plan.model.loc))
 
 
-def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
-            overwrite: bool) -> Prepared:
-    """Parse and check everything a run needs; raise PlanErrors / TrainError on a mistake."""
-    plan = load(plan_path, overrides)  # every section, the trainer's included
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def _check_sections(plan: Plan, world: int) -> tuple[ParallelDims, StepShape]:
+    """The mistakes found without the model, all at once: the data path, the mesh and the
+    batch against it, the pipeline's limits, the profile window."""
     t, data = plan.train, plan.data
     errs = ErrorList()
     where = data.locs.get("path", data.loc)
@@ -122,24 +120,13 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         errs.add(f"metrics.profile {profile[0]}:{profile[1]} ends after the last step "
                  f"(train.steps={t.steps})", plan.metrics.locs.get("profile", plan.metrics.loc))
     errs.raise_if_any()
-    if problem := missing_sink(plan.metrics):
-        raise TrainError(problem)
-    model = build_model(plan.require_model(), device="meta", real_buffers=True)
-    plan.check(model, world)  # patterns, divisibility: located errors
-    source = pretrained.check(plan.model, model) if plan.model.pretrained else None
-    adapter = pretrained.check_adapter(plan, model) if plan.model.adapter else None
-    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
-    if max_len is not None and t.seq_len > max_len:
-        errs.add(f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={max_len}",
-                 t.locs.get("seq_len", t.loc))
-    errs.raise_if_any()
-    vocab = vocab_size(model)
-    run_dir, ckpt_dir = run_folders(plan, plan_path)
-    try:
-        corpora = load_corpora(data, plan.eval, run_dir, vocab, t.seq_len)
-    except DataError as e:
-        raise TrainError(str(e)) from None
-    corpus = corpora.train
+    return dims, step
+
+
+def _check_data(plan: Plan, corpus: Corpus, ev: Corpus | None, vocab: int | None, step: StepShape) -> None:
+    """The data against the model's vocabulary and one global batch, the held-out data too."""
+    t, errs = plan.train, ErrorList()
+    where = plan.data.locs.get("path", plan.data.loc)
     if vocab is not None and corpus.vocab_size > vocab:
         errs.add(f"the data has tokens up to {corpus.vocab_size - 1} but the model's vocabulary "
                  f"is {vocab}", where)
@@ -149,25 +136,18 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     elif corpus.packed and corpus.windows(t.seq_len) < step.global_batch:
         errs.add(f"the data packs into {corpus.windows(t.seq_len)} windows of {t.seq_len} "
                  f"tokens, fewer than one global batch of {step.global_batch}", where)
-    ev = corpora.eval
     if ev is not None and ev.windows(t.seq_len) < step.global_batch:
         errs.add(f"the held-out data has {ev.windows(t.seq_len)} windows of {t.seq_len} tokens, "
                  f"fewer than one global batch of {step.global_batch}",
                  plan.eval.locs.get("path", plan.eval.locs.get("fraction", plan.eval.loc)))
     errs.raise_if_any()
-    if problem := restart_problem():
-        raise TrainError(problem)
-    prep = Prepared(plan, dims, step, model, corpus, run_dir, ckpt_dir, eval_corpus=ev,
-                    notes=list(corpora.notes), pretrained=source)
-    if plan.lora is not None:
-        prep.lora_base = pretrained.base_identity(plan.model, t.seed)
-        prep.adapter = adapter
-    if plan.checkpoint.enabled:
-        size = ckpt.checkpoint_bytes(model, saved=checkpointed(plan.lora, model))  # LoRA: adapters
-        problem, warning = preflight(ckpt_dir, size, plan.checkpoint.keep)
-        if problem:
-            raise TrainError(problem)
-        prep.notes += [warning] if warning else []
+
+
+def _choose_start(prep: Prepared, resume: str | None, overwrite: bool) -> None:
+    """Where the run starts: the checkpoints to resume from (a torchrun restart's own, or
+    ``--resume``'s), over what an earlier run wrote (``--overwrite``), or fresh; a run folder
+    holding checkpoints is never started over without ``--overwrite``."""
+    run_dir, ckpt_dir = prep.run_dir, prep.ckpt_dir
     # torchrun restarting this launch's workers: resume by itself, never wipe (--overwrite
     # applied to the first round only).
     prep.restarted = launch_id() is not None and read_launch(run_dir).get("launch") == launch_id()
@@ -181,4 +161,46 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         raise TrainError(f"{ckpt_dir} already holds checkpoints of an earlier run: pass --resume "
                          f"to continue it, --overwrite to start over, or "
                          f"--set metrics.run_dir=<new folder>")
+
+
+def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
+            overwrite: bool) -> Prepared:
+    """Parse and check everything a run needs; raise PlanErrors / TrainError on a mistake."""
+    plan = load(plan_path, overrides)  # every section, the trainer's included
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    t, data = plan.train, plan.data
+    dims, step = _check_sections(plan, world)
+    if problem := missing_sink(plan.metrics):
+        raise TrainError(problem)
+    model = build_model(plan.require_model(), device="meta", real_buffers=True)
+    plan.check(model, world)  # patterns, divisibility: located errors
+    source = pretrained.check(plan.model, model) if plan.model.pretrained else None
+    adapter = pretrained.check_adapter(plan, model) if plan.model.adapter else None
+    max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
+    errs = ErrorList()
+    if max_len is not None and t.seq_len > max_len:
+        errs.add(f"train.seq_len={t.seq_len} exceeds the model's max_seq_len={max_len}",
+                 t.locs.get("seq_len", t.loc))
+    errs.raise_if_any()
+    vocab = vocab_size(model)
+    run_dir, ckpt_dir = run_folders(plan, plan_path)
+    try:
+        corpora = load_corpora(data, plan.eval, run_dir, vocab, t.seq_len)
+    except DataError as e:
+        raise TrainError(str(e)) from None
+    _check_data(plan, corpora.train, corpora.eval, vocab, step)
+    if problem := restart_problem():
+        raise TrainError(problem)
+    prep = Prepared(plan, dims, step, model, corpora.train, run_dir, ckpt_dir, eval_corpus=corpora.eval,
+                    notes=list(corpora.notes), pretrained=source)
+    if plan.lora is not None:
+        prep.lora_base = pretrained.base_identity(plan.model, t.seed)
+        prep.adapter = adapter
+    if plan.checkpoint.enabled:
+        size = ckpt.checkpoint_bytes(model, saved=checkpointed(plan.lora, model))  # LoRA: adapters
+        problem, warning = preflight(ckpt_dir, size, plan.checkpoint.keep)
+        if problem:
+            raise TrainError(problem)
+        prep.notes += [warning] if warning else []
+    _choose_start(prep, resume, overwrite)
     return prep

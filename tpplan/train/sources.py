@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .data import BINARY_PROBE, DataError, _text_files
+from .data import BINARY_PROBE, DataError, text_files
 from .chat import check_messages
 
 __all__ = ["Document", "read_documents", "source_files"]
@@ -39,7 +39,7 @@ def source_files(path: Path, fmt: str) -> list[Path]:
     if not path.is_dir():
         return [path]
     suffixes = RECORD_SUFFIXES.get(fmt)
-    return [f for f in _text_files(path) if suffixes is None or f.name.endswith(suffixes)]
+    return [f for f in text_files(path) if suffixes is None or f.name.endswith(suffixes)]
 
 
 def read_documents(files: list[Path], fmt: str, text_field: str,

@@ -67,7 +67,7 @@ def settle(run_dir: Path, predicted: dict[str, Any] | None, measured_peak: int |
 
 def compare_estimate(predicted: dict[str, Any] | None, measured_peak: int | None,
                      step_time: float, world: int, device_type: str, how: str) -> Check:
-    """The summary rows and the record; ``predicted`` as ``runcheck.estimate`` returns it."""
+    """The summary rows and the record; ``predicted`` as ``analysis.runs.expected.estimate`` returns it."""
     c = Check()
     c.record = {"world_size": world, "device_type": device_type,
                 "measured": {"peak_bytes": measured_peak, "how": how,

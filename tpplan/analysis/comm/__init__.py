@@ -3,6 +3,7 @@
 - ``step``: TP (traced), FSDP (from its units) and the Megatron minimum, per step.
 - ``counting``: collectives as the plan really issues them (CommDebugMode plus sizes).
 - ``tp_trace``: TP collectives counted by running the TP forward and backward on meta.
+- ``tp_model``: the meta model such a trace runs (the plan applied but FSDP), its groups named.
 - ``tp_batch``: a TP trace extrapolated in the micro-batch (the search's).
 - ``stage_bound``: a lower bound of each pp rank's TP collectives, no stage traced.
 - ``stages``: per pp rank communication of a pipeline plan.

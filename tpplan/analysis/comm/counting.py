@@ -11,17 +11,15 @@ as well as real ones.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker, c10d_collective_ops
-from torch.utils._pytree import tree_flatten
-from torch.utils.weak import WeakIdKeyDictionary
 
+from ..._torch.collectives import resolve_process_group
+from ..._torch.comm_mode import ModuleTracker, c10d_collective_ops
+from ..._torch.dispatch import HigherOrderOperator, Traced, op_packet
 from ...parallel.meta_kernel_cache import META
 
 __all__ = ["Collective", "CollectiveRecorder", "KINDS"]
@@ -87,65 +85,15 @@ def _group_name(args, kwargs) -> str:
 
 def _group_size(name: str, args) -> int:
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
-        return dist.get_world_size(_resolve_process_group(name))
+        return dist.get_world_size(resolve_process_group(name))
     except (ValueError, RuntimeError, KeyError):  # unknown name: read it from the arguments
         ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
         return ints[0] if ints else 1
 
 
-class _ModuleTracker(_CommModeModuleTracker):
-    """CommDebugMode's module tracker, with two repairs.
-
-    - It registers a post-forward hook on a module at every call and never removes the last
-      one, so a module called twice in one forward (phi's residual dropout, for the attention
-      and the MLP) pops its parent twice and the trace ends in ``IndexError: list index out
-      of range``. The hook of the call before is removed first, so each call pops once.
-    - It learns which module a backward collective runs in from a *global full backward
-      pre-hook*, which wraps every module's output in a ``BackwardHookFunction``: a model
-      that then writes into a module's output in place (Llama 4's MoE adds the routed
-      experts' output into the shared expert's, Gemma 3n's AltUp adds into its predictions)
-      fails with "Output 0 of BackwardHookFunction is a view and is being modified
-      inplace". The name is set instead by a multi-grad hook on the module's outputs,
-      registered in the per-call forward hook the tracker adds last (after the plan's
-      styles have turned the output into what the caller receives): it fires where the
-      wrapping function's backward would, when every gradient of those outputs is in, and
-      wraps nothing. A module that returns its child's output as it is (an attention
-      returning its output projection's) hooks nothing more: hooks on one tensor run in the
-      order they were added, so the outer module's would fire last and take the name, where
-      nested wrappers give it to the inner module, the one whose code runs next.
-    """
-
-    def __enter__(self):
-        super().__enter__()
-        self._bw_handle.remove()  # the global full backward pre-hook, replaced as above
-        self._hooked = WeakIdKeyDictionary()  # output tensors that already name a module
-
-    def _fw_set_module_hook(self, mod, input, output):
-        super()._fw_set_module_hook(mod, input, output)
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
-        if tensors and not self.is_bw and not all(t in self._hooked for t in tensors):
-            for t in tensors:
-                self._hooked[t] = True
-            w_mod = weakref.ref(mod)
-
-            def named(grads):
-                if w_mod() is not None:
-                    self._bw_hook(w_mod(), grads)
-
-            register_multi_grad_hook(tensors, named, mode="all")
-
-    def _fw_pre_hook(self, mod, input):
-        handle = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
-        if handle is not None:
-            handle.remove()
-        super()._fw_pre_hook(mod, input)
-
-
-class CollectiveRecorder(CommDebugMode):
+class CollectiveRecorder(Traced, CommDebugMode):
     """``CommDebugMode`` that also records each collective's size, group and pass.
 
     Example::
@@ -156,13 +104,9 @@ class CollectiveRecorder(CommDebugMode):
         >>> rec.collectives[0].bytes       # ours: sizes, groups, forward/backward
     """
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # as MemoryTracker's (tpplan.analysis.memory.tracker): no compile under a trace
-
     def __init__(self) -> None:
         super().__init__()
-        self.advanced_module_tracker = _ModuleTracker()
+        self.advanced_module_tracker = ModuleTracker()
         self.collectives: list[Collective] = []
         self._collective_ops: dict = {}  # op -> whether CommDebugMode counts it
 
@@ -170,13 +114,13 @@ class CollectiveRecorder(CommDebugMode):
         """Whether CommDebugMode counts ``func`` (its own test, remembered per op)."""
         known = self._collective_ops.get(func)
         if known is None:
-            packet = func._overloadpacket
+            packet = op_packet(func)
             known = self._collective_ops[func] = packet in self.comm_registry or \
                 packet in c10d_collective_ops
         return known
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func):
+        if isinstance(func, HigherOrderOperator) or not self._counted(func):
             # Not a collective: CommDebugMode would only add the op to its per-module
             # operations table (input shapes, placements and ``str(device_mesh)`` for every
             # DTensor op, which at 1,024 ranks prints the mesh), which nothing here reads.
@@ -187,7 +131,7 @@ class CollectiveRecorder(CommDebugMode):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if out is NotImplemented:
             return out
-        packet = func._overloadpacket
+        packet = op_packet(func)
         namespace = getattr(func, "namespace", "")
         kind = KINDS.get(packet.__name__)
         if kind is None or namespace not in _NAMESPACES:

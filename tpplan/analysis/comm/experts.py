@@ -68,7 +68,7 @@ class ExpertsModule:
     dense: bool = False
 
 
-def _top_k(model: nn.Module, path: str) -> int:
+def top_k_of(model: nn.Module, path: str) -> int:
     """Experts chosen per token: the router beside the experts (``top_k``), else the
     config's ``num_experts_per_tok``, else 0 (unknown: the all-to-all figures refuse it)."""
     parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
@@ -100,7 +100,7 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
             getattr(getattr(model, "config", None), "hidden_size", None) or \
             listed and next((x.in_features for x in m.modules() if isinstance(x, nn.Linear)), 0)
         out.append(ExpertsModule(
-            path, n, _top_k(model, path), int(hidden), shapes,
+            path, n, top_k_of(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),
             any(p.requires_grad for p in params),
             rule is not None and rule.style.name in EP_STYLES, per_expert=listed,

@@ -44,7 +44,7 @@ def interior_rows(result, traces: dict, stage_cache: dict, plain: bool = False
     periods of one block); None without a pipeline, without that trace, or where
     checkpointing does not take every block and not ``plain`` (a period's recomputation
     would not be every stage's). ``stage_cache``: the stages' cache (the split, kept)."""
-    from ..analyses import _accumulation, compute_dtypes
+    from ..analyses import accumulation, compute_dtypes
 
     spec, res, shape = result.plan.spec, result.resolution, result.step
     dims = res.dims
@@ -61,7 +61,7 @@ def interior_rows(result, traces: dict, stage_cache: dict, plain: bool = False
     if ac.enabled and not plain and set(res.ac_blocks) != set(blocks):
         return None
     every = 1 if plain else ac.every
-    step = _accumulation(result, param, reduce)
+    step = accumulation(result, param, reduce)
     out = []
     for rank in range(dims.pp):
         inner = sum(max(len(s.blocks) // every - 2, 0) for s in split.of_rank(rank))

@@ -137,7 +137,7 @@ def _resolved(cache: dict, whole, split, stage, spec, dims, rkey: tuple) -> tupl
         cache["module", own] = (module, dict(module.named_modules()),
                                 {n for n, _ in module.named_parameters()})
     module, modules, params = cache["module", own]
-    # The module's parts of a resolution, keyed by what each reads (checkcache.PartCache):
+    # The module's parts of a resolution, keyed by what each reads (search.check_cache.PartCache):
     # resolutions under other degrees share what does not read them (tp's rule matches).
     parts = cache.setdefault(("parts", own), PartCache())
     key = ("resolution", rkey, own)

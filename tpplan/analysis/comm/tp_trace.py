@@ -19,7 +19,6 @@ depth traced). If they differ, or the blocks do, the whole model is traced inste
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections import Counter
 from typing import Callable
@@ -29,18 +28,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...models.introspect import find_blocks
-from ...parallel.apply import apply_ac, apply_ep, apply_tp, loss_context
+from ...parallel.apply import loss_context
 from ...parallel.tp.attention import fused_attention_on_meta
-from ...parallel.context.sequence import apply_context_parallel, shard_batch
-from ...parallel.freeze import apply_freeze
-from ...parallel.lora.adapters import apply_lora, freeze_base
+from ...parallel.context.sequence import shard_batch
 from ...parallel.lora.sizes import same_in_every_block
-from ...parallel.mesh import MESH_DIMS, cp_mesh, expert_meshes, group_dim
 from ...parallel.pipeline.split import StageBuilder
 from ...parallel.resolve import Resolution
 from ...plan.patterns import generalize
 from ...plan.specs import PlanSpec
 from .counting import CollectiveRecorder
+from .tp_model import prepare_traced, trace_meshes
 from ..memory.per_rank import kept_traces, period_depths
 from ..memory.step import ModelBuilder, StageIO, truncated
 
@@ -143,18 +140,6 @@ def _run(model: nn.Module, plan: PlanSpec, tokens: torch.Tensor, groups: dict[st
     return counts
 
 
-class _Dims(dict):
-    """Process group name -> the mesh dimension it is, for this trace's mesh. A group of
-    another mesh (DTensor's caches, kept across candidates, hand on an equal mesh and its
-    group) is the dimension it was made for (DeviceMesh's ``mesh_<dimension>``) where
-    this trace knows it; any other keeps its name, which no row reads as a dimension."""
-
-    def __missing__(self, name: str) -> str:
-        dim = group_dim(name)
-        self[name] = dim if dim in self.values() else name
-        return self[name]
-
-
 def _reduce_partial_grads(model: nn.Module, rec: CollectiveRecorder) -> list[str]:
     """Bring each gradient to its parameter's placement, as FSDP2 (or the optimizer) does;
     the parameter's name for each collective that issues, in order.
@@ -199,43 +184,12 @@ def trace_tp(plan: PlanSpec, res: Resolution, mesh, build: Callable[[], nn.Modul
     first ``4k`` blocks for the shallow trace)."""
     import warnings
 
-    groups = _Dims({mesh[d].get_group().group_name: d for d in MESH_DIMS})
-    ep_mesh = None
-    if res.dims is not None and res.dims.ep > 1:  # the experts' all-to-all (balanced routing)
-        ep_mesh, _ = expert_meshes(mesh, res.dims.ep, res.dims.ep_borrows_tp)
-        groups[ep_mesh.get_group().group_name] = "ep"
-    cp = cp_mesh(mesh)
-    if cp is not None:  # context parallelism's collectives are traced beside TP's
-        groups[cp.get_group().group_name] = "cp"
+    meshes = trace_meshes(mesh, res)
+    groups = meshes.groups
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
 
     def prepared(model: nn.Module) -> nn.Module:
-        if dtype != torch.float32:
-            model.to(dtype)
-        # Only the modules still in the model: the container may have been cut to 3 blocks.
-        paths = {p for p, _ in model.named_modules()}
-        rule_of = {p: r for p, r in res.rule_of.items() if p in paths}
-        if res.dims.tp > 1:  # as apply does: at tp 1 (an ep-only run) the rules do nothing
-            apply_tp(model, mesh["tp"], dataclasses.replace(
-                res, rule_of=rule_of,
-                attrs=[(a, [(p, v) for p, v in found if p in paths]) for a, found in res.attrs]))
-        if ep_mesh is not None:
-            apply_ep(model, ep_mesh, dataclasses.replace(res, rule_of=rule_of))
-        if plan.lora is not None:  # the adapters' gradients are reduced over tp too
-            apply_lora(plan.lora, model, mesh["tp"], rule_of, plan.train.seed)
-        ac = plan.activation_checkpointing
-        if cp is not None:
-            apply_context_parallel(model, cp, plan.context_parallel)
-        if ac.enabled:
-            # Recomputed blocks re-issue their forward collectives in backward: count them.
-            apply_ac(model, [p for p in res.ac_blocks if p in paths], ac.every)
-        # What apply freezes has no gradient: no reduction after backward, and no input
-        # gradient wanted where nothing before it trains (a frozen embedding's, say).
-        if plan.lora is not None:
-            freeze_base(plan.lora, model)
-        if plan.freeze:
-            apply_freeze(plan.freeze, model)
-        return model
+        return prepare_traced(model, plan, res, meshes, dtype)
 
     def blocks_of(m: nn.Module) -> tuple[str, int] | None:
         # LoRA on some blocks only (or `freeze`): not identical blocks, traced whole.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..._torch.modules import own_children
 from ...models.introspect import find_blocks
 from ...parallel.experts.forms import call_form, expert_count
 
@@ -108,20 +109,20 @@ def _units(model: nn.Module, blocks: str | None) -> list[tuple[str, nn.Module, b
 def _experts(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
     """Each routed-experts container of ``model`` by path, with how many of its experts a
     token runs through (its router's top-k, or all of them in the dense form)."""
-    from ..comm.experts import _top_k
+    from ..comm.experts import top_k_of
 
     out = {}
     for path, m in model.named_modules():
         n = expert_count(m)
         if n:
-            out[path] = (m, n if call_form(m) == "dense" else (_top_k(model, path) or n))
+            out[path] = (m, n if call_form(m) == "dense" else (top_k_of(model, path) or n))
     return out
 
 
 def _expert_gemms(path: str, m: nn.Module, active: int) -> list[tuple[str, int, int]]:
     """One expert's GEMMs of the container ``m`` as ``(path, in, out)``, ``active`` times."""
     if isinstance(m, nn.ModuleList):
-        one = _linear_shapes(f"{path}.{next(iter(m._modules))}", next(iter(m)))
+        one = _linear_shapes(f"{path}.{next(iter(own_children(m)))}", next(iter(m)))
     else:  # [E, out, in] (gpt-oss's transposed [E, in, out] has the same product)
         one = tuple((f"{path}.{n}", int(p.shape[2]), int(p.shape[1]))
                     for n, p in m.named_parameters(recurse=False) if p.dim() == 3)

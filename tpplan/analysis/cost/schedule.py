@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+from ..._torch.pipelining import computation_types, schedule_table
 from ...plan.pipeline import SCHEDULES
 
 __all__ = ["Action", "schedule_actions", "torch_table", "in_flight", "rank_in_flight",
@@ -41,27 +42,9 @@ TIME = {"F": 1, "B": 2, "I": 1, "W": 1}
 def torch_table(name: str, pp: int, v: int, m: int) -> dict[int, list]:
     """torch's table of each rank's actions (cached: :func:`schedule_actions` and
     :func:`fsdp_order` both lower it; neither changes it)."""
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
     if not _KINDS:
-        _KINDS.update({t: t.value for t in schedules._ComputationType if t.value in TIME})
-    cls = getattr(schedules, SCHEDULES[name].torch_class)
-    sched = cls.__new__(cls)  # the degrees the table reads, nothing else
-    n = pp * v
-    rounds = max(1, m // pp)
-    style = "v" if SCHEDULES[name].v_shape else "loop"
-    sched.__dict__.update(
-        pp_group_size=pp, n_local_stages=v, _n_microbatches=m, _num_stages=n, num_stages=n,
-        _stages=[None] * v, number_of_rounds=rounds, microbatches_per_round=m // rounds,
-        stage_index_to_group_rank=generate_stage_to_rank_mapping(pp, n, style=style))
-    sched.pipeline_order = {}
-    for rank in range(pp):
-        sched.rank = rank
-        sched.pipeline_order[rank] = sched._calculate_single_rank_operations(rank)
-    if hasattr(sched, "_add_bubbles_to_actions"):
-        sched.pipeline_order = sched._add_bubbles_to_actions(n)
-    return sched.pipeline_order
+        _KINDS.update({t: t.value for t in computation_types() if t.value in TIME})
+    return schedule_table(SCHEDULES[name].torch_class, pp, v, m, SCHEDULES[name].v_shape)
 
 
 _KINDS: dict = {}  # torch's computation types that are computations, as their letters
@@ -190,7 +173,7 @@ def fsdp_gathers(order: list[Action], stage: int, reshard_after_forward: bool) -
     return n
 
 
-def _last_backward(actions: list[Action]) -> set[str]:
+def last_backward(actions: list[Action]) -> set[str]:
     """``W`` where the schedule splits backward (the weights' gradient still needs the
     saved activations after the input's), else ``B``."""
     return {"W"} if any(a.kind == "W" for a in actions) else {"B"}
@@ -201,7 +184,7 @@ def in_flight(actions: dict[int, list[Action]]) -> dict[int, int]:
     finished (their activations are still saved), at any point of the step."""
     out: dict[int, int] = {}
     for acts in actions.values():
-        ends = _last_backward(acts)
+        ends = last_backward(acts)
         live: dict[int, int] = {}
         for a in acts:
             if a.kind == "F":
@@ -215,7 +198,7 @@ def in_flight(actions: dict[int, list[Action]]) -> dict[int, int]:
 def rank_in_flight(actions: list[Action], weight: dict[int, int]) -> int:
     """One rank's most ``Σ_stage in_flight(stage) × weight[stage]`` at any point: the saved
     activations of every micro-batch in flight on all its stages at once."""
-    ends = _last_backward(actions)
+    ends = last_backward(actions)
     live = best = 0
     for a in actions:
         if a.kind == "F":

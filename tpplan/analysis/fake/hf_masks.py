@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Iterator
 
 import torch.nn as nn
+
+from ..._torch.transformers import masks_as_without_tracing
 
 __all__ = ["as_the_real_run_decides"]
 
@@ -18,18 +19,10 @@ def as_the_real_run_decides(model: nn.Module) -> Iterator[None]:
     builds a (seq x seq) mask for every layer, which the real run skips (SDPA's
     ``is_causal``): the trainer passes token ids only, so there is no padding, no cache
     offset, and the positions are the model's own 0..s-1, never packed sequences."""
-    masking = sys.modules.get("transformers.masking_utils")
-    names = ("is_tracing", "find_packed_sequence_indices")
     # FSDP2 subclasses the model's class: look through its bases.
     hf = any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
-    if masking is None or not all(hasattr(masking, n) for n in names) or not hf:
+    if not hf:
         yield
         return
-    saved = {n: getattr(masking, n) for n in names}
-    masking.is_tracing = lambda tensor=None: saved["is_tracing"]()  # compile/jit still count
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
+    with masks_as_without_tracing():
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(masking, n, f)

@@ -30,19 +30,20 @@ step traced in either mode to the same moments, and the key to PyTorch's on equa
 
 from __future__ import annotations
 
-import inspect
-
 import torch
-from torch._prims_common import is_non_overlapping_and_dense_or_false as _dense_strides
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_flatten
+
+from ..._torch.dispatch import tree_flatten
+from ..._torch.fake import (FakeTensor, FakeTensorMode, FastKeyedFakeMode, dense_strides,
+                            fast_key_overridable, has_symbolic_shape)
+from ..._torch.ops import UNSAFE_VIEW
+from ..._torch.storage import storage_key
 
 from ...parallel.meta_kernel_cache import Unkeyed, flatten_key, recipe, remake
 
 __all__ = ["TraceMode", "fake_mode"]
 
 _TAG = ("tpplan.fakemode",)  # in front of each fast key: never equal to PyTorch's
-_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
+_UNSAFE_VIEW, _VIEW = UNSAFE_VIEW, torch.ops.aten.view.default
 _EMPTY_LIKE, _EMPTY_STRIDED = torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default
 
 
@@ -55,7 +56,7 @@ def _plain_meta(args, kwargs) -> bool:
     return t.device.type == "meta" and t.layout is torch.strided \
         and kwargs.get("memory_format") in (None, torch.preserve_format) \
         and set(kwargs) <= {"dtype", "layout", "device", "pin_memory", "memory_format"} \
-        and kwargs.get("layout") in (None, torch.strided) and _dense_strides(t)
+        and kwargs.get("layout") in (None, torch.strided) and dense_strides(t)
 
 
 _FAKE = (FakeTensor,)
@@ -63,7 +64,7 @@ _FAKE = (FakeTensor,)
 
 def _dense(mode: FakeTensorMode, t: FakeTensor) -> tuple:
     if t.fake_mode is not mode or t.constant is not None or t.layout is not torch.strided \
-            or t._has_symbolic_sizes_strides:
+            or has_symbolic_shape(t):
         raise Unkeyed
     return (t.dtype, tuple(t.shape), t.stride(), t.device, t.storage_offset(),
             t.untyped_storage().nbytes(), t.requires_grad, t.is_quantized, t.is_conj(),
@@ -79,21 +80,15 @@ def _flatten(mode: FakeTensorMode, out: list, args) -> None:
     flatten_key(out, args, _FAKE, lambda t: _dense(mode, t))
 
 
-class TraceMode(FakeTensorMode):
+class TraceMode(FastKeyedFakeMode):
     """``FakeTensorMode`` with the cheaper cache key of this module's docstring, its
     dispatch called as written: without the frame-evaluation guard (and call counter)
     PyTorch wraps it in, as :class:`~tpplan.analysis.memory.tracker.MemoryTracker` (no compile
     runs under a trace)."""
 
-    __torch_dispatch__ = inspect.unwrap(FakeTensorMode.__dict__["__torch_dispatch__"])
-
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._collectives: dict[tuple, list] = {}
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
 
     def dispatch(self, func, types, args=(), kwargs=None):
         if func.namespace == "_c10d_functional" and not kwargs:
@@ -122,7 +117,7 @@ class TraceMode(FakeTensorMode):
         if kept is not None:
             return remake(kept, lambda t, device: FakeTensor(self, t, device))
         out = super().dispatch(func, types, args, {})
-        inputs = {a.untyped_storage()._cdata for a in tree_flatten(args)[0]
+        inputs = {storage_key(a) for a in tree_flatten(args)[0]
                   if isinstance(a, torch.Tensor)}
         try:
             self._collectives[tuple(key)] = recipe(out, inputs, FakeTensor)
@@ -130,25 +125,17 @@ class TraceMode(FakeTensorMode):
             pass
         return out
 
-    def _prep_args_for_hash(self, result, args, state, id_hashed_objects):  # noqa: D401
+    def fast_key(self, args: tuple) -> list | None:
+        """The fast key of ``args`` (None where an argument is one it does not take)."""
         out: list = [_TAG]
         try:
             _flatten(self, out, args)
         except Unkeyed:  # an argument the fast key does not take: PyTorch's own key
-            return super()._prep_args_for_hash(result, args, state, id_hashed_objects)
-        result += out
-        return None
+            return None
+        return out
 
 
-def _overridable() -> bool:
-    method = getattr(FakeTensorMode, "_prep_args_for_hash", None)
-    if method is None:
-        return False
-    return list(inspect.signature(method).parameters) == [
-        "self", "result", "args", "state", "id_hashed_objects"]
-
-
-_MODE = TraceMode if _overridable() else FakeTensorMode
+_MODE = TraceMode if fast_key_overridable() else FakeTensorMode
 
 
 def fake_mode(**kwargs) -> FakeTensorMode:

@@ -3,6 +3,7 @@ allocates followed by part.
 
 - ``per_rank``: the figures ``validate`` reports: parts, peak, depth extrapolation.
 - ``step``: one optimizer step of ``tpplan train`` on fake tensors.
+- ``step_loop``: that step's micro-batches, warm-up and AdamW, run under the tracker.
 - ``tracker``: the dispatch mode that follows live storages by part.
 - ``step_labels``: where the step is when memory is observed (micro-batch/pass/module).
 - ``dp_shards``: one trace for every ``dp_shard`` (the search's).

@@ -33,11 +33,13 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from ..._torch.fsdp import sharded_params
+from ..._torch.ops import FOREACH_COPY
 from .tracker import PARTS, MemoryTracker, Moment
 
 __all__ = ["Points", "ScaledTrace", "ScalableTracker", "fsdp_shards"]
 
-_COPIES = (torch.ops.aten._foreach_copy_.default, torch.ops.aten.copy_.default)
+_COPIES = (FOREACH_COPY, torch.ops.aten.copy_.default)
 
 
 def _beaten(points: list, u: int, s: int) -> bool:
@@ -193,9 +195,7 @@ def fsdp_shards(model: nn.Module) -> tuple[set[int], list[tuple[int, int]]]:
     length of the dimension it shards)."""
     storages, groups = set(), []
     for m in model.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        group = state and state()._fsdp_param_group
-        for fp in group.fsdp_params if group else ():
-            storages.add(id(fp._sharded_param_data.untyped_storage()))
-            groups.append((fp.mesh_info.shard_mesh_size, fp._orig_size[fp.fsdp_placement.dim]))
+        for storage, degree, length in sharded_params(m):
+            storages.add(id(storage))
+            groups.append((degree, length))
     return storages, groups

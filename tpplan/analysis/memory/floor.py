@@ -46,13 +46,13 @@ from typing import Callable
 import torch.nn as nn
 
 from ...models import build_model
-from ...parallel.fsdp_units import _parameters, tp_local_shape
+from ...parallel.fsdp_units import plan_parameters, tp_local_shape
 from ...plan.styles import EP_STYLES
 from ..analyses import compute_dtypes, model_blocks
 from ..dryrun import DryRun
 from .per_rank import first_forward
 from .step import ModelBuilder
-from ..cost.schedule import Action, _last_backward, rank_in_flight, schedule_actions
+from ..cost.schedule import Action, last_backward, rank_in_flight, schedule_actions
 from .stages import kept_split, reported_ranks, stage_traces
 
 __all__ = ["memory_floor", "state_elements", "in_flight_beyond_one", "smallest_element"]
@@ -72,7 +72,7 @@ def state_elements(result: DryRun, paths: tuple[str, ...] | None = None,
     gradient sync off). Each parameter at its TP-local shape (an expert at ``num_experts /
     ep`` of its experts), unpadded and rounded down: lower bounds. ``paths``: only the
     parameters under these module paths (a pipeline stage's); ``params``: the model's
-    :func:`_parameters` under the plan, where the caller has them already."""
+    :func:`plan_parameters` under the plan, where the caller has them already."""
     res, spec = result.resolved, result.plan.spec
     dims = res.dims
     modules = dict(result.model.named_modules())
@@ -81,7 +81,7 @@ def state_elements(result: DryRun, paths: tuple[str, ...] | None = None,
     fsdp = spec.fsdp is not None
     prefixes = paths and tuple(p + "." for p in paths)
     sharded = trained = unsharded = 0
-    for name, shape, trains in params or _parameters(result.model, spec):
+    for name, shape, trains in params or plan_parameters(result.model, spec):
         if prefixes is not None and not name.startswith(prefixes):
             continue
         path = name.rpartition(".")[0]
@@ -101,7 +101,7 @@ def state_elements(result: DryRun, paths: tuple[str, ...] | None = None,
 def in_flight_beyond_one(actions: list[Action], weight: dict[int, int]) -> int | None:
     """``max Σ_stage (in_flight(stage) − 1) × weight[stage]`` over the points of one rank's
     order where every stage of ``weight`` has a micro-batch in flight; None if there is none."""
-    ends = _last_backward(actions)
+    ends = last_backward(actions)
     live = {s: 0 for s in weight}
     best = None
     for a in actions:
@@ -141,7 +141,7 @@ def memory_floor(result: DryRun, probe: Callable = first_forward,
     # What the model and the plan's lora and freeze give, the same for every variant of a
     # plan: the smallest parameter dtype, and the parameters with whether each trains.
     if "model" not in cache:
-        cache["model"] = smallest_element(result.model), _parameters(result.model, spec)
+        cache["model"] = smallest_element(result.model), plan_parameters(result.model, spec)
     size, params = cache["model"]
 
     def held(paths: tuple[str, ...] | None = None) -> tuple[int, int]:

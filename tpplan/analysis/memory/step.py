@@ -31,22 +31,20 @@ import functools
 import warnings
 from typing import Callable, Iterator
 
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..._torch.modules import own_children, swapped
 from ...models.introspect import find_blocks
-from ...parallel.apply import apply_plan, loss_context
-from ...parallel.context.sequence import shard_batch
+from ...models.moe_loss import gather_router_logits
+from ...parallel.apply import apply_plan
 from ...parallel.pipeline.split import StageBuilder
 from ...plan.specs import PlanSpec
-from ...checkpoint.optim_state import init_state
 from ...plan.step import StepShape
 from ..fake.hf_masks import as_the_real_run_decides
-from .dp_shards import ScalableTracker, ScaledTrace, fsdp_shards
+from .dp_shards import ScaledTrace, fsdp_shards
 from ..fake.tensors import fake_mode
+from .step_loop import TracedStep, micro_batches_traced
 from .tracker import MemoryTracker
-from .step_labels import Where
 
 __all__ = ["trace_step", "first_forward_ends", "forward_activations", "truncated",
            "micro_batches_traced", "StageIO", "ModelBuilder"]
@@ -63,11 +61,6 @@ class StageIO:
     last: bool
     received: tuple | None = None
     sent: tuple | None = None
-
-
-def micro_batches_traced(accum: int) -> int:
-    """Micro-batches run for a step of ``accum``: first, middle, last (fewer if fewer)."""
-    return min(accum, 3)
 
 
 def truncated(container: nn.Module, depth: int) -> nn.Module:
@@ -103,27 +96,13 @@ class ModelBuilder:
         if depth is None or blocks is None:
             return self.make()
         parent, attr = _parent(self._model, blocks)
-        whole = parent._modules[attr]
-        parent._modules[attr] = truncated(whole, depth)
-        try:
+        with swapped(parent, children={attr: truncated(own_children(parent)[attr], depth)}):
             return copy.deepcopy(self._model)
-        finally:
-            parent._modules[attr] = whole
 
 
 def _parent(model: nn.Module, blocks: str) -> tuple[nn.Module, str]:
     parent_path, _, attr = blocks.rpartition(".")
     return (model.get_submodule(parent_path) if parent_path else model), attr
-
-
-def _local(t: torch.Tensor | None):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _micro_name(m: int, n: int) -> str:
-    return "only" if n == 1 else "first" if m == 0 else "last" if m == n - 1 else "middle"
 
 
 @contextlib.contextmanager
@@ -141,15 +120,10 @@ def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth
         setattr(parent, attr, truncated(getattr(parent, attr), depth))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        apply_plan(spec, model, mesh, stage=io is not None)
+        gather_router_logits(model, apply_plan(spec, model, mesh, stage=io is not None).router_shards)
         with fake_mode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")
             yield spec, model, blocks, io or StageIO(True, True)
-
-
-def _let_go(held: dict) -> None:
-    """The trainer's last logits and loss kept, their graph freed (as backward frees it)."""
-    held.update({k: v.detach() for k, v in held.items() if v is not None})
 
 
 def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
@@ -196,92 +170,10 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     parameters (:func:`~tpplan.analysis.memory.dp_shards.fsdp_shards`), to follow shards apart;
     ``period``: the live activations at the end of every ``period``-th block's forward
     kept in the tracker's ``ends``."""
-    t = spec.train
-    accum, micro = shape.grad_accum, shape.micro_batch
-    n = micro_batches_traced(accum)
-    batch = torch.zeros(n * micro, shape.seq_len + 1, dtype=torch.long)
-    trained = [p for p in model.parameters() if p.requires_grad]  # as the trainer: not `freeze`'s
-    optimizer = torch.optim.AdamW(trained, lr=t.lr, betas=t.betas, eps=t.eps,
-                                  weight_decay=t.weight_decay)
-    fsdp = hasattr(model, "set_requires_gradient_sync")
-    ac = spec.activation_checkpointing
-    where = Where(model, blocks, ac.every)  # 1 unless selective (ACSpec)
-    tracker = MemoryTracker(where) if shards is None else ScalableTracker(where)
-
-    # The trainer's loop variables: the last logits and loss live on until the next forward.
-    held: dict[str, torch.Tensor | None] = {"logits": None, "loss": None}
-
-    def step(micro_batches: int, on_forward=None, on_backward=None) -> bool:
-        for m in range(micro_batches):
-            where.stage = _micro_name(m, micro_batches)
-            where.forward_started()
-            x = batch[m * micro:(m + 1) * micro]
-            if fsdp and accum > 1:  # the trainer's: reduce-scatter once, on the last
-                model.set_requires_gradient_sync(m == micro_batches - 1)
-            with loss_context(spec):
-                tracker.phase = "activations"
-                forward(x)
-                if on_forward:
-                    on_forward()
-                if first_forward:
-                    return False  # the prefix asked for: the rest of the step is not run
-                tracker.phase = "transients"
-                if io.last:
-                    held["loss"].backward()
-                else:  # the gradient the next stage sends back
-                    held["logits"].backward(torch.zeros_like(held["logits"]))
-            if on_backward:
-                on_backward()
-        where.stage = "optimizer"
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return True
-
-    def forward(x: torch.Tensor) -> None:
-        # the trainer's: under cp, this rank's part of the sequence, its positions to every stage
-        inputs, targets, kwargs = shard_batch(model, x[:, :-1], x[:, 1:])
-        if not io.first:  # what the previous stage sent (PipelineStage's receive buffer)
-            inputs = torch.zeros(io.received[0], dtype=io.received[1], requires_grad=True)
-        held["logits"] = model(inputs, **kwargs)
-        if io.last:
-            held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                           targets.flatten()) / accum
-        else:
-            io.sent = (tuple(held["logits"].shape), held["logits"].dtype)
-
-    def mark(name: str) -> None:
-        where.mark = name
-        tracker.observe()
-        where.mark = None
-
-    def settle() -> None:
-        tracker.settle(_local(p.grad) for p in trained)
-        mark("end_backward")
-
-    # Warm-up, as the trainer's earlier steps leave things: FSDP2's lazy init (a forward), the
-    # last logits and loss still held (graph freed, as backward frees it) and AdamW's state.
-    # Before a first forward alone, only its batch preparation (what it keeps: cp's sequence
-    # layout): the activations at that forward's end are the same without the rest (the
-    # logits and loss held are replaced by then; FSDP2's lazy init and the parameters it
-    # gathers are no activations), which would cost a forward more.
-    if first_forward:
-        shard_batch(model, batch[:micro, :-1], batch[:micro, 1:])
-    else:
-        with loss_context(spec):
-            forward(batch[:micro])
-        _let_go(held)
-    if not first_forward:  # AdamW's state changes nothing a forward saves
-        init_state(optimizer)  # the state as ``step`` makes it (its lazy init), not stepped
-    def sharded(t: torch.Tensor) -> bool:  # FSDP2's shard, or AdamW's state of one
-        return shards is not None and id(_local(t).untyped_storage()) in shards
-
-    state = {id(v) for p, s in optimizer.state.items() if sharded(p) for v in s.values()
-             if isinstance(v, torch.Tensor) and _local(v).numel() == _local(p).numel()}
-    tracker.register(model.parameters(), "parameters", sharded)
-    tracker.register([*model.buffers(), batch], "buffers")  # and the batch
-    tracker.register(held.values(), "activations")
-    tracker.register((v for s in optimizer.state.values() for v in s.values()), "optimizer",
-                     lambda t: id(t) in state)
+    run = TracedStep(spec, model, blocks, shape, io, first_forward, shards)
+    run.warm_up()
+    run.register(shards)
+    tracker, where = run.tracker, run.where
     tracker.ends = []
     hooks = [block.register_forward_hook(lambda *_: tracker.ends.append(
         tracker.live["activations"])) for i, block in enumerate(
@@ -289,7 +181,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
         if period else []
     with where, tracker:
         tracker.observe()
-        if step(n, lambda: mark("end_forward"), settle):
+        if run.step(run.n, lambda: run.mark("end_forward"), run.settle):
             where.stage = "optimizer"
             tracker.observe()
     for hook in hooks:

@@ -11,7 +11,9 @@ import bisect
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+
+from ..._torch.autograd import current_autograd_node, in_backward, sequence_nr
+from ..._torch.dispatch import tree_flatten
 
 __all__ = ["Where"]
 
@@ -65,11 +67,11 @@ class Where:
         for t in tree_flatten(tensors)[0]:
             fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
             if fn is not None:
-                high = max(high, fn._sequence_nr())
+                high = max(high, sequence_nr(fn))
         return high
 
     def _pre(self, module, args) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return  # a checkpointed block recomputed in backward: backward is labelled by node
         label = self.labels.get(id(module))
         if label is not None:
@@ -79,7 +81,7 @@ class Where:
             self.names.append(label)
 
     def _post(self, module, args, output) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return
         if id(module) in self.labels:
             self.stack.pop()
@@ -102,10 +104,10 @@ class Where:
             h.remove()
 
     def _backward(self) -> str:
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         # Gradient accumulation into a leaf has no place in forward's order: keep the last.
         if node is not None and type(node).__name__ != "AccumulateGrad":
-            i = bisect.bisect_left(self.starts, node._sequence_nr()) - 1
+            i = bisect.bisect_left(self.starts, sequence_nr(node)) - 1
             self.last_backward = self.names[i] if i >= 0 else "<root>"
         return self.last_backward
 
@@ -114,7 +116,7 @@ class Where:
             return f"{self.stage}/mark/{self.mark}"
         if self.stage in ("setup", "optimizer"):
             return self.stage
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return f"{self.stage}/backward/{self._backward()}"
         where = self.stack[-1] if self.stack else "<loss>" if self.done else "<root>"
         return f"{self.stage}/forward/{where}"

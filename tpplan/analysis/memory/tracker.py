@@ -31,22 +31,22 @@ apart from the rest, so that one trace gives the moments of every other dp_shard
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_flatten
+
+from ..._torch.dispatch import Traced, TorchDispatchMode, is_traceable_wrapper_subclass, tree_flatten
+from ..._torch.dtensor import sharding_propagation_marked
+from ..._torch.ops import RECORD_FUNCTION_MARKS, reduce_scatter_base
+from ..._torch.storage import resizes_seen
 
 # Ops that make no tensor: a tensor's device asked (half of a step's dispatches), and
 # record_function's marks (FSDP2's hooks name their work for the profiler).
-_NOTHING_MADE = {torch.ops.prim.device.default,
-                 torch.ops.profiler._record_function_enter_new.default,
-                 torch.ops.profiler._record_function_exit.default,
-                 torch.ops.profiler._record_function_exit._RecordFunction}
+_NOTHING_MADE = {torch.ops.prim.device.default, *RECORD_FUNCTION_MARKS}
 
 __all__ = ["PARTS", "Moment", "MemoryTracker"]
 
@@ -82,16 +82,16 @@ def _ops() -> tuple[set, set, Any, Any]:
     import."""
     import torch.distributed.fsdp  # noqa: F401  (registers torch.ops.fsdp)
 
-    fsdp, c10d = torch.ops.fsdp, torch.ops.c10d
+    fsdp = torch.ops.fsdp
     copies = {fsdp.split_with_sizes_copy.default}
     buffers = {fsdp.all_gather_copy_in.default, fsdp.chunk_cat.default}
-    return copies, buffers, c10d._reduce_scatter_base_.default, fsdp.all_gather_copy_in.default
+    return copies, buffers, reduce_scatter_base(), fsdp.all_gather_copy_in.default
 
 
 class _Propagating:
     """Marks DTensor's sharding propagation, which runs each op once on fake tensors of the
     global shapes to learn the output's: no memory of any rank. PyTorch brackets it with
-    ``ShardingPropagator._fake_mode_lock`` (a no-op by default); ours counts the nesting."""
+    :func:`~tpplan._torch.dtensor.sharding_propagation_marked`; ours counts the nesting."""
 
     def __init__(self, tracker: "MemoryTracker"):
         self.tracker = tracker
@@ -103,7 +103,7 @@ class _Propagating:
         self.tracker._propagating -= 1
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(Traced, TorchDispatchMode):
     """Live bytes by part over a step; ``moments[label]`` the largest moment of each label.
 
     Example::
@@ -116,12 +116,6 @@ class MemoryTracker(TorchDispatchMode):
         >>> tracker.moments["step"].total            # the step's peak, bytes
     """
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # No compile runs under a trace: the frame-evaluation guard PyTorch wraps every
-        # mode's __torch_dispatch__ in would only cost each op's dispatch its setup.
-        return False
-
     def __init__(self, where: Callable[[], str] = lambda: "") -> None:
         super().__init__()
         self.where = where
@@ -129,9 +123,9 @@ class MemoryTracker(TorchDispatchMode):
         self.live: Counter = Counter({p: 0 for p in PARTS})
         self.moments: dict[str, Moment] = {}
         self._info: dict[int, list] = {}  # id(storage) -> [weakref, part, bytes, sharded]
-        self.shard: Counter | None = None  # FSDP2's shards' bytes by part (dpscale's tracker)
+        self.shard: Counter | None = None  # FSDP2's shards' bytes by part (dp_shards' tracker)
         self._copies, self._buffers, self._scatter, self._gather = _ops()
-        self._resize = self._lock = None
+        self._patches: contextlib.ExitStack | None = None
         self._propagating = 0
 
     # storages
@@ -236,23 +230,13 @@ class MemoryTracker(TorchDispatchMode):
         self.observe()
 
     def __enter__(self):
-        original = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(st: torch.UntypedStorage, size: int):
-            out = original(st, size)
-            tracker._resized(st, size)
-            return out
-
-        self._resize = original
-        torch.UntypedStorage.resize_ = resize_
-        self._lock = ShardingPropagator._fake_mode_lock
-        ShardingPropagator._fake_mode_lock = _Propagating(self)
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(resizes_seen(self._resized))
+        self._patches.enter_context(sharding_propagation_marked(_Propagating(self)))
         return super().__enter__()
 
     def __exit__(self, *args):
-        torch.UntypedStorage.resize_ = self._resize
-        ShardingPropagator._fake_mode_lock = self._lock
+        self._patches.close()
         return super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -3,6 +3,7 @@ ranked by estimated step time.
 
 - ``ranking``: the search itself: bounds first, then traces, best first.
 - ``candidates``: the layouts tried: every mesh of the world size and every option.
+- ``bounds``: lower bounds of a candidate's peak memory that drop it untraced.
 - ``check_cache``: a candidate's checks cached by part across the variants of one plan.
 - ``trace_cache``: dry runs of many variants of one plan sharing what their traces share.
 """

@@ -24,7 +24,7 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    first) and the device's verdict
    (:func:`tpplan.analysis.memory.fit.needed`), its communication again with the pipeline's
    traffic and its final estimate. A layout another data-parallel split of which was
-   traced is dropped untraced when :func:`split_free` of that trace (the bytes no split
+   traced is dropped untraced when :func:`.bounds.split_free` of that trace (the bytes no split
    changes) does not fit already;
 
 each result goes back into the queue under its new figure, and a final estimate taken
@@ -40,6 +40,7 @@ import heapq
 import re
 import time
 from collections import Counter
+from enum import IntEnum
 from typing import Any, Callable, Sequence
 
 from ...models.introspect import find_blocks
@@ -52,9 +53,10 @@ from ..memory.fit import needed
 from ..comm.stage_bound import interior_rows
 from ..memory.floor import smallest_element
 from ..memory.stages import pipeline_schedule
+from .bounds import sharded_state, split_free
 from .trace_cache import Evaluator
 
-__all__ = ["search", "reason_of", "split_free", "sharded_state"]
+__all__ = ["Stage", "search", "reason_of"]
 
 
 def reason_of(message: str) -> str:
@@ -84,36 +86,6 @@ def _row(c, result: DryRun, est, device: Device) -> dict[str, Any]:
                 bubble_fraction=result.extra.get("pipeline", {}).get("bubble_fraction", 0.0))
 
 
-SPLIT_FREE = ("activations", "accumulated_gradients", "transients")
-
-
-def split_free(memory: dict[str, Any]) -> int:
-    """The bytes at the peak of ``memory`` (``memory_per_rank``) that the data-parallel split
-    (dp_replicate × dp_shard at a fixed product) does not change: activations, temporaries
-    and the unsharded gradients kept between micro-batches. Another split of the same layout
-    runs the same operations on the same activations, so at that moment it holds these bytes
-    and its own parameter shards and optimizer state: its peak is at least this."""
-    return sum(memory["at_peak"][p] for p in SPLIT_FREE)
-
-
-def sharded_state(result: DryRun, units: list | None, size: int | None = None) -> int:
-    """A lower bound, from arithmetic alone, of the bytes every moment of ``result``'s step
-    holds on its busiest rank: rank 0's padded FSDP2 shard of every unit (``units``, from
-    shapes: :func:`tpplan.parallel.fsdp_units.unit_sizes`), in the smallest parameter dtype,
-    and AdamW's two moments of each where every parameter is trained. 0 under a pipeline
-    (``units`` None: a stage's units are its own). ``size``: that dtype's bytes, where the
-    caller has them (:func:`tpplan.analysis.memory.floor.smallest_element`)."""
-    if not units:
-        return 0
-    dims = result.resolution.dims
-    shards = {"dp_shard": dims.dp_shard * dims.cp, "efsdp": dims.efsdp}
-    elements = sum(u.elements // shards.get(u.mesh_dim, 1) for u in units)
-    size = smallest_element(result.model) if size is None else size
-    spec = result.plan.spec
-    trained = spec.lora is None and not spec.freeze  # else AdamW holds only what is trained
-    return elements * size * (3 if trained else 1)
-
-
 def _but_checkpointing(c) -> tuple:
     """A candidate's ``--set`` lines less its checkpointing (the second): the same for a
     layout and its variants with recomputation."""
@@ -127,6 +99,138 @@ def _floor(ev: Evaluator, result: DryRun, over: Callable[[int], bool]) -> int:
         return ev.floor(result, over)
     except Exception:  # noqa: BLE001 - the memory analysis names the failure
         return 0
+
+
+class Stage(IntEnum):
+    """How far a queued candidate was analysed (the module docstring's steps 0-3): the third
+    key of the queue, after its bound and the candidate's order."""
+    CHECKED = 0  # passed the checks: its bound from arithmetic alone
+    BOUNDED = 1  # its bound with the FSDP and DP terms and the TP rows known so far
+    COMMUNICATED = 2  # its communication analysed: a first estimate, without p2p traffic
+    RANKED = 3  # its memory analysed and fitting: its final estimate, ranked once popped
+
+
+class _Search:
+    """One search's state: the evaluator, what was dropped and why, and what the traces so
+    far tell the bounds of the candidates still queued."""
+
+    def __init__(self, ev: Evaluator, device: Device, gpus_per_node: int, constants: CostConstants | None,
+                 exhaustive: bool):
+        self.ev, self.device, self.gpus_per_node = ev, device, gpus_per_node
+        self.constants, self.exhaustive = constants, exhaustive
+        self.dropped: Counter = Counter()
+        self.examples: dict[str, list[str]] = {}
+        self.flops: list = []  # the model's FLOPs, the same for every candidate
+        self.size = smallest_element(ev.model)  # its smallest parameter dtype (every candidate's model)
+        self.floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
+        self.unrecomputed: dict[tuple, list] = {}  # traced_rows, per layout without checkpointing
+
+    def too_large(self, peak: int) -> bool:
+        return needed(peak) > self.device.memory
+
+    def drop(self, reason: str, c) -> None:
+        self.dropped[reason] += 1
+        self.examples.setdefault(reason, c.sets)
+
+    def checked(self, c) -> DryRun | None:
+        r = self.ev.check(c.sets)
+        if r.errors:
+            self.drop(reason_of(r.errors[0].message), c)
+            return None
+        if r.plan.spec.pipeline is not None:
+            r.extra["pipeline"] = pipeline_schedule(r.plan.spec, r.resolution.dims,
+                                                    r.resolution.pipeline)
+        if not self.flops:
+            self.flops.append(flops_of(r))
+        return r
+
+    def estimated(self, r: DryRun, c) -> Any:
+        self.ev.comm(r)
+        est = _estimate(r, self.device, self.gpus_per_node, self.constants, self.flops[0]) if r.ok else None
+        if isinstance(est, (type(None), str)):
+            self.drop(f"analysis failed: {est or r.analysis_errors[0].message}", c)
+            return None
+        return est
+
+    def tighter(self, r: DryRun, c, row: Any) -> float:
+        """The FSDP and DP terms, from the units alone, and TP rows the layout's own trace
+        holds where they are known (the highest bound of them): those of its twin without
+        checkpointing, or a pipeline's stages' interior periods from the whole model's trace
+        (with its checkpointing, and without)."""
+        known = [self.unrecomputed.get(_but_checkpointing(c))]
+        if c.pp > 1:
+            known += [interior_rows(r, self.ev.tp_traces, self.ev.stages, plain) for plain in
+                      {False, r.plan.spec.activation_checkpointing.enabled}]
+        return max(step_time_bound(r, self.device, self.constants, self.flops[0], row,
+                                   self.gpus_per_node, rows) for rows in
+                   [rows for rows in known if rows] or [None])
+
+    def fits(self, r: DryRun, c) -> bool:
+        """The memory analysis, after the lower bounds that skip it; False (``c`` dropped)
+        where the candidate does not fit the device or its analysis failed."""
+        ev, device = self.ev, self.device
+        split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
+        # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
+        if not self.exhaustive and split in self.floors and \
+                needed(self.floors[split] + sharded_state(r, ev.fsdp_units(r), self.size)) > device.memory:
+            self.drop(f"does not fit {device.name} memory: the part no data-parallel "
+                      "split changes (traced for another split) and its own sharded "
+                      "state are too large", c)
+            return False
+        if not self.exhaustive and self.too_large(_floor(ev, r, self.too_large)):
+            self.drop(f"does not fit {device.name} memory: already at the end of the first "
+                      "forward (its step not traced further)", c)
+            return False
+        # A pipeline's stages traced until a pp rank shows it does not fit.
+        ev.memory(r, None if self.exhaustive else self.too_large)
+        mem = r.extra.get("memory_per_rank", {"error": "?"})
+        if "error" in mem:
+            self.drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
+            return False
+        self.floors[split] = max(self.floors.get(split, 0), split_free(mem))
+        if needed(mem["peak"]) > device.memory:
+            self.drop(f"does not fit {device.name} memory", c)
+            return False
+        return True
+
+    def walk(self, queue: list, top: int, say: Callable[[str], None]) -> tuple[list[dict[str, Any]], int]:
+        """Pop the queue best first, each candidate analysed one stage further and pushed
+        back under its new figure, until ``top`` are ranked (every one if ``exhaustive``).
+        Returns the ranked rows and how many candidates fit."""
+        ev, ranked = self.ev, []
+        fitting = analysed = 0
+        while queue and (self.exhaustive or len(ranked) < top):
+            bound, i, stage, c, row = heapq.heappop(queue)
+            if stage == Stage.RANKED:
+                ranked.append(row)
+                continue
+            analysed += 1
+            if analysed % 100 == 0:
+                say(f"{analysed} analyses, {fitting} fit, {len(ranked)} ranked; bound "
+                    f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
+            r = self.checked(c)
+            if stage <= Stage.BOUNDED and not self.exhaustive:  # arithmetic alone, before any trace of its own
+                if stage == Stage.CHECKED:
+                    if needed(sharded_state(r, ev.fsdp_units(r), self.size)) > self.device.memory:
+                        self.drop(f"does not fit {self.device.name} memory: its parameter shards and "
+                                  "AdamW state alone (arithmetic, nothing traced)", c)
+                        continue
+                    row = fsdp_rows(r, ev.stages)  # kept in the queue for the next look
+                tighter = self.tighter(r, c, row)
+                if tighter > bound:
+                    heapq.heappush(queue, (tighter, i, Stage.BOUNDED, c, row))
+                    continue
+            if stage == Stage.COMMUNICATED and not self.fits(r, c):
+                continue
+            est = self.estimated(r, c)
+            if est is not None:
+                if not r.plan.spec.activation_checkpointing.enabled:
+                    self.unrecomputed[_but_checkpointing(c)] = traced_rows(r)
+                last = stage == Stage.COMMUNICATED
+                fitting += last
+                heapq.heappush(queue, (est.step_time, i, Stage.RANKED if last else Stage.COMMUNICATED, c,
+                                       _row(c, r, est, self.device) if last else None))
+        return ranked, fitting
 
 
 def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[str] = (),
@@ -143,112 +247,17 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     blocks = find_blocks(ev.model)
     cands = candidates(ev.base, world_size, options, blocks and f"{blocks}.*")
     say(f"{len(cands)} candidates")
-    dropped: Counter = Counter()
-    examples: dict[str, list[str]] = {}
-    flops: list = []  # the model's FLOPs, the same for every candidate
-    size = smallest_element(ev.model)  # its smallest parameter dtype (every candidate's model)
-
-    def too_large(peak: int) -> bool:
-        return needed(peak) > device.memory
-
-    def drop(reason: str, c) -> None:
-        dropped[reason] += 1
-        examples.setdefault(reason, c.sets)
-
-    def checked(c) -> DryRun | None:
-        r = ev.check(c.sets)
-        if r.errors:
-            drop(reason_of(r.errors[0].message), c)
-            return None
-        if r.plan.spec.pipeline is not None:
-            r.extra["pipeline"] = pipeline_schedule(r.plan.spec, r.resolution.dims,
-                                                    r.resolution.pipeline)
-        if not flops:
-            flops.append(flops_of(r))
-        return r
-
-    def estimated(r: DryRun, c) -> Any:
-        ev.comm(r)
-        est = _estimate(r, device, gpus_per_node, constants, flops[0]) if r.ok else None
-        if isinstance(est, (type(None), str)):
-            drop(f"analysis failed: {est or r.analysis_errors[0].message}", c)
-            return None
-        return est
-
-    queue: list[tuple[float, int, int, Any, Any]] = []  # (step time bound, order, level, ...)
+    state = _Search(ev, device, gpus_per_node, constants, exhaustive)
+    queue: list[tuple[float, int, Stage, Any, Any]] = []  # (step time bound, order, stage, candidate, row)
     with fake_process_group(world_size):
         for i, c in enumerate(cands):
-            r = checked(c)
+            r = state.checked(c)
             if r is not None:
-                queue.append((step_time_bound(r, device, constants, flops[0]), i, 0, c, None))
+                queue.append((step_time_bound(r, device, constants, state.flops[0]), i, Stage.CHECKED, c, None))
         passed = len(queue)
         say(f"{passed} pass the checks; analysed best first")
         heapq.heapify(queue)
-        ranked: list[dict[str, Any]] = []
-        fitting = analysed = 0
-        floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
-        unrecomputed: dict[tuple, list] = {}  # traced_rows, per layout without checkpointing
-        while queue and (exhaustive or len(ranked) < top):
-            bound, i, level, c, row = heapq.heappop(queue)
-            if level == 3:
-                ranked.append(row)
-                continue
-            analysed += 1
-            if analysed % 100 == 0:
-                say(f"{analysed} analyses, {fitting} fit, {len(ranked)} ranked; bound "
-                    f"{bound:.3g} s, {len(queue)} queued; traces {dict(ev.traces)}")
-            r = checked(c)
-            if level <= 1 and not exhaustive:  # arithmetic alone, before any trace of its own
-                if level == 0:
-                    if needed(sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
-                        drop(f"does not fit {device.name} memory: its parameter shards and "
-                             "AdamW state alone (arithmetic, nothing traced)", c)
-                        continue
-                    row = fsdp_rows(r, ev.stages)  # kept in the queue for the next look
-                # The FSDP and DP terms, from the units alone, and TP rows the layout's own
-                # trace holds where they are known (the highest bound of them): those of
-                # its twin without checkpointing, or a pipeline's stages' interior periods
-                # from the whole model's trace (with its checkpointing, and without).
-                known = [unrecomputed.get(_but_checkpointing(c))]
-                if c.pp > 1:
-                    known += [interior_rows(r, ev.tp_traces, ev.stages, plain) for plain in
-                              {False, r.plan.spec.activation_checkpointing.enabled}]
-                tighter = max(step_time_bound(r, device, constants, flops[0], row,
-                                              gpus_per_node, rows) for rows in
-                              [rows for rows in known if rows] or [None])
-                if tighter > bound:
-                    heapq.heappush(queue, (tighter, i, 1, c, row))
-                    continue
-            if level == 2:
-                split = (c.pp, c.cp, c.ep, c.tp, *c.sets[1:])  # all but the data-parallel split
-                # The two lower bounds only skip traces: ``exhaustive`` traces every layout.
-                if not exhaustive and split in floors and \
-                        needed(floors[split] + sharded_state(r, ev.fsdp_units(r), size)) > device.memory:
-                    drop(f"does not fit {device.name} memory: the part no data-parallel "
-                         "split changes (traced for another split) and its own sharded "
-                         "state are too large", c)
-                    continue
-                if not exhaustive and too_large(_floor(ev, r, too_large)):
-                    drop(f"does not fit {device.name} memory: already at the end of the first "
-                         "forward (its step not traced further)", c)
-                    continue
-                # A pipeline's stages traced until a pp rank shows it does not fit.
-                ev.memory(r, None if exhaustive else too_large)
-                mem = r.extra.get("memory_per_rank", {"error": "?"})
-                if "error" in mem:
-                    drop(f"memory analysis failed: {r.analysis_errors[0].message}", c)
-                    continue
-                floors[split] = max(floors.get(split, 0), split_free(mem))
-                if needed(mem["peak"]) > device.memory:
-                    drop(f"does not fit {device.name} memory", c)
-                    continue
-            est = estimated(r, c)
-            if est is not None:
-                if not r.plan.spec.activation_checkpointing.enabled:
-                    unrecomputed[_but_checkpointing(c)] = traced_rows(r)
-                fitting += level == 2
-                heapq.heappush(queue, (est.step_time, i, 3 if level == 2 else 2, c,
-                                       _row(c, r, est, device) if level == 2 else None))
+        ranked, fitting = state.walk(queue, top, say)
     left = Counter(q[2] for q in queue)
     return dict(
         plan=plan_path, overrides=list(overrides), world_size=world_size,
@@ -258,7 +267,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                      schedules=list(options.schedules)),
         constants=(constants or DEFAULT_CONSTANTS).to_json(),
         candidates=len(cands), passed_checks=passed, fitting=fitting,
-        not_ranked=dict(bound_only=left[0] + left[1], comm_only=left[2], fitting=left[3]),
+        not_ranked=dict(bound_only=left[Stage.CHECKED] + left[Stage.BOUNDED], comm_only=left[Stage.COMMUNICATED],
+                        fitting=left[Stage.RANKED]),
         ranked=ranked,
-        dropped=[dict(reason=k, count=v, example=examples[k]) for k, v in dropped.most_common()],
+        dropped=[dict(reason=k, count=v, example=state.examples[k]) for k, v in state.dropped.most_common()],
         traces=dict(ev.traces), seconds=time.perf_counter() - start)

@@ -169,7 +169,7 @@ class Evaluator:
         # DTensor's caches key on meshes that compare equal across groups (dryrun's
         # forget_meshes) and are kept: every mesh here lives as long as the search, and a
         # collective on an equal mesh's group is counted on the dimension it was made for
-        # (tptrace's _Dims).
+        # (tp_model's _Dims).
         self._last = dims
         return self.meshes[dims]
 
@@ -274,7 +274,7 @@ class Evaluator:
     def _tp(self, plan: PlanSpec, res, mesh, build: Callable[[], nn.Module], seq_len: int,
             micro_batch: int, dtype) -> Any:
         # Keyed without the micro-batch: past three sizes, extrapolated where checked
-        # (batchtrace.traced_in_batch). ``builder`` copies the plan's one model, as ``build``
+        # (tp_batch.traced_in_batch). ``builder`` copies the plan's one model, as ``build``
         # would. A period kept: pipeline layouts' bounds (interior.interior_rows).
         key = tp_key(plan, res.dims, seq_len, dtype)
         trace = traced_in_batch(self.tp_traces, key, micro_batch, None, lambda b, _: (

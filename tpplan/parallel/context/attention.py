@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from ..._torch.attention import cpu_flash_attention, cpu_flash_attention_backward
+
 __all__ = ["document_ids", "one_document_per_row", "attention_mask", "sequence_mask", "additive", "ring_attention",
            "ulysses_attention", "causal_blocks", "ring_causal", "ulysses_causal"]
 
@@ -37,7 +39,7 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
 
 def one_document_per_row(positions: torch.Tensor) -> bool:
     """Every row one document (no boundary to mask): causal attention serves, no mask."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from ..._torch.fake import FakeTensor
 
     if isinstance(positions, FakeTensor):
         return False  # values unknown: masked, as a real run with documents would be
@@ -55,14 +57,14 @@ def attention_mask(q_index: torch.Tensor, k_index: torch.Tensor,
 
 def _gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather over cp along ``dim``, differentiable (backward: a reduce-scatter)."""
-    from torch.distributed._functional_collectives import all_gather_single_autograd
+    from ..._torch.collectives import all_gather_single_autograd
 
     return all_gather_single_autograd(t.contiguous(), dim, group)
 
 
 def _gather_plain(t: torch.Tensor, group, cp: int) -> torch.Tensor:
     """Integer positions of every rank, concatenated along the sequence (no gradient)."""
-    from torch.distributed._functional_collectives import all_gather_tensor
+    from ..._torch.collectives import all_gather_tensor
 
     return all_gather_tensor(t.contiguous(), 1, group)
 
@@ -101,7 +103,7 @@ def ring_attention(q, k, v, mask, group, kernel: Kernel) -> torch.Tensor:
 def _to_heads(t: torch.Tensor, cp: int, group) -> torch.Tensor:
     """(bs, h, s, hd) sequence shard -> (bs, h/cp, cp·s, hd) head shard, ranks' chunks in
     rank order: one all-to-all."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from ..._torch.collectives import all_to_all_single_autograd
 
     bs, h, s, hd = t.shape
     send = t.reshape(bs, cp, h // cp, s, hd).transpose(0, 1).contiguous()
@@ -111,7 +113,7 @@ def _to_heads(t: torch.Tensor, cp: int, group) -> torch.Tensor:
 
 def _to_sequence(t: torch.Tensor, cp: int, group) -> torch.Tensor:
     """The inverse of :func:`_to_heads`: (bs, h/cp, cp·s, hd) -> (bs, h, s, hd)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from ..._torch.collectives import all_to_all_single_autograd
 
     bs, hl, total, hd = t.shape
     s = total // cp
@@ -131,13 +133,11 @@ def ulysses_attention(q, k, v, mask, group, cp: int, kernel: Kernel) -> torch.Te
 
 
 def _flash(q, k, v, causal: bool, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                       scale=scale)
+    return cpu_flash_attention(q, k, v, 0.0, causal, scale=scale)
 
 
 def _flash_backward(grad, q, k, v, out, lse, causal: bool, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return cpu_flash_attention_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 class _CausalBlocks(torch.autograd.Function):

@@ -3,7 +3,7 @@
 The cp ranks of one data-parallel slot take the same batch; :func:`shard_batch` gives each
 its tokens, targets and rotary positions, and the model's attention, wrapped by
 :func:`apply_context_parallel`, sees the whole sequence through the method's collectives
-(:mod:`.context_attention`). Everything outside attention is per token, so it runs on the
+(:mod:`.attention`). Everything outside attention is per token, so it runs on the
 local tokens unchanged; FSDP2 shards parameters over ``dp_shard × cp`` and reduces their
 gradients over both (each rank's loss is the mean over its own tokens, all ranks hold as
 many, so the average is the whole batch's mean).
@@ -12,9 +12,8 @@ With ``load_balance`` the sequence is cut into ``2·cp`` chunks and rank r holds
 and ``2·cp - 1 - r`` (torchtitan's head-tail order): under a causal mask the early chunks
 have few keys and the late ones many, so each rank gets one of each.
 
-Two attention seams are wrapped: the built-in Llama's ``Attention.attend(q, k, v,
-positions)`` and a HuggingFace model's attention interface (``config._attn_implementation``
-set to a registered function that calls the model's own one inside).
+Two attention seams are wrapped: the built-in Llama's ``Attention.attend(q, k, v, positions)`` and a
+HuggingFace model's attention interface (its config's, set to a registered function that calls the model's own).
 """
 
 from __future__ import annotations
@@ -25,8 +24,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
+from ..._torch.fake import is_fake
+from ..._torch.transformers import attn_implementation, has_attn_implementation, set_attn_implementation
 from ...plan.errors import ErrorList
 from ...plan.context import ContextParallelSpec
 from ...plan.specs import PlanSpec
@@ -113,7 +113,7 @@ class ContextParallel:
 
         Without packed documents (the positions :func:`shard_batch` made, or given ones
         with no boundary) the built-in attention builds no mask: causal attention in
-        blocks (:func:`.context_attention.ring_causal`, ``ulysses_causal``). With
+        blocks (:func:`.attention.ring_causal`, ``ulysses_causal``). With
         documents, or a model's own ``kernel(q, k, v, mask)``, one mask per forward, shared
         by every layer. ``kernel`` None: softmax attention (SDPA), scores times ``scale``."""
         from torch.distributed.tensor import DTensor
@@ -155,7 +155,7 @@ def _seams(model: nn.Module) -> list[nn.Module]:
 
 def _hf_config(model: nn.Module):
     config = getattr(model, "config", None)
-    return config if hasattr(config, "_attn_implementation") else None
+    return config if has_attn_implementation(config) else None
 
 
 def position_kwarg(model: nn.Module) -> str | None:
@@ -202,11 +202,11 @@ def apply_context_parallel(model: nn.Module, mesh, spec: ContextParallelSpec) ->
         from transformers import AttentionInterface
 
         AttentionInterface.register(HF_ATTENTION, _hf_attention)
-        inner = config._attn_implementation or "sdpa"
+        inner = attn_implementation(config) or "sdpa"
         if inner == HF_ATTENTION:  # applied twice (verify's reference build is separate)
             inner = _HF_CONTEXTS[id(config)][2]
         _HF_CONTEXTS[id(config)] = (config, ctx, inner)  # config kept: its id stays unique
-        config._attn_implementation = HF_ATTENTION
+        set_attn_implementation(config, HF_ATTENTION)
     else:
         for m in _seams(model):
             m.attend = functools.partial(_seam_attend, ctx)

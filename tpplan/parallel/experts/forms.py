@@ -4,15 +4,19 @@ every token for every expert."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..._torch.modules import own_parameters, swapped
+
 __all__ = ["expert_count", "list_expert_count", "call_form", "computes_aux_loss", "experts_for_ep",
-           "local_experts", "restore_experts", "param_owner", "tie_experts", "dense_forward"]
+           "local_experts", "using_local_experts", "param_owner", "tie_experts", "dense_forward"]
 
 # What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
 # arguments under other names: gpt-oss's (hidden_states, router_indices,
@@ -98,8 +102,9 @@ class _LocalExperts(torch.autograd.Function):
         return (None, *(g * ctx.scale for g in grads))
 
 
-def local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> dict[str, nn.Parameter]:
-    """The local experts in place of the module's parameters (returned, to put back).
+def local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> dict[str, torch.Tensor]:
+    """The local experts, by parameter name, to swap in for the module's parameters
+    (:func:`using_local_experts`).
 
     Their gradient is scaled by ``1/ep``: the all-to-all brought the tokens of all ep ranks
     here, so it is the sum of ep ranks' losses' gradients, where every other parameter's is
@@ -113,13 +118,20 @@ def local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> dict[str, n
     local expert a gradient, zero where no token used it, so each rank's gradients (and
     FSDP's reduce-scatter of them) cover the same parameters; :func:`tie_experts` covers the
     case where no token reached any."""
-    held = {n: owner._parameters[leaf] for n in names for owner, leaf in [param_owner(module, n)]}
+    held = {n: own_parameters(owner)[leaf] for n in names for owner, leaf in [param_owner(module, n)]}
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in held.items()}
     trained = [n for n, p in held.items() if p.requires_grad]  # frozen ones stay out of it
     if trained:
         local.update(zip(trained, _LocalExperts.apply(tp / ep, *(local[n] for n in trained))))
-    restore_experts(module, local)
-    return held
+    return local
+
+
+@contextlib.contextmanager
+def using_local_experts(module: nn.Module, names, ep: int, tp: int = 1) -> Iterator[nn.Module]:
+    """``module`` with :func:`local_experts` in place of its parameters ``names`` for the
+    ``with`` block, put back on leaving, also when the block raises."""
+    with swapped(module, parameters=local_experts(module, names, ep, tp)):
+        yield module
 
 
 def param_owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -129,13 +141,6 @@ def param_owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def restore_experts(module: nn.Module, held: dict[str, torch.Tensor]) -> None:
-    """Register ``held`` (parameter name -> tensor) back on ``module`` (and its experts)."""
-    for name, p in held.items():
-        owner, leaf = param_owner(module, name)
-        owner._parameters[leaf] = p
-
-
 def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """``out``, tied to the local experts (zero weight) when it has no rows: the experts'
     forward then used none of them, and the gradient would miss them all."""
@@ -143,8 +148,9 @@ def tie_experts(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
         return out
     for n in module._tpplan_ep_params:
         owner, leaf = param_owner(module, n)
-        if owner._parameters[leaf].requires_grad:
-            return out + owner._parameters[leaf].sum() * 0
+        param = own_parameters(owner)[leaf]
+        if param.requires_grad:
+            return out + param.sum() * 0
     return out
 
 
@@ -154,7 +160,7 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
     (zero where not chosen): ``[num_experts × T, H]`` in expert-major blocks. Each rank's
     blocks for the experts of rank ``s`` go to ``s`` (equal splits), the local experts run
     on ``ep × T`` rows each, and the results come back the same way."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from ..._torch.collectives import all_to_all_single_autograd
 
     ep, group = mesh.size(), mesh.get_group()
     local, width = num_experts // ep, hidden_states.shape[-1]
@@ -165,12 +171,11 @@ def dense_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int
     split = [local * rows] * ep
     got = all_to_all_single_autograd(hidden_states.contiguous(), split, split, group)
     x = got.view(ep, local, rows, width).transpose(0, 1).reshape(-1, width)
-    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
-    try:
-        module.num_experts = local
-        out = tie_experts(module, forward(x))
-    finally:
-        module.num_experts = num_experts
-        restore_experts(module, held)
+    with using_local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp):
+        try:
+            module.num_experts = local
+            out = tie_experts(module, forward(x))
+        finally:
+            module.num_experts = num_experts
     out = out.view(local, ep, rows, width).transpose(0, 1).reshape(-1, width)
     return all_to_all_single_autograd(out.contiguous(), split, split, group)

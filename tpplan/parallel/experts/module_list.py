@@ -22,7 +22,7 @@ the list keeps them under their **global** indices (``_modules["4"]``, ``["5"]``
 of 4 with 8 experts), so parameter names, and with them DCP checkpoints, are the whole
 model's (``experts.5.w1.weight``) and a run resumes on any ep or on a plain model. FSDP2
 then shards each local expert's parameters over ``efsdp``. The call goes through the grouped
-form's dispatch (:func:`tpplan.parallel.experts.style._ep_forward`, passed in): the list's
+form's dispatch (:func:`tpplan.parallel.experts.style.routed_forward`, passed in): the list's
 own forward runs on the rows that arrived, seeing its local experts as ``self[0..E/ep-1]``.
 """
 
@@ -37,6 +37,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from ..._torch.modules import own_children, own_parameters, set_children, set_parameters, swapped
 from ...plan.errors import ErrorList
 from ...plan.patterns import enclosing
 from ...plan.specs import Rule
@@ -112,12 +113,9 @@ def check_rules_inside_lists(res, modules: dict[str, nn.Module]) -> None:
 
 def local_experts_call(module: nn.ModuleList, forward, *args, **kwargs):
     """The list's own forward, seeing its local experts as ``self[0 .. E/ep - 1]``."""
-    held = module._modules
-    module.__dict__["_modules"] = {str(j): m for j, m in enumerate(held.values())}
-    try:
+    local = {str(j): m for j, m in enumerate(own_children(module).values())}
+    with swapped(module, children=local, all_children=True):
         return forward(*args, **kwargs)
-    finally:
-        module.__dict__["_modules"] = held
 
 
 def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: int | None,
@@ -136,10 +134,9 @@ def split_expert_list(module: nn.ModuleList, mesh: DeviceMesh, src_data_rank: in
         part = distribute_tensor(stacked, mesh, [Shard(0)], src_data_rank=src_data_rank).to_local()
         for j, e in enumerate(mine):
             owner, leaf = param_owner(experts[e], name)
-            old = owner._parameters[leaf]
-            owner._parameters[leaf] = nn.Parameter(part[j].clone(), requires_grad=old.requires_grad)
-    module._modules.clear()  # the others are gone: no full copy on any rank
-    module._modules.update({str(e): experts[e] for e in mine})
+            old = own_parameters(owner)[leaf]
+            set_parameters(owner, {leaf: nn.Parameter(part[j].clone(), requires_grad=old.requires_grad)})
+    set_children(module, {str(e): experts[e] for e in mine})  # the others are gone: no full copy
     module.num_experts = num
     module._tpplan_ep_size = ep
     module._tpplan_ep_tp = tokens_tp

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..._torch.modules import own_parameters, swap_around_forward
 from ...plan.errors import ErrorList
 from ...plan.patterns import enclosing
 from ...plan.styles import EP_STYLES, SEQUENCE_LOCAL
@@ -56,22 +57,22 @@ class SequenceLocal(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.skip = tuple(skip)
 
-    def _owned(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+    def _owned(self, module: nn.Module) -> list[tuple[nn.Module, str, str]]:
+        """(submodule, its parameter's name, that name from ``module``) of each parameter."""
         out = []
         for path, sub in module.named_modules():
             if any(path == s or path.startswith(s + ".") for s in self.skip):
                 continue
-            out += [(sub, n) for n, _ in sub.named_parameters(recurse=False)]
+            out += [(sub, n, f"{path}.{n}" if path else n) for n, _ in sub.named_parameters(recurse=False)]
         return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         owned = self._owned(module)
-        for sub, name in owned:
-            param = sub._parameters[name]
+        for sub, name, _ in owned:
+            param = own_parameters(sub)[name]
             dt = distribute_tensor(param.detach(), device_mesh, [Replicate()],
                                    src_data_rank=self.src_data_rank)
             sub.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        held: list[list[tuple[nn.Module, str, Any]]] = []
         dim, where = self.sequence_dim, type(module).__name__
 
         def local(x: Any) -> Any:
@@ -83,25 +84,18 @@ class SequenceLocal(ParallelStyle):
                                  "it must hand it the sequence shard (sequence parallelism)")
             return x.to_local()
 
-        def pre(mod: nn.Module, args: tuple, kwargs: dict):
+        def local_params(mod: nn.Module) -> dict[str, Any]:
             # FSDP2 has set its unsharded parameters by now: swap in local views of whatever
             # is there, and put it back after the forward (FSDP reshards what it set).
-            swapped = []
-            for sub, name in owned:
-                p = sub._parameters[name]
-                if isinstance(p, DTensor):
-                    swapped.append((sub, name, p))
-                    sub._parameters[name] = p.to_local(grad_placements=[Partial()])
-            held.append(swapped)
+            current = [(path, own_parameters(sub)[name]) for sub, name, path in owned]
+            return {path: p.to_local(grad_placements=[Partial()]) for path, p in current
+                    if isinstance(p, DTensor)}
+
+        def local_inputs(mod: nn.Module, args: tuple, kwargs: dict):
             return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
 
-        def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
-            for sub, name, p in held.pop():
-                sub._parameters[name] = p
-            return out
-
-        module.register_forward_pre_hook(pre, with_kwargs=True)
-        module.register_forward_hook(post, with_kwargs=True, always_call=True)
+        swap_around_forward(module, local_params)
+        module.register_forward_pre_hook(local_inputs, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:

@@ -30,9 +30,10 @@ called in the routed form: :mod:`tpplan.parallel.experts.module_list`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,23 +42,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..._torch.modules import own_parameters
 from ...plan.errors import ErrorList
 from ...plan.specs import MeshSpec, Rule
 from ...plan.styles import EP_STYLES
-from .forms import (call_form, computes_aux_loss, dense_forward, local_experts,
-                           expert_count, experts_for_ep, restore_experts, tie_experts)
+from .forms import (call_form, computes_aux_loss, dense_forward, expert_count, experts_for_ep,
+                    tie_experts, using_local_experts)
 from .module_list import check_expert_list, check_rules_inside_lists, split_expert_list
 from .sequence_local import check_sequence_local
 
 __all__ = ["ExpertParallel", "check_aux_loss", "computes_aux_loss", "check_expert_parallel",
            "expert_count",
            "local_expert_params", "call_form", "experts_for_ep", "expert_tp_inside_ep",
-           "dispatch_counts", "balanced_counts", "check_experts"]
+           "dispatch_counts", "balanced_counts", "balanced_routing", "check_experts",
+           "routed_forward"]
 
-# Test hook, off unless set to "1": the experts sharded without dispatch (each rank runs
-# only the tokens its own experts were chosen for, the rest are dropped), the silent bug
-# `tpplan verify` must catch (tests/test_expert_parallel.py).
-NO_DISPATCH_ENV = "TPPLAN_TEST_EP_NO_DISPATCH"
+_balanced = [0]  # how many balanced_routing() blocks are open
 
 
 def local_expert_params(module: nn.Module) -> list[str]:
@@ -108,10 +108,17 @@ def balanced_counts(pairs: int, num_experts: int) -> list[int]:
     return [pairs // num_experts + (e < pairs % num_experts) for e in range(num_experts)]
 
 
-def _shapes_only(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type == "meta" or is_fake(t)
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Inside it, ``expert_parallel`` routes as if each expert were chosen for an even share
+    of the (token, expert) pairs (:func:`balanced_counts`), without reading the expert ids:
+    what the dry run asks for (:func:`tpplan.analysis.fake.group.fake_process_group` opens
+    it), having shapes but no ids to count. Outside it, the ids are counted."""
+    _balanced[0] += 1
+    try:
+        yield
+    finally:
+        _balanced[0] -= 1
 
 
 def check_experts(mesh: MeshSpec, res, modules: dict[str, nn.Module]) -> None:
@@ -157,10 +164,14 @@ def dispatch_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor
     return counts
 
 
-def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
-                hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+def routed_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
+                   hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward :class:`ExpertParallel` gives a routed experts module (bound to the
+    module, its own ``forward``, the ep mesh and the model's expert count): the dispatch, the
+    module's own expert code on what arrived, the combine (the module docstring's steps).
+    Looked up here when the style is applied."""
+    from ..._torch.collectives import all_to_all_single_autograd
 
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(f"expert_parallel: routing weights of shape {tuple(top_k_weights.shape)}"
@@ -168,14 +179,11 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
     ep, group = mesh.size(), mesh.get_group()
     local = num_experts // ep
     k = top_k_index.shape[-1]
-    shapes_only = _shapes_only(top_k_index)
+    shapes_only = _balanced[0] > 0
     if shapes_only:  # the dry run: no ids to count, so routing is balanced
         counts = top_k_index.new_tensor(balanced_counts(top_k_index.numel(), num_experts))
     else:
         counts = dispatch_counts(top_k_index, num_experts)
-    if os.environ.get(NO_DISPATCH_ENV) == "1":
-        return _without_dispatch(module, forward, mesh.get_local_rank() * local, local,
-                                 hidden_states, top_k_index, top_k_weights)
     order = torch.argsort(top_k_index.reshape(-1), stable=True)  # pairs grouped by expert
     token = order // k
     got = torch.empty_like(counts)  # got[r * local + j]: rows rank r sends to my expert j
@@ -193,38 +201,22 @@ def _ep_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int,
         recv = got.view(ep, local).sum(1).tolist()
         ids = torch.repeat_interleave(torch.arange(local, device=got.device).repeat(ep), got)
     rows = all_to_all_single_autograd(hidden_states[token], recv, send, group)
-    held = local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp)
-    try:  # the module's own expert code, on its local experts
-        module.num_experts = local
-        out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
-                                                      device=rows.device), *args, **kwargs)
-        out = tie_experts(module, out)
-        if rows.requires_grad:  # an expert code whose output need not depend on the rows
-            # (transformers' eager loop returns zeros_like when no expert is hit) would skip
-            # this rank's backward all-to-all that its ep peers run: a hang. Tie it (a zero).
-            out = out + rows[:0].sum().to(out.dtype)
-    finally:
-        module.num_experts = num_experts
-        restore_experts(module, held)
+    with using_local_experts(module, module._tpplan_ep_params, ep, module._tpplan_ep_tp):
+        try:  # the module's own expert code, on its local experts
+            module.num_experts = local
+            out = forward(rows, ids[:, None], torch.ones(len(ids), 1, dtype=rows.dtype,
+                                                          device=rows.device), *args, **kwargs)
+            out = tie_experts(module, out)
+            if rows.requires_grad:  # an expert code whose output need not depend on the rows
+                # (transformers' eager loop returns zeros_like when no expert is hit) would skip
+                # this rank's backward all-to-all that its ep peers run: a hang. Tie it (a zero).
+                out = out + rows[:0].sum().to(out.dtype)
+        finally:
+            module.num_experts = num_experts
     back = all_to_all_single_autograd(out, send, recv, group)
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     combined = torch.zeros_like(hidden_states)
     return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
-
-
-def _without_dispatch(module: nn.Module, forward, first: int, local: int,
-                      hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The wrong thing on purpose (:data:`NO_DISPATCH_ENV`): remote experts' tokens dropped."""
-    mine = (top_k_index >= first) & (top_k_index < first + local)
-    ids = torch.where(mine, top_k_index - first, local)  # local: transformers' "no expert"
-    held = local_experts(module, list(module._tpplan_ep_params), 1)
-    try:
-        module.num_experts = local
-        return forward(hidden_states, ids, top_k_weights * mine)
-    finally:
-        module.num_experts = local * module._tpplan_ep_size
-        restore_experts(module, held)
 
 
 class ExpertParallel(ParallelStyle):
@@ -254,12 +246,12 @@ class ExpertParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.ModuleList):  # per-expert modules: tpplan.parallel.experts.module_list
-            return split_expert_list(module, device_mesh, self.src_data_rank, _ep_forward,
+            return split_expert_list(module, device_mesh, self.src_data_rank, routed_forward,
                                      self.tokens_tp)
         num_experts = expert_count(module)
         names = local_expert_params(module)
         for name in names:
-            param = module._parameters[name]
+            param = own_parameters(module)[name]
             dt = distribute_tensor(param.detach(), device_mesh, [Shard(0)],
                                    src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
@@ -267,7 +259,7 @@ class ExpertParallel(ParallelStyle):
         module._tpplan_ep_size = device_mesh.size()
         module._tpplan_ep_tp = self.tokens_tp
         dense = call_form(module) == "dense"
-        module.forward = functools.partial(dense_forward if dense else _ep_forward, module,
+        module.forward = functools.partial(dense_forward if dense else routed_forward, module,
                                            module.forward, device_mesh, num_experts)
         return module
 

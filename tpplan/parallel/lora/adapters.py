@@ -98,7 +98,7 @@ def saved_modules(spec: LoraSpec, paths) -> list[str]:
     return [p for p in paths if p and _last_verdict(spec.modules_to_save, p)]
 
 
-def _style_of(path: str, rule_of: dict) -> tuple[str | None, object]:
+def style_of(path: str, rule_of: dict) -> tuple[str | None, object]:
     """The style the base at ``path`` is under: its own rule, or a whole-module style above."""
     rule = rule_of.get(path)
     if rule is not None:
@@ -140,7 +140,7 @@ def check_lora(spec: LoraSpec | None, modules: dict[str, nn.Module], rule_of: di
             errs.add(f"lora target '{general}' ({type(module).__name__}) is not an nn.Linear: "
                      "LoRA adapts linear layers; name the projections inside it", loc)
             continue
-        style, rule = _style_of(path, rule_of)
+        style, rule = style_of(path, rule_of)
         if style not in FOLLOWED_STYLES:
             why = REFUSED.get(style, "the adapter follows colwise, rowwise, kv_colwise and "
                                      "replicate bases only")
@@ -190,7 +190,7 @@ def apply_lora(spec: LoraSpec, model: nn.Module, tp_mesh, rule_of: dict, seed: i
     targets = lora_targets(spec, list(modules))
     for path in targets:
         base = modules[path]
-        a_place, b_place = FOLLOWED_STYLES[_style_of(path, rule_of)[0]]
+        a_place, b_place = FOLLOWED_STYLES[style_of(path, rule_of)[0]]
         w = base.weight
         device = "meta" if w.device.type == "meta" else w.device
         dtype = w.dtype

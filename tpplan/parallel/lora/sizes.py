@@ -11,7 +11,7 @@ from torch import nn
 
 from ...plan.patterns import generalize
 from ...plan.specs import LoraSpec
-from .adapters import FOLLOWED_STYLES, _style_of, lora_targets, saved_modules
+from .adapters import FOLLOWED_STYLES, lora_targets, saved_modules, style_of
 
 __all__ = ["adapter_shapes", "adapter_tp_dim", "checkpointed", "same_in_every_block",
            "trained_names"]
@@ -38,7 +38,7 @@ def adapter_tp_dim(name: str, rule_of: dict) -> int | None:
     for part, which in ((".lora_A.", 0), (".lora_B.", 1)):
         base, found, _ = name.partition(part)
         if found:
-            style = _style_of(base, rule_of)[0]
+            style = style_of(base, rule_of)[0]
             place = FOLLOWED_STYLES.get(style, (None, None))[which]
             return place if isinstance(place, int) else None
     return None

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
+from ..._torch.modules import own_children, set_children, swapped
 from ...plan.errors import ErrorList, nearest
 from ...plan.pipeline import SCHEDULES
 from ...plan.specs import PipelineSpec, PlanSpec
@@ -33,7 +34,7 @@ class StageBlocks(nn.ModuleDict):
     model's forward runs unchanged on a stage."""
 
     def __iter__(self):
-        return iter(self._modules.values())
+        return iter(self.values())
 
 
 @dataclass(frozen=True)
@@ -240,18 +241,10 @@ def stage_view(model: nn.Module, stage: Stage, split: PipelineSplit, keep: int |
         kept = StageBlocks({k: b for k, b in container.named_children() if k in mine})
     else:
         kept = copy.copy(container)
-        kept._modules = {k: v for k, v in container._modules.items() if k in mine}
+        set_children(kept, {k: v for k, v in own_children(container).items() if k in mine})
     edits[split.blocks_path] = kept
-    saved = {p: dict(model.get_submodule(p)._modules) for p in {e.rpartition(".")[0] for e in edits}}
-    try:
-        for path, module in edits.items():
-            parent, _, name = path.rpartition(".")
-            model.get_submodule(parent)._modules[name] = module
+    with swapped(model, children=edits):
         yield model
-    finally:
-        for p, modules in saved.items():
-            model.get_submodule(p)._modules.clear()
-            model.get_submodule(p)._modules.update(modules)
 
 
 def stage_module(model: nn.Module, stage: Stage, split: PipelineSplit,

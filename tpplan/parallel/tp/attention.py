@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-import torch
-import torch.nn.functional as F
+from ..._torch.attention import cpu_flash_attention, cpu_flash_ops, sdpa_routed
 
 __all__ = ["register_cpu_attention", "fused_attention_on_meta"]
 
@@ -43,9 +42,7 @@ def register_cpu_attention() -> None:
     DTensor then says so itself."""
     from torch.distributed.tensor.experimental import register_sharding
 
-    aten = torch.ops.aten
-    forward = aten._scaled_dot_product_flash_attention_for_cpu.default
-    backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    forward, backward = cpu_flash_ops()
 
     @register_sharding(forward)
     def _forward(query, key, value, dropout_p=0.0, is_causal=False, **kwargs):
@@ -66,20 +63,17 @@ def fused_attention_on_meta() -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     register_cpu_attention()
-    sdpa = F.scaled_dot_product_attention
 
-    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-               scale=None, **kwargs):
-        if (attn_mask is None and not kwargs and isinstance(query, DTensor)
-                and query.device.type == "meta"):
-            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, dropout_p, is_causal, scale=scale)
-            return out
-        return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                    is_causal=is_causal, scale=scale, **kwargs)
+    def route(sdpa: Callable) -> Callable:
+        def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, **kwargs):
+            if (attn_mask is None and not kwargs and isinstance(query, DTensor)
+                    and query.device.type == "meta"):
+                out, _ = cpu_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)
+                return out
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                        is_causal=is_causal, scale=scale, **kwargs)
+        return routed
 
-    F.scaled_dot_product_attention = routed
-    try:
+    with sdpa_routed(route):
         yield
-    finally:
-        F.scaled_dot_product_attention = sdpa

@@ -19,7 +19,8 @@ The layout follows the heads of the projections (:func:`tpplan.parallel.tp.kv_he
   the gradient comes back as a partial sum over the ranks sharing it (one all-reduce).
 
 During the owner's forward the parameter is this rank's slice as a plain tensor (a forward
-pre-hook swaps it in, a forward hook puts the DTensor back), so the model's code needs no
+pre-hook swaps it in, a forward hook puts the DTensor back, also when the forward
+raises: :func:`tpplan._torch.modules.swap_around_forward`), so the model's code needs no
 change; FSDP2, checkpoints and exports see the full-shaped DTensor.
 """
 
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..._torch.modules import own_parameters, swap_around_forward
 from ...plan.errors import nearest
 from .kv_heads import head_slice
 
@@ -63,7 +65,7 @@ class HeadParamsParallel(ParallelStyle):
         tp, rank = device_mesh.size(), device_mesh.get_local_rank()
         slices: dict[str, slice | None] = {}
         for name in self.head_params:
-            param = module._parameters[name]
+            param = own_parameters(module)[name]
             n = param.shape[0]
             if n % tp == 0:
                 placement, slices[name] = Shard(0), None
@@ -72,24 +74,14 @@ class HeadParamsParallel(ParallelStyle):
                 placement, slices[name] = Replicate(), slice(first, first + count)
             dt = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
-        saved: list[dict[str, Any]] = []  # a stack: a module may be re-entered (recompute)
 
-        def to_local(mod: nn.Module, args: Any) -> None:
-            swapped = {}
-            for name, part in slices.items():
-                value = mod._parameters[name]
-                if isinstance(value, DTensor):
-                    swapped[name] = value
-                    mod._parameters[name] = value.to_local() if part is None else \
-                        value.to_local(grad_placements=[Partial()])[part]
-            saved.append(swapped)
+        def local(mod: nn.Module) -> dict[str, Any]:
+            own = own_parameters(mod)
+            return {name: own[name].to_local() if part is None else
+                    own[name].to_local(grad_placements=[Partial()])[part]
+                    for name, part in slices.items() if isinstance(own[name], DTensor)}
 
-        def restore(mod: nn.Module, args: Any, out: Any) -> None:
-            if saved:
-                mod._parameters.update(saved.pop())
-
-        module.register_forward_pre_hook(to_local)
-        module.register_forward_hook(restore)
+        swap_around_forward(module, local)
         return module
 
     def __repr__(self) -> str:

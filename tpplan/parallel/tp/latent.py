@@ -12,11 +12,12 @@ weight gets the whole gradient on every rank.
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..._torch.collectives import funcol
 
 __all__ = ["LatentKVParallel", "rope_dim_of", "latent_kv_heads_mismatch"]
 

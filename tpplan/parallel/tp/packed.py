@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from ..._torch.modules import own_parameters, swapped
 from ...plan.errors import ErrorList
 from ...plan.packing import ATTR, Packing, part_sizes
 from ...plan.specs import Rule
@@ -58,7 +59,7 @@ def to_model_order(held: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, dim: int,
                 packing: Packing | None, src: int | None) -> None:
-    param = module._parameters[name]
+    param = own_parameters(module)[name]
     full = param.detach() if packing is None else to_interleaved(param.detach(), packing)
     dt = distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=src)
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
@@ -91,7 +92,7 @@ class PackedColwiseParallel(ColwiseParallel):
 
     def _partition_linear_fn(self, name, module, device_mesh):
         packing = Packing(0, self.sizes, device_mesh.size())
-        names = [n for n, p in module._parameters.items() if p is not None]
+        names = [n for n, p in own_parameters(module).items() if p is not None]
         for pname in names:
             _distribute(module, pname, device_mesh, 0, packing, self.src_data_rank)
         setattr(module, ATTR, {pname: packing for pname in names})
@@ -128,13 +129,10 @@ def _summed_grad(x: Any, mesh: DeviceMesh) -> Any:
 def _experts_forward(module: nn.Module, forward, mesh: DeviceMesh, *args, **kwargs):
     args = tuple(_summed_grad(a, mesh) for a in args)
     kwargs = {k: _summed_grad(v, mesh) for k, v in kwargs.items()}
-    held = {n: module._parameters[n] for n in EXPERT_PARAMS}
-    try:  # the experts' own code (eager, batched_mm, grouped_mm) on this rank's slices
-        for n, p in held.items():
-            module._parameters[n] = p.to_local() if isinstance(p, DTensor) else p
-        out = forward(*args, **kwargs)
-    finally:
-        module._parameters.update(held)
+    held = own_parameters(module)
+    local = {n: held[n].to_local() if isinstance(held[n], DTensor) else held[n] for n in EXPERT_PARAMS}
+    with swapped(module, parameters=local):  # the experts' own code on this rank's slices
+        out = forward(*args, **kwargs)  # (eager, batched_mm, grouped_mm)
     partial = DTensor.from_local(out, mesh, [Partial()], run_check=False)
     return partial.redistribute(placements=[Replicate()]).to_local()
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ..._torch.modules import own_parameters, set_parameters
+
 __all__ = ["tied_groups", "retie", "check_tied_across_stages"]
 
 Owner = tuple[str, str]  # (module path, parameter attribute)
@@ -22,7 +24,7 @@ def tied_groups(model: nn.Module) -> list[list[Owner]]:
     """Every parameter held by more than one module: its owners, in module order."""
     owners: dict[int, list[Owner]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
+        for name, p in own_parameters(module).items():
             if p is not None and (path, name) not in owners.get(id(p), []):
                 owners.setdefault(id(p), []).append((path, name))
     return [group for group in owners.values() if len(group) > 1]
@@ -31,9 +33,9 @@ def tied_groups(model: nn.Module) -> list[list[Owner]]:
 def retie(model: nn.Module, groups: list[list[Owner]]) -> None:
     """Give every owner in each group the first owner's (possibly new) parameter."""
     for (path, name), *others in groups:
-        param = model.get_submodule(path)._parameters[name]
+        param = own_parameters(model.get_submodule(path))[name]
         for other, attr in others:
-            model.get_submodule(other)._parameters[attr] = param
+            set_parameters(model.get_submodule(other), {attr: param})
 
 
 def check_tied_across_stages(split, model: nn.Module, loc, errs) -> None:

@@ -1,0 +1,149 @@
+"""``python tests/hooked.py ARGS``: ``python -m tpplan ARGS`` with test hooks installed, each
+switched on by one environment variable (off when it is unset).
+
+They make real failures happen at a chosen moment -- a worker killed by SIGKILL, every rank
+dying between a checkpoint's shards and its completion, a step slow enough to be
+interrupted -- record what a run did (each batch's digest), or do the wrong thing on purpose
+(experts sharded without dispatch, which ``tpplan verify`` must catch), so tests can assert
+what a user sees. Nothing is simulated: the kill is a real ``SIGKILL`` of the real process.
+
+Each hook replaces a public product function in the process it runs in: the training loop's
+seams (:mod:`tpplan.train.hooks`), the checkpoint's hashing of its shards (called once the
+shards are written, before the checkpoint is completed), ``expert_parallel``'s
+``routed_forward``. They reach every process of a run: the workers ``--nproc`` starts run
+this script too (:data:`tpplan.commands.train.WORKER_COMMAND`), and the ranks ``tpplan
+verify`` spawns install them before they start (:class:`InRanks`). ``helpers.tpplan_command``
+runs tpplan through here when a test's environment sets one of :data:`HOOKS`; a test in
+this process calls :func:`install` with ``monkeypatch.setattr``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+KILL_AT = "TPPLAN_TEST_KILL_AT"  # "RANK:STEP": SIGKILL that rank after that step, once
+SLOW_STEP = "TPPLAN_TEST_STEP_SLEEP_S"  # seconds every step sleeps at its end
+RECORD_BATCHES = "TPPLAN_TEST_RECORD_BATCHES"  # "1": <run_dir>/batches/rank<R>.jsonl, a digest per step
+DIE_DURING_SAVE = "TPPLAN_TEST_DIE_DURING_SAVE"  # "STEP": every rank exits 17 in that step's save
+NO_DISPATCH = "TPPLAN_TEST_EP_NO_DISPATCH"  # "1": each rank runs only its own experts' tokens
+HOOKS = (KILL_AT, SLOW_STEP, RECORD_BATCHES, DIE_DURING_SAVE, NO_DISPATCH)
+HERE = Path(__file__).resolve()
+
+
+def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Install in this process every hook ``env`` switches on, and make the processes it
+    starts install them too; ``put`` sets an attribute (``monkeypatch.setattr`` undoes it)."""
+    on = {name: env[name] for name in HOOKS if env.get(name)}
+    if not on:
+        return
+    if KILL_AT in on or SLOW_STEP in on or RECORD_BATCHES in on:
+        from tpplan.train import hooks
+
+        if KILL_AT in on or SLOW_STEP in on:
+            put(hooks, "after_step", _after_step(on, hooks.after_step))
+        if RECORD_BATCHES in on:
+            put(hooks, "batch_recorder", _record_batches)
+    if DIE_DURING_SAVE in on:
+        from tpplan.checkpoint import sharded
+
+        put(sharded, "hash_files", _die_in_save(int(on[DIE_DURING_SAVE]), sharded.hash_files))
+    if NO_DISPATCH in on:
+        from tpplan.analysis.verify import numerics
+        from tpplan.parallel.experts import style
+
+        put(style, "routed_forward", _without_dispatch)
+        put(numerics, "spawn", _spawning(numerics.spawn, on))
+    from tpplan.commands import train
+
+    put(train, "WORKER_COMMAND", [str(HERE)])
+
+
+class InRanks:
+    """A spawned rank's function with ``hooks`` (name -> value) installed first; picklable,
+    so the ranks find it by this module's name."""
+
+    def __init__(self, fn: Callable, hooks: dict[str, str]) -> None:
+        self.fn, self.hooks = fn, hooks
+
+    def __call__(self, *args: Any) -> Any:
+        install(self.hooks)
+        return self.fn(*args)
+
+
+def _spawning(spawn: Callable, hooks: dict[str, str]) -> Callable:
+    def spawn_hooked(fn: Callable, world_size: int, *args: Any) -> None:
+        return spawn(InRanks(fn, hooks), world_size, *args)
+    return spawn_hooked
+
+
+def _after_step(on: dict[str, str], then: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    def after_step(rank: int, step: int) -> None:
+        then(rank, step)
+        if SLOW_STEP in on:
+            time.sleep(float(on[SLOW_STEP]))
+        # Only in the first round of a launch: the restarted workers must run on.
+        if on.get(KILL_AT) == f"{rank}:{step}" and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+    return after_step
+
+
+def _record_batches(run_dir: Path, rank: int, dp_rank: int, tp_rank: int) -> Callable:
+    folder = run_dir / "batches"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{rank}.jsonl"
+
+    def record(step: int, batch) -> None:  # noqa: ANN001 - the step's tokens
+        digest = hashlib.sha256(batch.numpy().tobytes()).hexdigest()[:16]
+        with open(path, "a") as out:
+            out.write(json.dumps({"step": step, "dp_rank": dp_rank, "tp_rank": tp_rank,
+                                  "digest": digest}) + "\n")
+    return record
+
+
+def _die_in_save(step: int, hash_files: Callable) -> Callable:
+    """The shards' hashing, which exits at once (17) in the save of ``step``: a kill after
+    DCP wrote the shards, before the checkpoint is complete."""
+    def hash_or_die(folder: Path, names: list[str]) -> dict:
+        if Path(folder).name == f"step-{step:06d}.tmp":
+            os._exit(17)
+        return hash_files(folder, names)
+    return hash_or_die
+
+
+def _without_dispatch(module, forward, mesh, num_experts: int, hidden_states, top_k_index,  # noqa: ANN001
+                      top_k_weights, *args, **kwargs):
+    """The wrong thing on purpose: each rank runs only the tokens its own experts were
+    chosen for, and the remote experts' tokens are dropped."""
+    import torch
+
+    from tpplan.parallel.experts.forms import using_local_experts
+    from tpplan.parallel.experts.style import dispatch_counts
+
+    dispatch_counts(top_k_index, num_experts)  # ids checked as the dispatch checks them
+    local = num_experts // mesh.size()
+    first = mesh.get_local_rank() * local
+    mine = (top_k_index >= first) & (top_k_index < first + local)
+    ids = torch.where(mine, top_k_index - first, local)  # local: transformers' "no expert"
+    with using_local_experts(module, list(module._tpplan_ep_params), 1):
+        try:
+            module.num_experts = local
+            return forward(hidden_states, ids, top_k_weights * mine)
+        finally:
+            module.num_experts = num_experts
+
+
+if __name__ == "__main__":
+    import hooked  # this file by its module name: what InRanks pickles is found by that name
+
+    hooked.install(os.environ)
+    from tpplan.cli import main
+
+    sys.exit(main())

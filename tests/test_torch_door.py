@@ -1,0 +1,228 @@
+"""Every entry of the door to PyTorch's internals (``tpplan._torch``) still finds, on the
+installed torch (and transformers), the private names it relies on, with the signature it
+calls them with. Cheap: attribute lookups and signatures, no process group, no model.
+
+A torch that moves or renames one of them fails here, by name, instead of in the middle of
+a dry run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+import tpplan._torch as door
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _has(obj, *names: str) -> None:
+    missing = [n for n in names if not hasattr(obj, n)]
+    assert not missing, f"{obj!r} has no {missing} on torch {torch.__version__}"
+
+
+def _dispatch():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _has(TorchDispatchMode, "_should_skip_dynamo")
+    add = torch.ops.aten.add.Tensor
+    _has(add, "_overloadpacket", "_schema")
+    _has(torch._C, "_DisableTorchDispatch", "DisableTorchFunction", "_len_torch_dispatch_stack")
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def _fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tpplan._torch.fake import fast_key_overridable
+
+    assert fast_key_overridable(), "FakeTensorMode._prep_args_for_hash changed its arguments"
+    assert "__torch_dispatch__" in FakeTensorMode.__dict__
+    with FakeTensorMode():
+        t = torch.empty(2, 3)
+    assert t._has_symbolic_sizes_strides is False
+
+
+def _collectives():
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    assert _params(funcol.all_to_all_single_autograd)[:4] == [
+        "self", "output_split_sizes", "input_split_sizes", "group"]
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd  # 2.11
+    assert _params(gather)[:3] == ["self", "gather_dim", "group"]
+    assert _params(funcol.all_gather_tensor)[:3] == ["self", "gather_dim", "group"]
+    assert (_resolve_process_group.__doc__ or "").startswith("_resolve_process_group(group_name: str)")  # C++
+
+
+def _fsdp():
+    from tpplan._torch.fsdp import fsdp_internals
+
+    param, group = fsdp_internals("_fsdp_param"), fsdp_internals("_fsdp_param_group")
+    _has(param, "_chunk_with_empty", "FSDPParam")
+    _has(group, "record_function")
+    assert _params(param._chunk_with_empty) == ["tensor", "num_chunks", "dim"]
+    annotations = inspect.get_annotations(param.FSDPParam)
+    assert {"_sharded_param_data", "_orig_size"} <= set(annotations) | set(dir(param.FSDPParam))
+    from torch.distributed.fsdp import FSDPModule
+
+    _has(FSDPModule, "_get_fsdp_state")
+
+
+def _mesh():
+    from torch.distributed import device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _has(device_mesh, "new_group")
+    assert _params(DeviceMesh._flatten)[:2] == ["self", "mesh_dim_name"]
+    assert _params(DeviceMesh._unflatten)[:4] == ["self", "dim", "mesh_sizes", "mesh_dim_names"]
+    assert isinstance(inspect.getattr_static(DeviceMesh, "_concatenate"), staticmethod)
+
+
+def _dtensor():
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _has(torch._C, "_clear_DTensor_sharding_propagator_cache")
+    _has(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding, "cache_clear")
+    _has(_redistribute._gen_transform_infos, "cache_clear")
+    assert _params(compute_local_shape_and_global_offset)[:3] == ["global_shape", "mesh", "placements"]
+    # 2.13 on: the lock; 2.11: the method sharding_propagation_marked wraps instead
+    assert hasattr(ShardingPropagator, "_fake_mode_lock") or \
+        _params(ShardingPropagator._propagate_tensor_meta_non_cached) == ["self", "op_schema"]
+
+
+def _storage():
+    _has(torch.UntypedStorage, "resize_")
+    assert isinstance(torch.empty(1).untyped_storage()._cdata, int)
+
+
+def _autograd():
+    assert torch._C._current_graph_task_id() == -1
+    assert torch._C._current_autograd_node() is None
+    y = torch.ones(1, requires_grad=True) * 2
+    assert isinstance(y.grad_fn._sequence_nr(), int)
+
+
+def _attention():
+    from tpplan._torch.attention import cpu_flash_ops
+
+    forward, backward = cpu_flash_ops()
+    assert [a.name for a in forward._schema.arguments][:5] == [
+        "query", "key", "value", "dropout_p", "is_causal"]
+    assert [a.name for a in backward._schema.arguments][:8] == [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"]
+    _has(torch.nn.functional, "scaled_dot_product_attention")
+
+
+def _nn():
+    _has(torch.nn.Module, "register_parameter")
+    assert _params(torch.nn.Module.register_parameter)[:3] == ["self", "name", "param"]
+    assert torch.nn.BatchNorm1d(2)._non_persistent_buffers_set == set()
+
+
+def _optim():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    assert _params(opt._init_group) == ["group", "params_with_grad", "grads", "exp_avgs",
+                                        "exp_avg_sqs", "max_exp_avg_sqs", "state_steps"]
+
+
+def _cuda():
+    _has(torch.cuda.memory, "_record_memory_history", "_dump_snapshot")
+    assert {"enabled", "max_entries"} <= set(_params(torch.cuda.memory._record_memory_history))
+
+
+def _launch():
+    from torch.distributed.run import get_args_parser
+
+    _has(get_args_parser(), "_actions")  # shutdown_timeout_args reads its option strings
+
+
+def _pipelining():
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    from tpplan._torch.pipelining import schedule_table
+
+    assert [t.value for t in schedules._ComputationType][:2] == ["F", "I"]
+    assert _params(generate_stage_to_rank_mapping)[:3] == ["pp_size", "num_stages", "style"]
+    table = schedule_table("ScheduleInterleaved1F1B", 2, 2, 4, False)
+    assert sorted(table) == [0, 1] and all(table.values())
+
+
+def _comm_mode():
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker, c10d_collective_ops
+
+    _has(_CommModeModuleTracker, "_fw_pre_hook", "_fw_set_module_hook", "_bw_hook", "_get_mod_name")
+    tracker = _CommModeModuleTracker()
+    _has(tracker, "register_forward_hook_handles")
+    assert c10d_collective_ops
+
+
+def _checkpoint():
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert _params(FileSystemReader._get_metadata_path) == ["self", "rank"]
+
+
+def _ops():
+    from tpplan._torch.ops import reduce_scatter_base
+
+    import torch.distributed  # noqa: F401  (registers c10d ops)
+
+    assert reduce_scatter_base() is not None
+
+
+def _transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.integrations import moe
+
+    _has(transformers.AutoModelForCausalLM, "_model_mapping")
+    _has(PreTrainedModel, "_from_config", "_can_set_experts_implementation")
+    assert "config" in _params(PreTrainedModel._from_config)
+    assert hasattr(PretrainedConfig(), "_attn_implementation")
+    _has(moe, "_can_use_grouped_mm", "grouped_mm_experts_forward")
+    import transformers.masking_utils as masking
+
+    _has(masking, "is_tracing", "find_packed_sequence_indices")
+
+
+# door module -> the check of the names its entries rely on
+ENTRIES = {
+    "attention": _attention, "autograd": _autograd, "checkpoint": _checkpoint,
+    "collectives": _collectives, "comm_mode": _comm_mode, "cuda": _cuda, "dispatch": _dispatch,
+    "dtensor": _dtensor, "fake": _fake, "fsdp": _fsdp, "launch": _launch, "mesh": _mesh,
+    "nn": _nn, "ops": _ops, "optim": _optim, "pipelining": _pipelining, "storage": _storage,
+    "transformers": _transformers,
+}
+
+
+@pytest.mark.parametrize("module", sorted(ENTRIES))
+def test_the_names_a_door_entry_relies_on_exist(module):
+    importlib.import_module(f"tpplan._torch.{module}")
+    ENTRIES[module]()
+
+
+def test_every_door_module_has_its_check():
+    modules = {m.name for m in pkgutil.iter_modules(door.__path__)}
+    # modules.py (the parameter/child swap) has its own tests in test_module_swap.py
+    unchecked = modules - set(ENTRIES) - {"modules"}
+    assert not unchecked, f"door modules without a check here: {sorted(unchecked)}"
+
+
+def test_the_names_used_outside_the_door_exist():
+    """The two names tests/test_architecture.py lets the tensor-parallel styles use
+    (``OUTSIDE_THE_DOOR``): ParallelStyle's contract and ColwiseParallel's partition hook."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+    assert "_apply" in ParallelStyle.__abstractmethods__
+    assert _params(ParallelStyle._apply) == ["self", "module", "device_mesh"]
+    assert _params(ColwiseParallel._partition_linear_fn) == ["self", "name", "module", "device_mesh"]
