@@ -8,10 +8,19 @@
 #   3. --profile on CUDA: a trace per rank, the collective table, the memory snapshot;
 #   4. the 1b Llama shape on every GPU: measured MFU and peak memory against
 #      `tpplan validate --device` of the same plan, the peak within the dry run's tolerance;
-#   5. the figures appended to docs/benchmarks.md with the GPU's name.
+#   5. the MFU rows (scripts/gpu_rows.py; each: MFU, the dry run's step time within ±25% and
+#      its peak within 5% of max_memory_allocated): the 1b compiled (target MFU >= 35%), an
+#      8B-shaped model cut to 8 blocks to fit one GPU (>= 40%), and float8 against bf16 on it
+#      over 50 steps (faster, loss curve within 1%; skipped, saying why, without torchao or
+#      below compute capability 8.9). A missed target is reported and fails the script at
+#      the end, after every row is in the table;
+#   6. the figures appended to docs/benchmarks.md with the GPU's name.
+#
+# Budget: about 8 minutes on one H200 (--steps 10).
 #
 # It fails loudly: the first check that does not hold stops it with "gpu_check: FAILED: why"
-# and exit code 1; nothing is skipped. Without an NVIDIA GPU it refuses to start (exit 2).
+# and exit code 1; nothing is skipped but the float8 row where it cannot run (it says why).
+# Without an NVIDIA GPU it refuses to start (exit 2).
 #
 #   scripts/gpu_check.sh [--steps N] [--out DIR] [--python PY] [--benchmarks FILE] [--no-append]
 set -euo pipefail
@@ -23,7 +32,7 @@ BENCH=docs/benchmarks.md
 APPEND=1
 
 usage() {
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 while [[ $# -gt 0 ]]; do
@@ -107,16 +116,18 @@ print(f"ok: {what}: step 1 loss {la:.6f} vs {lb:.6f} (fp32 eager)")
 PYEOF
 }
 COMMON=(--set "train.steps=$STEPS" --set checkpoint.enabled=false --set metrics.log_interval=5 --overwrite)
+# compile is the default on CUDA (a plan that leaves `compile` out): the reference runs are eager
+EAGER=(--set compile.enabled=false)
 
 # ---- 1. the Quickstart on CUDA + NCCL ---------------------------------------------------------
 step "Quickstart, one process on cuda"
-"$PY" -m tpplan train --plan plans/llama.yaml --device cuda --set mesh.tp=1 \
+"$PY" -m tpplan train --plan plans/llama.yaml --device cuda --set mesh.tp=1 "${EAGER[@]}" \
     --set "metrics.run_dir=$OUT/world1" "${COMMON[@]}" || fail "tpplan train on one GPU exited $?"
 check_run "$OUT/world1" 1
 
 step "Quickstart under torchrun on all $NGPU GPU(s), tp $TP (NCCL)"
 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" -m tpplan train \
-    --plan plans/llama.yaml --set "mesh.tp=$TP" --set "metrics.run_dir=$OUT/all" "${COMMON[@]}" \
+    --plan plans/llama.yaml --set "mesh.tp=$TP" "${EAGER[@]}" --set "metrics.run_dir=$OUT/all" "${COMMON[@]}" \
     || fail "torchrun on $NGPU GPUs exited $?"
 check_run "$OUT/all" "$NGPU"
 same_first_loss "$OUT/all" "$OUT/world1" 1e-3 "all GPUs against one"
@@ -124,7 +135,7 @@ same_first_loss "$OUT/all" "$OUT/world1" 1e-3 "all GPUs against one"
 # ---- 2. bf16 and torch.compile through tpplan train -------------------------------------------
 step "bf16 mixed precision (FSDP2 param_dtype bfloat16, reduce float32) on all GPUs"
 "$PY" -m tpplan train --plan plans/llama.yaml --nproc "$NGPU" --set "mesh.tp=$TP" \
-    --set "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}" \
+    --set "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}" "${EAGER[@]}" \
     --set "metrics.run_dir=$OUT/bf16" "${COMMON[@]}" || fail "bf16 run exited $?"
 check_run "$OUT/bf16" "$NGPU"
 same_first_loss "$OUT/bf16" "$OUT/all" 2e-2 "bf16"
@@ -177,7 +188,7 @@ grep -q "tp n / ms\|dp_shard n / ms" "$OUT/profile.log" || [[ "$NGPU" == 1 ]] ||
 
 # ---- 4. the 1b shape: MFU and peak memory against the dry run ---------------------------------
 ONEB=(--set model.config=1b --set train.seq_len=2048 --set "train.global_batch_size=$((4 * NGPU))"
-      --set train.micro_batch_size=1 --set mesh.tp=1
+      --set train.micro_batch_size=1 --set mesh.tp=1 --set compile.enabled=false
       --set "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}")
 step "1b Llama on all $NGPU GPU(s): seq 2048, 4 sequences per GPU per step, bf16, FSDP2"
 "$PY" -m tpplan validate --plan plans/llama.yaml --world-size "$NGPU" "${ONEB[@]}" \
@@ -209,7 +220,58 @@ PYEOF
 ROW=$(cat "$OUT/1b-row.md")
 echo "$ROW"
 
-# ---- 5. the figures into docs/benchmarks.md ---------------------------------------------------
+# ---- 5. MFU rows: compiled 1b, the 8B-shaped model, float8 against bf16 ------------------------
+MISSED=()
+mfu_row() {  # mfu_row NAME STEPS [gpu_rows options] -- [tpplan --set options]
+    local name=$1 steps=$2; shift 2
+    local opts=(); while [[ $1 != -- ]]; do opts+=("$1"); shift; done; shift
+    local dir="$OUT/row-${name// /-}"
+    step "MFU row: $name ($steps steps)"
+    "$PY" -m tpplan validate --plan plans/llama.yaml --world-size "$NGPU" "$@" \
+        ${PRESET:+--device "$PRESET"} --json > "$dir.validate.json" || fail "validate of $name exited $?"
+    "$PY" -m tpplan train --plan plans/llama.yaml --nproc "$NGPU" "$@" --set "train.steps=$steps" \
+        --set train.warmup_steps=2 --set checkpoint.enabled=false --set metrics.log_interval=1 \
+        --set "metrics.run_dir=$dir" --overwrite || fail "$name run exited $?"
+    if ! "$PY" scripts/gpu_rows.py "$name" "$dir" "$dir.validate.json" "${opts[@]}" >> "$OUT/rows.md"; then
+        MISSED+=("$name")
+    fi
+    tail -1 "$OUT/rows.md"
+}
+BF16=(--set "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}" --set mesh.tp=1
+      --set train.micro_batch_size=1)
+: > "$OUT/rows.md"
+# the 1b eager run of section 4, as a row of its own
+"$PY" scripts/gpu_rows.py "1b eager" "$OUT/1b" "$OUT/1b-validate.json" >> "$OUT/rows.md" || MISSED+=("1b eager")
+mfu_row "1b compiled" 12 --min-mfu 0.35 -- "${ONEB[@]}" --set compile.enabled=true
+# Llama 3 8B's widths (4096, SwiGLU 14336, 32 heads, 8 kv, vocabulary 128,256), 8 of its 32 blocks
+EIGHTB=("${BF16[@]}" --set model.config=8b --set model.kwargs.n_layers=8 --set train.seq_len=4096
+        --set "train.global_batch_size=$((4 * NGPU))" --set compile.enabled=true)
+mfu_row "8b-shaped bf16" 50 --min-mfu 0.40 -- "${EIGHTB[@]}"
+F8_WHY=$("$PY" - <<'PYEOF'
+import importlib.util, torch
+cap = torch.cuda.get_device_capability()
+if cap < (8, 9):
+    print(f"compute capability {cap[0]}.{cap[1]} has no float8 tensor cores (8.9+: Ada, Hopper)")
+elif importlib.util.find_spec("torchao") is None:
+    print("torchao is not installed here (pip install 'tpplan[gpu]')")
+PYEOF
+)
+if [[ -n "$F8_WHY" ]]; then
+    echo "gpu_check: SKIPPED the float8 row: $F8_WHY"
+    echo "| $(date +%F) | 8b-shaped float8 | skipped: $F8_WHY |" >> "$OUT/rows.md"
+else
+    mfu_row "8b-shaped float8" 50 --loss-of "$OUT/row-8b-shaped-bf16" --loss-within 0.01 -- "${EIGHTB[@]}" \
+        --set "float8={linears: ['layers.*.attention.{wq,wk,wv,wo}', 'layers.*.feed_forward.{w1,w2,w3}'], scaling: rowwise}"
+    "$PY" - "$OUT" <<'PYEOF' || MISSED+=("float8 speed")
+import json, statistics, sys
+med = lambda d: statistics.median(json.loads(l)["step_time_s"] for l in list(open(f"{sys.argv[1]}/{d}/metrics.jsonl"))[2:])
+b, f = med("row-8b-shaped-bf16"), med("row-8b-shaped-float8")
+print(f"float8 step {f:.3f} s vs bf16 {b:.3f} s: x{b / f:.2f}")
+assert f < b, "float8 is not faster than bf16"
+PYEOF
+fi
+
+# ---- 6. the figures into docs/benchmarks.md ---------------------------------------------------
 if (( APPEND )); then
     step "appending to $BENCH"
     if ! grep -q "^## GPU check (scripts/gpu_check.sh)" "$BENCH"; then
@@ -227,6 +289,23 @@ memory: `torch.cuda.max_memory_allocated` against the dry run's peak per rank.
 MDEOF
     fi
     echo "$ROW" >> "$BENCH"
+    if ! grep -q "^## MFU rows (scripts/gpu_check.sh)" "$BENCH"; then
+        cat >> "$BENCH" <<'MDEOF'
+
+## MFU rows (scripts/gpu_check.sh)
+
+Each row: `tpplan train` against `tpplan validate --device` of the same plan (scripts/gpu_rows.py);
+medians over the steps after the second; peak: `max_memory_allocated` against the dry run's.
+
+| date | row | tokens/s per GPU | MFU measured | MFU estimated | step measured | step estimated | measured / estimated | peak measured | peak dry run | ratio |
+| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+MDEOF
+    fi
+    echo "<!-- $NGPU × $GPU, torch $TORCH -->" >> "$BENCH"
+    cat "$OUT/rows.md" >> "$BENCH"
+fi
+if (( ${#MISSED[@]} )); then
+    fail "targets missed on: ${MISSED[*]} (the rows are in $OUT/rows.md)"
 fi
 echo
 echo "gpu_check: all checks passed on $NGPU × $GPU"

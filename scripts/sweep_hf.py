@@ -8,6 +8,9 @@ For each family a tiny configuration of the architecture (no download) is writte
 - ``suggest``: ``tpplan suggest`` with ``--sequence-parallel off`` -> validate -> verify;
 - ``suggest+sp``: ``--sequence-parallel blocks``.
 
+``--modes import+cp,import+cp-ulysses`` runs import-hf's plan at tp 2 × cp 2 with ring or
+Ulysses (docs/long-context.md).
+
 For mixtures of experts (docs/moe.md), ``--modes import+ep,import+ep+sp,import+ep4+sp,suggest+ep``
 runs ``import-hf --tp 1 --ep 4``, ``import-hf --sequence-parallel --ep 2`` (and ``--ep 4``:
 tp 2 × dp_shard 2 with ep 4 borrowing tp's ranks, where the MoE blocks run on the sequence
@@ -48,6 +51,11 @@ EP_ARGS = {"import+ep": ["--tp", "1", "--ep", "4"],
            "import+ep+sp": ["--sequence-parallel", "--ep", "2"],
            "import+ep4+sp": ["--sequence-parallel", "--ep", "4"],
            "suggest+ep": ["--ep", "2", "--sequence-parallel", "blocks"]}
+# Context parallelism (docs/long-context.md): import-hf's plan at tp 2 × cp 2, ring or Ulysses
+# (Ulysses needs KV heads that tp and cp divide: refused, located, for the 2-KV-head configs)
+CP_MODES = ("import+cp", "import+cp-ulysses")
+CP_SETS = {"import+cp": ["mesh.cp=2", "context_parallel=ring"],
+           "import+cp-ulysses": ["mesh.cp=2", "context_parallel=ulysses"]}
 TOLERANCE = 1e-4
 
 
@@ -196,7 +204,7 @@ def validate(cell: Cell, world: int) -> None:
     from tpplan.analysis.dryrun import dry_run
 
     try:
-        result = dry_run(str(cell.plan), world, [], ANALYSES)
+        result = dry_run(str(cell.plan), world, CP_SETS.get(cell.mode, []), ANALYSES)
     except Exception:  # noqa: BLE001
         cell.status, cell.detail = "TRACEBACK", traceback.format_exc().strip().splitlines()[-1]
         return
@@ -250,7 +258,8 @@ def _run(names: list[str], modes: list[str], out: Path, world: int, log) -> list
                 validate(cell, world)
             if cell.status == "ok":
                 try:
-                    step = verify_step(str(cell.plan), world, shrink=name not in VARIANTS)
+                    step = verify_step(str(cell.plan), world, CP_SETS.get(cell.mode, []),
+                                       shrink=name not in VARIANTS)
                     size = _params(step.plan)
                     if size > MAX_PARAMS:
                         raise TooBig(f"verify: the shrunk model still has {size:,} parameters "

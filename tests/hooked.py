@@ -33,7 +33,8 @@ SLOW_STEP = "TPPLAN_TEST_STEP_SLEEP_S"  # seconds every step sleeps at its end
 RECORD_BATCHES = "TPPLAN_TEST_RECORD_BATCHES"  # "1": <run_dir>/batches/rank<R>.jsonl, a digest per step
 DIE_DURING_SAVE = "TPPLAN_TEST_DIE_DURING_SAVE"  # "STEP": every rank exits 17 in that step's save
 NO_DISPATCH = "TPPLAN_TEST_EP_NO_DISPATCH"  # "1": each rank runs only its own experts' tokens
-HOOKS = (KILL_AT, SLOW_STEP, RECORD_BATCHES, DIE_DURING_SAVE, NO_DISPATCH)
+KILL_PREPARE = "TPPLAN_TEST_KILL_PREPARE_AFTER"  # "N": SIGKILL `data prepare` after its N-th shard
+HOOKS = (KILL_AT, SLOW_STEP, RECORD_BATCHES, DIE_DURING_SAVE, NO_DISPATCH, KILL_PREPARE)
 HERE = Path(__file__).resolve()
 
 
@@ -60,6 +61,10 @@ def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setat
 
         put(style, "routed_forward", _without_dispatch)
         put(numerics, "spawn", _spawning(numerics.spawn, on))
+    if KILL_PREPARE in on:
+        from tpplan.data import prepare
+
+        put(prepare, "write_shard", _kill_after_shards(int(on[KILL_PREPARE]), prepare.write_shard))
     from tpplan.commands import train
 
     put(train, "WORKER_COMMAND", [str(HERE)])
@@ -106,6 +111,21 @@ def _record_batches(run_dir: Path, rank: int, dp_rank: int, tp_rank: int) -> Cal
             out.write(json.dumps({"step": step, "dp_rank": dp_rank, "tp_rank": tp_rank,
                                   "digest": digest}) + "\n")
     return record
+
+
+def _kill_after_shards(n: int, write_shard: Callable) -> Callable:
+    """``data prepare``'s shard writer, which SIGKILLs its process once ``n`` shards are
+    whole: a prepare killed half-way (run it with ``--workers 1``: the shards are written in
+    this process)."""
+    done = []
+
+    def write_then_die(*args: Any, **kwargs: Any) -> dict:
+        meta = write_shard(*args, **kwargs)
+        done.append(meta)
+        if len(done) >= n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return meta
+    return write_then_die
 
 
 def _die_in_save(step: int, hash_files: Callable) -> Callable:

@@ -140,7 +140,7 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
     try:
         model = plan.apply(build_model(plan.model, "meta", real_buffers=True), mesh)
         materialize(model, "cpu")
-        init_weights(model, 0, "cpu")
+        init_weights(model, 0, "cpu", plan.model)
         t = plan.train
         optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps,
                                       weight_decay=t.weight_decay)

@@ -1,6 +1,6 @@
 """The layout keeps the architecture of docs/architecture.md: imports only point down.
 
-plan -> models | parallel | checkpoint -> api -> analysis | train | byom -> commands -> cli
+plan -> models | parallel | checkpoint -> api | data -> analysis | train | byom -> commands -> cli
 -> __main__.
 Layers on one level do not import each other. Read from every module's AST, so a lazy
 import inside a function counts as much as one at the top.
@@ -17,8 +17,8 @@ PACKAGE = ROOT / "tpplan"
 # layer -> level; a module may import its own layer and any layer of a lower level.
 LEVELS = {
     "plan": 0, "exports": 0, "_torch": 0,
-    "models": 1, "parallel": 1, "checkpoint": 1,
-    "api": 2,
+    "models": 1, "parallel": 1, "checkpoint": 1, "ft": 1,
+    "api": 2, "data": 2,
     "analysis": 3, "train": 3, "byom": 3,
     "commands": 4,
     "cli": 5,
@@ -274,6 +274,34 @@ def test_the_init_check_sees_logic():
 def test_package_inits_only_re_export():
     wrong = [v for source, name, package in _sources() if name == package for v in init_logic(source, name)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_git_ignores_no_file_of_the_project():
+    """A pattern in .gitignore once matched a package (``runs/`` hid tpplan/analysis/runs/'s
+    ``__init__``): a fresh clone then lacks the file and nothing local says so."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return  # a source tree without git (an sdist) ignores nothing
+    listed = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--",
+                             "tpplan", "tests", "scripts", "plans", "docs"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split()
+    ignored = [p for p in listed if "__pycache__" not in p and not p.endswith(".pyc")]
+    assert not ignored, f"git ignores these files of the project: {ignored}"
+
+
+def test_a_rank_does_not_import_the_compiler_until_it_compiles():
+    """torch._dynamo takes about a second to import, paid by every rank of every launch; a
+    module-level ``@torch.compiler.disable`` in the Llama's import chain once did it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tpplan.commands.train, tpplan.train.loop, tpplan.parallel.apply, "
+            "tpplan.analysis.dryrun; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.strip()
+    assert out == "False"
 
 
 # The door to PyTorch's internals (tpplan/_torch/, see its __init__): outside it no module

@@ -130,9 +130,9 @@ def test_context_parallel_mistakes_are_located_errors(root, monkeypatch, write_p
                     "train.global_batch_size=4"], world=8) == ""  # pp × cp composes
     out = _errors(["mesh.cp=2"], plan="tests/plans/minigpt.yaml")
     assert "context parallelism cannot wrap" in out and "attend(q, k, v, positions)" in out
-    out = _errors(["model.config={use_sliding_window: true, sliding_window: 8, max_window_layers: 0}"],
-                  plan=QWEN3)
-    assert "does not support Qwen3ForCausalLM's sliding-window attention" in out
+    # sliding windows are cp's now (tests/test_cp_local_attention.py): no refusal
+    assert _errors(["model.config={use_sliding_window: true, sliding_window: 8, max_window_layers: 0}"],
+                   plan=QWEN3) == ""
 
 
 def test_validate_reads_a_cp_plan(root, monkeypatch, capsys):

@@ -72,3 +72,48 @@ def test_fit_proposes_expert_parallelism_and_checkpoints_the_hf_blocks(tmp_path)
     ac = changes["activation checkpointing of every block"]
     assert ac["set"] == ['activation_checkpointing={mode: full, blocks: "model.layers.*"}']
     assert ac["error"] is None and ac["peak"] < f["peak"], ac
+
+
+# A user's MoE written the ordinary way (tests/user_moe.py: grouped experts set in __init__,
+# a sigmoid top-3 router, a shared MLP, torch.where inside the experts' loop)
+USER_MOE = """mesh: {{ep: {ep}, dp_shard: -1}}
+model: {{factory: 'user_moe:user_moe_gpt', kwargs: {{num_experts: 8, top_k: 3}}}}
+tensor_parallel:
+  "layers.*.mlp.experts": expert_parallel
+fsdp: {{units: ["layers.*"]}}
+train: {{seq_len: 32, global_batch_size: {batch}}}
+"""
+
+
+def test_validate_sizes_a_user_moe_with_data_dependent_experts(tmp_path, capsys):
+    """``validate`` at 64 ranks of experts that pick their rows with ``torch.where``: memory
+    per rank and the experts' all-to-all are computed (the ``nonzero`` given its balanced
+    size), and the report says so."""
+    from helpers import run_main
+
+    plan = tmp_path / "user-moe.yaml"
+    plan.write_text(USER_MOE.format(ep=8, batch=128))
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "64", "--strict")
+    assert rc == 0 and "could not be computed" not in out, out
+    assert "peak" in out and "experts' all-to-all: 10 per step" in out
+    assert "GroupedExperts: its data-dependent operators (nonzero) sized under balanced routing" in out
+
+
+def test_user_moe_dry_run_peak_is_a_real_step(tmp_path):
+    """The dry run's memory of the same user MoE at ep 4 on 4 ranks against one real step of
+    it on gloo (tests/memory_measure.py), within the 10% the other plans are held to: real
+    routing is not balanced, and the peak holds all the same."""
+    from memory_measure import compare, measure_worker
+
+    from tpplan.parallel.runtime import spawn
+
+    plan = tmp_path / "user-moe.yaml"
+    plan.write_text(USER_MOE.format(ep=4, batch=8))
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    predicted = dry_run(str(plan), 4, [], memory)
+    assert predicted.ok, (predicted.errors, predicted.analysis_errors)
+    spawn(measure_worker, 4, str(plan), [], str(tmp_path))
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    rows = {r["part"]: r for r in compare(predicted.extra["memory_per_rank"], measured)}
+    assert abs(rows["peak"]["ratio"] - 1) <= 0.10, rows["peak"]
+    assert abs(rows["parameters"]["ratio"] - 1) <= 0.10, rows["parameters"]

@@ -56,6 +56,15 @@ def test_families_import_suggest_validate_and_verify(tmp_path):
             (tmp_path / "deepseek_v2" / f"{mode}.yaml").read_text()
 
 
+def test_families_verify_under_context_parallelism(tmp_path):
+    """The sweep's cp mode (``--modes import+cp,import+cp-ulysses``): import-hf's plan at
+    tp 2 × cp 2 (ring) validated and equal to one device, on Phi-3, whose fused projections
+    give its attention a per-module config copy under tp (routed through cp too). Every
+    local-attention family, windows shorter than the sequence, Ulysses and packed
+    documents: tests/test_cp_local_attention.py."""
+    sweep_matching_one_device(["phi3"], ["import+cp"], tmp_path)
+
+
 def test_a_per_head_norm_left_without_a_rule_is_a_located_error(write_plan, tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(sweep_hf.tiny_config("qwen3")))

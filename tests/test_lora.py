@@ -159,6 +159,39 @@ lora:
     assert "Traceback" not in out
 
 
+def test_bare_target_names_select_what_peft_target_modules_selects(write_plan, capsys):
+    """``lora.targets: [q_proj, v_proj]``: the modules PEFT's ``target_modules`` adapts on
+    the same model (a path that is the name or ends with ``.`` + it); a dotted pattern still
+    matches the whole path; a bare name matching nothing is located."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from tpplan.parallel.lora.adapters import lora_targets
+
+    plan = tpplan.load(write_plan(f"""extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}
+model: {{pretrained: null, hf_config: {LLAMA_CONFIG}}}
+lora: {{targets: [q_proj, v_proj], rank: 4}}
+"""))
+    model = build_model(plan.model, "meta")
+    ours = lora_targets(plan.lora, [p for p, _ in model.named_modules()])
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(LLAMA_CONFIG))
+    peft = get_peft_model(hf, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    theirs = [p.removeprefix("base_model.model.").removesuffix(".lora_A")
+              for p, _ in peft.named_modules() if p.endswith(".lora_A")]
+    assert ours and sorted(ours) == sorted(theirs), (ours, theirs)
+    assert not lora_targets(tpplan.load(write_plan(
+        f"extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}\nlora: {{targets: [self_attn.q_proj]}}\n",
+        "dotted.yaml")).lora, ours)  # a dotted pattern is a whole path, as before
+    path = write_plan(f"""extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}
+model: {{pretrained: null, hf_config: {LLAMA_CONFIG}}}
+lora: {{targets: [q_proj, v_prj], rank: 4}}
+""", "bad.yaml")
+    rc, out = run_main(capsys, "validate", "--plan", path, "--world-size", "4")
+    assert rc != 0 and "bad.yaml:3:26: error: 'lora.targets' pattern 'v_prj' matches no" in out, out
+    assert "(did you mean 'v_proj'?)" in out, out
+
+
 def test_a_packed_base_is_refused_with_the_reason(write_plan, capsys, tmp_path):
     config = tmp_path / "phi3.json"
     config.write_text(json.dumps(sweep_hf.tiny_config("phi3", num_hidden_layers=2), default=str))
@@ -202,13 +235,15 @@ def lora_sets(folder, run_dir, sets=()) -> list[str]:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tiny_llama):
     """A LoRA fine-tune of scripts/make_tiny_hf.py's Llama on 2×2 (TP + SP + loss parallel +
-    FSDP2), checkpoints at steps 3 and 6: (plan, run folder)."""
+    FSDP2), checkpoints at steps 3 and 6: (plan, run folder). The attention's targets are
+    bare names, as PEFT users write them (``q_proj`` matches ``model.layers.0.self_attn.q_proj``)."""
     from trainrun import ok
 
     d = tmp_path_factory.mktemp("lora-run")
     plan = d / "lora.yaml"
     plan.write_text(f"""extends: {ROOT / 'plans' / 'hf-llama-chat.yaml'}
-lora: {{targets: {ATTN_MLP}], rank: 4, alpha: 8}}
+lora: {{targets: [q_proj, k_proj, v_proj, o_proj, "model.layers.*.mlp.{{gate_proj,up_proj,down_proj}}"],
+        rank: 4, alpha: 8}}
 """)
     ok(lora_train(str(plan), tiny_llama, d / "2x2", nproc=4))
     return str(plan), d / "2x2"

@@ -20,7 +20,7 @@ from .plan.errors import CommandError, PlanError, PlanErrors
 __all__ = ["main"]
 
 COMMANDS = ("validate", "search", "verify", "train", "report", "suggest", "import-hf", "export",
-            "generate")
+            "generate", "lighthouse", "data")
 
 
 def parser() -> argparse.ArgumentParser:

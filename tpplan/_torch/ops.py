@@ -9,10 +9,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["FOREACH_COPY", "RECORD_FUNCTION_MARKS", "UNSAFE_VIEW", "reduce_scatter_base"]
+__all__ = ["FOREACH_COPY", "LOCAL_SCALAR_DENSE", "RECORD_FUNCTION_MARKS", "TO_COPY", "UNSAFE_VIEW",
+           "reduce_scatter_base"]
 
 # ``aten._unsafe_view``: a view by its kernel, not by its schema (``reshape``'s copy path).
 UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+# what .item() / .tolist() of a tensor dispatch (a fake one), and a copy off the meta device
+LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
+TO_COPY = torch.ops.aten._to_copy.default
 # ``aten._foreach_copy_``: FSDP2's copy of a unit's gradients/parameters in one call.
 FOREACH_COPY = torch.ops.aten._foreach_copy_.default
 # ``record_function``'s marks (enter, exit by handle, exit by object): ops that make nothing.

@@ -22,7 +22,7 @@ from .memory.per_rank import memory_per_rank
 from .memory.step import ModelBuilder
 from .comm.tp_trace import TPTrace, identical_blocks, trace_tp
 
-__all__ = ["ANALYSES", "analyze_memory", "analyze_comm", "fsdp_rows", "traced_rows",
+__all__ = ["ANALYSES", "analyze_kernels", "analyze_memory", "analyze_comm", "fsdp_rows", "traced_rows",
            "compute_dtypes", "model_blocks"]
 
 
@@ -271,3 +271,16 @@ def _reasons(parts: list, spec) -> list[dict[str, Any]]:
 
 
 ANALYSES: list[Analysis] = [("memory_per_rank", analyze_memory), ("comm_per_step", analyze_comm)]
+
+
+def analyze_kernels(result: DryRun) -> None:
+    """``kernels``: the step's memory-bound kernels, traced (:func:`~tpplan.analysis.memory.kernels.kernel_profile`;
+    priced by :func:`tpplan.analysis.cost.non_gemm.non_gemm_seconds`). Not in :data:`ANALYSES`:
+    a caller asks for it (``scripts/non_gemm_rows.py``); none under a pipeline."""
+    from .memory.kernels import kernel_profile
+
+    if result.plan.spec.pipeline is not None:
+        return
+    blocks, n_blocks = model_blocks(result)
+    result.extra["kernels"] = kernel_profile(result.plan.spec, result.mesh, _builder(result), result.step,
+                                             n_blocks, blocks)

@@ -18,6 +18,7 @@ from ..checkpoint import checkpoint_bytes
 from ..models import build_model
 from ..parallel.lora.sizes import checkpointed
 from ..plan import ErrorList, PlanError, PlanErrors, StepShape, step_shape
+from .fake.experts import sized
 from .fake.group import ChunksOnDemand, fake_process_group, forget_meshes
 from .moduletable import applied_report
 
@@ -182,6 +183,8 @@ def dry_run(plan_path: str, world_size: int, overrides: Sequence[str] = (),
                                                                     result.mesh)
             for name, analysis in analyses:
                 run_analysis(result, name, analysis)
+            if sized():  # the report says what balanced routing sized (fake/experts.py)
+                result.extra["balanced_experts"] = sized()
     except PlanErrors as e:
         result.errors = e.errors
     result.seconds = time.perf_counter() - start

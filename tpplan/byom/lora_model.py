@@ -26,7 +26,7 @@ def lora_model(plan, state: dict, checkpoint: Path) -> nn.Module:
     expected = set(expected_tensors(model))
     apply_lora(plan.lora, model, None, {}, seed)
     materialize(model, "cpu")
-    init_weights(model, seed, "cpu")  # the run's random base (and adapters) when not pretrained
+    init_weights(model, seed, "cpu", spec)  # the run's random base (and adapters) when not pretrained
     if spec.pretrained:
         folder = pretrained_dir(spec)
         found, problems = hf_weights.read_index(folder)

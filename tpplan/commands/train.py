@@ -57,6 +57,10 @@ def _relaunch(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun
 
     from .._torch.launch import shutdown_timeout_args
+    from ..train.setup import check_before_launch
+
+    # The plan's mistakes (lora, freeze, rules, initializers) said once, before any worker.
+    check_before_launch(args.plan, args.overrides, args.nproc)
 
     # --standalone, with a launch id we know, so a stop by a signal can be told from a crash.
     launch = f"tpplan-{uuid.uuid4().hex[:12]}"
@@ -109,12 +113,18 @@ def run(args: argparse.Namespace) -> int:
         if "RANK" in os.environ:
             print("error: --nproc is for launching; under torchrun leave it out", file=sys.stderr)
             return 2
+        from .replicas import fault_tolerant, launch_replicas
+
+        if fault_tolerant(args.plan, args.overrides):  # one torchrun per replica group
+            return launch_replicas(args, WORKER_COMMAND)
         return _relaunch(args)
     from ..analysis.runs.expected import estimate
     from ..train import TrainError, train
 
     rank0 = os.environ.get("RANK", "0") == "0"
-    overrides = list(args.overrides)
+    from .replicas import worker_overrides
+
+    overrides = worker_overrides(args.plan, list(args.overrides))  # a replica group's job
     if args.profile:  # quoted: YAML would read 3:4 unquoted as text anyway, this says so
         overrides.append(f'metrics.profile="{args.profile}"')
     try:

@@ -78,6 +78,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     constants, calibration = steptime.constants(args, device)
     from ..train.pretrained import plan_problems
+    from .replicas import dry_run_overrides, render_replicas, replica_traffic
+
+    args.overrides = dry_run_overrides(args.plan, list(args.overrides))  # fault_tolerance's groups
 
     result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
     if not result.errors:  # the HF checkpoint a plan starts from, against its model
@@ -86,6 +89,9 @@ def _run(args: argparse.Namespace) -> int:
         from ..analysis.memory.fit import fit
 
         result.extra["fit"] = fit(result, device, args.plan, args.overrides)
+    if not result.errors and (ft := replica_traffic(args.plan, args.overrides, result.extra.get(
+            "comm_per_step"), args.world_size)) is not None:
+        result.extra["fault_tolerance"] = ft
     estimate = steptime.estimate(result, device, args, constants, calibration)
     if estimate is not None:
         result.extra["step_time"] = estimate
@@ -110,12 +116,18 @@ def _run(args: argparse.Namespace) -> int:
         render_memory(out, result.extra["memory_per_rank"])
     if "comm_minimum" in result.extra:
         render_comm(out, result.extra["comm_per_step"], result.extra["comm_minimum"])
+    for module, ops in result.extra.get("balanced_experts", {}).items():
+        out.print(f"{module}: its data-dependent operators ({', '.join(ops)}) sized under "
+                  "balanced routing (each expert an even share of its rows; docs/moe.md)",
+                  highlight=False)
     if "cp_minimum" in result.extra:  # docs/long-context.md: the method's minimum
         cp = result.extra["cp_minimum"]
         verdict = "at its minimum" if cp["at_minimum"] else \
             f"above its minimum by {cp['extra']}"
         out.print(f"cp ({cp['method']}): {sum(r['count'] for r in cp['collectives'])} "
                   f"collectives per step, {verdict}", highlight=False)
+    if "fault_tolerance" in result.extra:
+        render_replicas(out, result.extra["fault_tolerance"])
     if "fit" in result.extra:
         render_fit(out, result.extra["fit"])
     if "step_time" in result.extra:
@@ -130,8 +142,17 @@ def _run(args: argparse.Namespace) -> int:
         out.print(f"[yellow]the plan is valid, but {len(result.analysis_errors)} of its "
                   f"analyses could not run[/yellow] (reasons above; {result.seconds:.2f} s)")
         return 1 if args.strict else _fit_status(result, args)
+    _render_data(out, args)
     out.print(f"[green]valid[/green] ({result.seconds:.2f} s)")
     return _fit_status(result, args)
+
+
+def _render_data(out, args: argparse.Namespace) -> None:
+    """What a plan on token sources will eat: tokens per source, read, epochs (docs/data.md)."""
+    from ..train.corpora import data_plan
+
+    for line in data_plan(args.plan, args.overrides, args.world_size):
+        out.print(line, markup=False, highlight=False)
 
 
 PART_NAMES = {

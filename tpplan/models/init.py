@@ -17,8 +17,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._torch.modules import own_parameters, set_buffers, set_parameters, shell_copy
 from ..plan.packing import Packing, packed_params
+from ..plan.specs import ModelSpec
+from .build import build_model
+from .replay import constructor_modules, replay_constructors
 
-__all__ = ["init_adapters", "init_weights", "materialize", "param_seed"]
+__all__ = ["constructor_problems", "init_adapters", "init_weights", "materialize", "param_seed"]
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
@@ -65,13 +68,17 @@ def _assign(p: torch.Tensor, full: torch.Tensor, packing: Packing | None = None)
             p.copy_(full)
 
 
-def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str:
+def init_weights(model: nn.Module, seed: int, device: torch.device | str,
+                 spec: ModelSpec | None = None) -> str:
     """Initialize every parameter of a materialized (``to_empty``) model; return the method.
 
     Models with ``init_std(name)`` (the built-in Llama) get normal(0, std) per parameter
     (std None = ones, a norm weight). Other models: a full-size CPU copy is rebuilt module
     by module with ``reset_parameters()`` under a generator seeded per module path, then
-    sharded -- one module's parameters at a time.
+    sharded -- one module's parameters at a time. A module with parameters and no
+    ``reset_parameters()`` gets what its constructor writes: the model's constructor (from
+    ``spec``) is replayed on CPU under ``torch.manual_seed(seed)``, so those parameters equal
+    the plain CPU build's (:mod:`.replay`); ValueError when that cannot be done.
     """
     if hasattr(model, "init_buffers"):
         model.init_buffers(device)
@@ -92,7 +99,55 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str) -> str
         init_adapters(model, seed)
         return "init_std"
     _reset_each(model, seed, model.named_modules(), packed)
-    return "reset_parameters"
+    wanted = constructor_modules(model)
+    if not wanted:
+        return "reset_parameters"
+    if spec is None:
+        raise ValueError(f"{_listed(wanted)} have no reset_parameters(): init_weights needs the "
+                         "model's spec to replay its constructor")
+
+    got: set[tuple[str, str]] = set()
+
+    def take(path: str, name: str, full: torch.Tensor) -> None:  # a later value replaces
+        if name in wanted.get(path, ()):
+            p = own_parameters(model.get_submodule(path))[name]
+            _assign(p, full if isinstance(p, DTensor) else full.to(p.device),
+                    packed.get(f"{path}.{name}" if path else name))
+            got.add((path, name))
+    problems = replay_constructors(spec, seed, take, build_model)
+    left = {path: [n for n in names if (path, n) not in got] for path, names in wanted.items()}
+    left = {path: names for path, names in left.items() if names}
+    if problems or left:
+        raise ValueError("; ".join(problems + ([f"{_listed(left)} not written by the replayed "
+                                                f"constructor"] if left else [])))
+    return "reset_parameters and constructor"
+
+
+def _listed(modules: dict[str, list[str]]) -> str:
+    names = [f"{path}.{n}" if path else n for path, ns in modules.items() for n in ns]
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def constructor_problems(spec: ModelSpec, model: nn.Module, seed: int) -> list[str]:
+    """Why some parameters of ``model`` (built from ``spec`` on meta) could not be initialized
+    as the user's constructor writes them: each parameter named, with the fix. Replays the
+    constructor on CPU (one module's tensors at a time) when the model has modules without
+    ``reset_parameters``; nothing to do for the others."""
+    wanted = constructor_modules(model)
+    if not wanted:
+        return []
+    got: set[str] = set()
+    problems = replay_constructors(spec, seed, lambda path, n, t: got.add(f"{path}.{n}" if path else n),
+                                   build_model)
+    missed = [f"{p}.{n}" if p else n for p, ns in wanted.items() for n in ns
+              if (f"{p}.{n}" if p else n) not in got]
+    if missed:
+        problems.append(f"{', '.join(missed[:6])}{' ...' if len(missed) > 6 else ''}: not set by "
+                        "the constructor of the module holding it")
+    fix = ("give the module a reset_parameters() that sets its parameters, or set them in its "
+           "own __init__ (tpplan reruns the model's constructor under train.seed and takes each "
+           "module's parameters when the module is complete; docs/training.md)")
+    return [f"{p}; {fix}" for p in dict.fromkeys(problems)]
 
 
 def _adapters(model: nn.Module):

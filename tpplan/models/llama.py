@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .flex import flex_document_attention, use_flex
+
 __all__ = ["LlamaConfig", "CONFIGS", "Transformer", "build"]
 
 
@@ -171,6 +173,8 @@ class Attention(nn.Module):
         kv heads are shared by h / kv query heads (the ratio survives TP). ``positions``
         (bs, s) restarting at 0 mark packed documents, which never attend to each other.
         The seam context parallelism replaces (tpplan.parallel.context.sequence)."""
+        if positions is not None and use_flex(q):  # CUDA, compiled: a block mask (models.flex)
+            return flex_document_attention(q, k, v, positions)
         mask = None if positions is None else document_mask(positions)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

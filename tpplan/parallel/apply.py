@@ -21,6 +21,7 @@ from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import EP_STYLES, PACKED_STYLES, SEQUENCE_LOCAL
 from .tp.attention import register_cpu_attention
 from .context.sequence import apply_context_parallel
+from .float8 import apply_float8
 from .freeze import apply_freeze
 from .tp.kv_heads import kv_style, localize_kv_groups
 from .lora.adapters import apply_lora, freeze_base
@@ -155,6 +156,9 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     res.errors.raise_if_any()
     dims = res.dims
     router_shards = None
+    if plan.float8 is not None and mesh.device_type == "cuda":  # before TP (torchtitan's order)
+        log.info("float8 (%s): %d linears", plan.float8.scaling,
+                 apply_float8(model, plan, plan.fsdp is not None))
     if dims.tp > 1:
         router_shards = apply_tp(model, mesh["tp"], res)
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
@@ -175,7 +179,9 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     if ac.enabled:
         apply_ac(model, res.ac_blocks, ac.every)
         log.info("applied %s activation checkpointing to %d blocks", ac.mode, len(res.ac_blocks))
-    if plan.compile.enabled:
+    # left out of the plan: compiled on CUDA, but not pipeline stages or cp's attention (unchecked)
+    if plan.compile.on(mesh.device_type, plan.pipeline is not None or cp_mesh(mesh) is not None) \
+            and res.compile_blocks:
         apply_compile(model, res.compile_blocks, plan.compile.fullgraph)
         log.info("compiled %d blocks", len(res.compile_blocks))
     if plan.fsdp is not None:

@@ -230,6 +230,11 @@ def resolve(plan: PlanSpec, model: nn.Module, world_size: int, stage: bool = Fal
             setattr(res, name, list(part((what, blocks.blocks), errs, lambda e, b=blocks, w=what:
                                          match_modules(b.blocks, w, "blocks pattern", b.loc,
                                                        modules, params, stage, e))))
+    if plan.compile.enabled is None:  # left out: compiled on CUDA where the blocks are found
+        quiet = ErrorList()
+        hits = match_modules(plan.compile.blocks, "compile blocks", "blocks pattern", None, modules,
+                             params, stage, quiet)
+        res.compile_blocks = [] if quiet else hits
     part(("lora", tp), errs, lambda e: check_lora(plan.lora, modules, res.rule_of, stage, e))
     if not stage:  # whole-model checks: a stage holds part of what they look at
         part(("cp", tp, plan.mesh.cp), errs, lambda e: check_context_parallel(plan, model, tp, e))

@@ -3,9 +3,12 @@ other sections'); parsed by :mod:`tpplan.plan.lora`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from .errors import Loc
+from .patterns import compile_pattern
 
 __all__ = ["LORA_INITS", "LoraSpec", "LoraTarget"]
 
@@ -20,6 +23,20 @@ class LoraTarget:
     pattern: str
     included: bool  # False for a '!pattern' exception
     loc: Loc
+
+    def matches(self, path: str) -> bool:
+        """A module path the entry selects. A bare name (no ``.``: ``q_proj``) matches as
+        PEFT's ``target_modules`` does -- a module whose path is it or ends with ``.`` + it;
+        any other pattern the whole path (tpplan.plan.patterns)."""
+        return _regex(self.pattern).fullmatch(path) is not None
+
+
+@lru_cache(maxsize=1024)
+def _regex(pattern: str) -> re.Pattern:
+    whole = compile_pattern(pattern)
+    if "." in pattern or pattern.startswith("re:"):
+        return whole
+    return re.compile(rf"(?:.*\.)?(?:{whole.pattern})")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import parse_context_parallel
+from .fault_tolerance import fault_tolerance_section
 from .errors import ErrorList, Loc, Part, PlanError, PlanErrors, nearest, run_part
 from .patterns import compile_pattern
 from .lora import parse_lora
@@ -24,6 +25,7 @@ from .specs import (
 from .trainer import (
     TRAINER_SECTIONS, parse_checkpoint, parse_data, parse_eval, parse_metrics, parse_train,
 )
+from .float8 import parse_float8
 from .yamlio import LMap, LSeq
 
 __all__ = ["TOP_LEVEL", "parse_plan", "parse_model", "require_model"]
@@ -31,7 +33,7 @@ __all__ = ["TOP_LEVEL", "parse_plan", "parse_model", "require_model"]
 TOP_LEVEL = (
     "extends", "mesh", "model", "tensor_parallel", "loss_parallel", "divide_by_tp", "fsdp",
     "activation_checkpointing", "compile", "freeze", "lora", "pipeline", "context_parallel",
-    *TRAINER_SECTIONS,
+    "fault_tolerance", "float8", *TRAINER_SECTIONS,
 )
 AC_MODES = ("none", "full", "selective")
 
@@ -207,10 +209,10 @@ def parse_ac(doc: LMap, errs: ErrorList) -> ACSpec:
 
 
 def parse_compile(doc: LMap, errs: ErrorList) -> CompileSpec:
-    """``compile: true|false|{enabled: true, blocks: ..., fullgraph: false}``."""
+    """``compile: true|false|{enabled: true, blocks: ..., fullgraph: false}``; left out: None (on CUDA)."""
     r = _section(doc, "compile", errs, ("enabled", "blocks", "fullgraph"),
                  {False: {"enabled": False}, True: {"enabled": True}})
-    return CompileSpec(enabled=r.get("enabled", bool, doc.get("compile") is not None),
+    return CompileSpec(enabled=r.get("enabled", bool, True if doc.get("compile") is not None else None),
                        blocks=r.get("blocks", str, DEFAULT_BLOCKS),
                        fullgraph=r.get("fullgraph", bool, False), loc=r.m.loc)
 
@@ -252,9 +254,12 @@ def parse_plan(doc: LMap, source: str = "<plan>", part: Part = run_part) -> Plan
         freeze=one("freeze", parse_freeze),
         lora=one("lora", parse_lora),
         context_parallel=one("context_parallel", parse_context_parallel),
+        float8=one("float8", parse_float8),
     )
     spec.pipeline = part(("section", "pipeline", "mesh", "compile"), errs, lambda e: parse_pipeline(
         doc, spec.mesh, spec.compile.enabled, e))
+    spec.fault_tolerance = part(("section", "fault_tolerance", "mesh"), errs, lambda e: fault_tolerance_section(
+        doc, spec.mesh, e))
     if spec.model is not None and spec.model.adapter and spec.lora is None:
         errs.add("model.adapter starts LoRA adapters from a PEFT folder: the plan needs a "
                  "'lora' section (its targets, rank and alpha as the adapter's)",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .context import ContextParallelSpec
+from .dataspec import DATA_FORMATS, TOKEN_DTYPES, DataSpec, SourceSpec, plan_relative
 from .errors import Loc
 from .lora_spec import LORA_INITS, LoraSpec, LoraTarget
 from .sinks import MetricsSpec
@@ -22,7 +23,7 @@ from .styles import StyleSpec
 __all__ = [
     "ACSpec", "AttrRule", "CheckpointSpec", "CompileSpec", "DataSpec", "DTYPES", "EvalSpec",
     "FreezeRule", "FSDPSpec", "MeshSpec", "PipelineSpec", "MetricsSpec", "ModelSpec", "PlanSpec", "Rule",
-    "TrainSpec", "Unit", "DATA_FORMATS", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
+    "SourceSpec", "TrainSpec", "Unit", "DATA_FORMATS", "TOKEN_DTYPES", "DEFAULT_BLOCKS", "plan_relative", "torch_dtype",
     "LoraSpec", "LoraTarget", "LORA_INITS",
 ]
 
@@ -30,18 +31,6 @@ __all__ = [
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 DEFAULT_BLOCKS = "layers.*"
-# How ``data.path`` is read with a tokenizer; ``auto`` goes by each file's suffix (and a
-# ``.jsonl`` whose first record holds ``messages`` is chat).
-DATA_FORMATS = ("auto", "text", "jsonl", "parquet", "chat")
-
-
-def plan_relative(path: str, base_dir: str | None) -> str:
-    """A path written in a plan: a relative one is looked for next to the plan first, then
-    as given (from the working folder), as ``model.hf_config`` is."""
-    p = Path(path)
-    if not p.is_absolute() and base_dir is not None and (Path(base_dir) / p).exists():
-        return str(Path(base_dir) / p)
-    return path
 
 
 def torch_dtype(name: str | None, default: str = "float32"):
@@ -187,12 +176,22 @@ class ACSpec:
 
 @dataclass
 class CompileSpec:
-    """``compile:`` — ``torch.compile`` each block matched by ``blocks``."""
+    """``compile:`` — ``torch.compile`` each block matched by ``blocks``. ``enabled`` None
+    (the section left out): compiled on CUDA where the blocks are found, eager elsewhere
+    (:meth:`on`)."""
 
-    enabled: bool = False
+    enabled: bool | None = None
     blocks: str = DEFAULT_BLOCKS
     fullgraph: bool = False
     loc: Loc | None = None
+
+    def on(self, device_type: str, eager_only: bool = False) -> bool:
+        """Whether blocks compile on ``device_type``: as the plan says, else on CUDA only, and
+        not where ``eager_only`` (a pipeline schedule that splits backward, context
+        parallelism's attention: not checked under compile)."""
+        if self.enabled is not None:
+            return self.enabled
+        return device_type == "cuda" and not eager_only
 
 
 @dataclass
@@ -214,28 +213,10 @@ class TrainSpec:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0  # max global L2 norm; null = no clipping
+    # tokens per chunk of the chunked cross-entropy (vocabularies of 32,768 and more); 0 = off
+    loss_chunk: int = 1024
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)
-
-
-@dataclass
-class DataSpec:
-    """``data:`` — null ``path`` reads the Python standard library's own sources; without a
-    ``tokenizer`` every file is bytes (vocabulary 256) or a ``.bin`` of uint16 tokens."""
-
-    path: str | None = None
-    max_bytes: int = 4_000_000  # cap on the source bytes read (the stdlib default stays fast)
-    tokenizer: str | None = None  # a tokenizer.json or a HF model/tokenizer folder
-    format: str = "auto"  # one of DATA_FORMATS
-    text_field: str = "text"  # the field of a .jsonl / .parquet record that holds the text
-    separator: str | None = None  # token between packed documents; null: the tokenizer's eos
-    document_mask: bool = True  # packed documents attend within themselves only (positions restart)
-    base_dir: str | None = None  # the plan's folder: relative paths are looked for there first
-    loc: Loc | None = None
-    locs: dict[str, Loc] = field(default_factory=dict)
-
-    def resolved(self, path: str | None) -> str | None:
-        return None if path is None else plan_relative(path, self.base_dir)
 
 
 @dataclass
@@ -291,6 +272,8 @@ class PlanSpec:
     pipeline: PipelineSpec | None = None  # set exactly when mesh.pp > 1
     lora: LoraSpec | None = None
     context_parallel: ContextParallelSpec = field(default_factory=ContextParallelSpec)
+    fault_tolerance: Any = None  # plan/fault_tolerance.py's FaultToleranceSpec, or None
+    float8: Any = None  # plan/float8.py's Float8Spec, or None
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -14,7 +14,8 @@ from pathlib import Path
 from .errors import ErrorList, nearest
 from .reader import NUMBER, Reader, describe
 from .sinks import WANDB_MODES, TensorBoardSpec, WandbSpec
-from .specs import DATA_FORMATS, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec, TrainSpec
+from .specs import (DATA_FORMATS, TOKEN_DTYPES, CheckpointSpec, DataSpec, EvalSpec, MetricsSpec, SourceSpec,
+                    TrainSpec)
 from .yamlio import LMap, LSeq
 
 __all__ = ["TRAINER_SECTIONS", "parse_checkpoint", "parse_data", "parse_eval", "parse_metrics",
@@ -47,6 +48,7 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
         weight_decay=r.number("weight_decay", d.weight_decay),
         # null is a value here: no clipping
         grad_clip=r.number("grad_clip", d.grad_clip) if "grad_clip" in r.m else d.grad_clip,
+        loss_chunk=r.get("loss_chunk", int, d.loss_chunk),
         loc=r.m.loc, locs=r.locs(),
     )
     betas = r.m.get("betas")
@@ -62,7 +64,7 @@ def parse_train(doc: LMap, errs: ErrorList) -> TrainSpec:
             errs.add(f"'train.betas' must be a list of two numbers, got {betas!r}", r.loc("betas"))
     for key in ("steps", "seq_len", "global_batch_size", "local_batch_size", "micro_batch_size"):
         r.at_least(key, getattr(spec, key), 1)
-    for key in ("warmup_steps", "weight_decay", "min_lr"):
+    for key in ("warmup_steps", "weight_decay", "min_lr", "loss_chunk"):
         r.at_least(key, getattr(spec, key), 0)
     for key in ("lr", "min_lr", "eps", "weight_decay", "grad_clip"):
         _finite(r, key, getattr(spec, key))
@@ -93,6 +95,7 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
     d = DataSpec()
     r = Reader.section(errs, doc, "data", _fields(DataSpec))
     spec = DataSpec(path=r.get("path", str, None), max_bytes=r.get("max_bytes", int, d.max_bytes),
+                    dtype=_token_dtype(r, "dtype", r.get("dtype", str, None)), sources=_sources(r),
                     tokenizer=r.get("tokenizer", str, None), format=r.get("format", str, d.format),
                     text_field=r.get("text_field", str, d.text_field),
                     separator=r.get("separator", str, None),
@@ -103,6 +106,8 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
         errs.add(f"'data.format' must be one of {', '.join(DATA_FORMATS)}, got "
                  f"'{spec.format}'{nearest(spec.format, DATA_FORMATS)}", r.loc("format"))
         spec.format = d.format
+    if spec.sources and spec.path is not None:
+        errs.add("'data' takes 'path' (one source) or 'sources' (a mixture), not both", r.loc("sources"))
     if spec.tokenizer is None:
         needs = [k for k in ("format", "separator", "text_field") if k in r.m
                  and not (k == "format" and spec.format in ("auto", "text"))]
@@ -110,6 +115,40 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
             errs.add(f"'data.{key}' needs 'data.tokenizer' (without one the data is read as "
                      f"bytes)", r.loc(key))
     return spec
+
+
+def _token_dtype(r: Reader, key: str, value: str | None) -> str | None:
+    if value is not None and value not in TOKEN_DTYPES:
+        r.errs.add(f"'{r.where}.{key}' must be one of {', '.join(TOKEN_DTYPES)} (the ids of a flat token "
+                   f"file), got '{value}'{nearest(value, TOKEN_DTYPES)}", r.loc(key))
+        return None
+    return value
+
+
+def _sources(r: Reader) -> list[SourceSpec]:
+    """``data.sources``: a list of {path, weight, dtype}; weights non-negative, not all zero."""
+    value = r.m.get("sources")
+    if value is None:
+        return []
+    if not isinstance(value, LSeq) or not value:
+        r.errs.add(f"'data.sources' must be a non-empty list of {{path, weight}}, got {describe(value)}",
+                   r.loc("sources"))
+        return []
+    out = []
+    for i, item in enumerate(value):
+        s = Reader(r.errs, f"data.sources[{i}]", item, value.item_loc(i), _fields(SourceSpec))
+        path = s.get("path", str, None)
+        if path is None:
+            r.errs.add(f"'data.sources[{i}]' needs a 'path' (a token store, a Megatron prefix or a "
+                       f"file of ids)", value.item_loc(i))
+        spec = SourceSpec(path=path or "", weight=s.number("weight", 1.0),
+                          dtype=_token_dtype(s, "dtype", s.get("dtype", str, None)), loc=s.m.loc, locs=s.locs())
+        _finite(s, "weight", spec.weight)
+        s.at_least("weight", spec.weight, 0)
+        out.append(spec)
+    if all(s.weight <= 0 for s in out):
+        r.errs.add("'data.sources' has no positive weight: no source would be drawn", r.loc("sources"))
+    return out
 
 
 def parse_eval(doc: LMap, errs: ErrorList) -> EvalSpec:

@@ -15,7 +15,6 @@ last, so a killed build never leaves a manifest that describes other tokens.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import time
@@ -26,21 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import DataError
+from ..data.errors import DataError
+from ..data.files import file_digest
 
 __all__ = ["CACHE_DIR", "Made", "cached", "file_digest"]
 
 CACHE_DIR = "tokens"
 VERSION = 1
 STARTED = time.time()  # a cache made after this was made by this launch (maybe another rank)
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class Made:

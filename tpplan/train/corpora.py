@@ -12,15 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.feed import Source, TokenFeed
+from ..data.formats import is_token_source, open_tokens
+from ..data.scan import check_source
 from ..plan import ErrorList
-from ..plan.specs import DataSpec, EvalSpec
+from ..plan.specs import DataSpec, EvalSpec, SourceSpec
 from .cache import CACHE_DIR, Made, cached, file_digest
 from .chat import render_chat
 from .data import Corpus, DataError, load_corpus
 from .sources import read_documents, source_files
 from .tokens import TextTokenizer
 
-__all__ = ["Corpora", "load_corpora"]
+__all__ = ["Corpora", "data_plan", "load_corpora", "open_feed", "token_sources"]
 
 ENCODE_CHUNK = 256  # texts encoded together (the tokenizers library batches in Rust)
 
@@ -98,7 +101,11 @@ def _tokenized(role: str, path: Path, data: DataSpec, tok: TextTokenizer,
 def _read(role: str, path: str, data: DataSpec, tok: TextTokenizer | None,
           cache_dir: Path) -> tuple[Corpus, list[str]]:
     if tok is None:
-        return load_corpus(path, data.max_bytes), []
+        corpus = load_corpus(path, data.max_bytes)
+        capped = [f"data.max_bytes={data.max_bytes:,} cut {role} data {corpus.source} at its first "
+                  f"{data.max_bytes:,} bytes; the rest is not read (raise data.max_bytes, or prepare "
+                  f"it with tpplan data prepare)"] if len(corpus) >= data.max_bytes else []
+        return corpus, capped
     corpus, note = _tokenized(role, Path(path), data, tok, cache_dir)
     return corpus, [note]
 
@@ -109,6 +116,9 @@ def load_corpora(data: DataSpec, ev: EvalSpec, run_dir: Path, model_vocab: int |
     PlanErrors for a mistake in the plan, DataError (one line) for one in the data."""
     errs = ErrorList()
     path = data.resolved(data.path)
+    if data.tokenizer is None and path is not None and path.endswith(".bin"):
+        errs.add(f"data.path '{data.path}' is a file of token ids: state their dtype with data.dtype "
+                 f"(uint16, uint32 or int32); tpplan does not guess it", data.locs.get("path", data.loc))
     if data.tokenizer is not None and path is not None and path.endswith(".bin"):
         errs.add(f"data.path '{data.path}' is pre-tokenized (.bin): leave data.tokenizer out",
                  data.locs.get("tokenizer", data.loc))
@@ -130,3 +140,62 @@ def load_corpora(data: DataSpec, ev: EvalSpec, run_dir: Path, model_vocab: int |
     elif ev.fraction is not None:
         out.train, out.eval = train.split(ev.fraction, seq_len)
     return out
+
+
+def token_sources(data: DataSpec) -> list[SourceSpec]:
+    """The token sources a plan trains on (``data.sources``, or a ``data.path`` that is a
+    store, a Megatron prefix or a file with ``data.dtype``); empty: text or bytes."""
+    if data.sources:
+        return data.sources
+    path = data.resolved(data.path)
+    if path is not None and is_token_source(path, data.dtype):
+        return [SourceSpec(data.path, 1.0, data.dtype, data.loc, {"path": data.locs.get("path", data.loc)})]
+    return []
+
+
+def _names(specs: list[SourceSpec]) -> list[str]:
+    names = [Path(s.path).name.removesuffix(".bin").removesuffix(".idx") or f"source{i}"
+             for i, s in enumerate(specs)]
+    return [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+
+
+def open_feed(data: DataSpec, ev: EvalSpec, seed: int, global_batch: int, seq_len: int,
+              model_vocab: int | None) -> TokenFeed | None:
+    """The mixture of token sources the plan names, each opened (memory-mapped) and checked
+    against the model and the tokenizer; None when the plan reads text or bytes. Raises
+    PlanErrors for a mistake in the plan, DataError (one line, naming the file) in the data."""
+    specs = token_sources(data)
+    if not specs:
+        return None
+    errs = ErrorList()
+    for s in specs:
+        if not Path(data.resolved(s.path)).exists() and not Path(data.resolved(s.path) + ".idx").exists():
+            errs.add(f"data source '{s.path}' does not exist (a token store folder, a Megatron prefix "
+                     f"or a file of ids)", s.locs.get("path", s.loc))
+    if ev.enabled:
+        errs.add("the 'eval' section is not supported with token sources yet (data.sources, a store, "
+                 "a Megatron prefix or data.dtype); remove it", ev.loc)
+    errs.raise_if_any()
+    identity = _tokenizer(data, model_vocab).identity() if data.tokenizer is not None else None
+    sources = []
+    for name, s in zip(_names(specs), specs):
+        tf = open_tokens(data.resolved(s.path), s.dtype or data.dtype)
+        check_source(tf, model_vocab, identity, seq_len)
+        sources.append(Source(name, tf, s.weight))
+    return TokenFeed(sources, seed, global_batch, seq_len)
+
+
+def data_plan(plan_path: str, overrides: list[str], world: int) -> list[str]:
+    """For ``tpplan validate``: what a plan on token sources will eat (tokens available,
+    consumed, epochs per source), or the data's mistake; empty for text or bytes."""
+    from ..api import load
+
+    plan = load(plan_path, overrides)
+    if not token_sources(plan.data):
+        return []
+    try:
+        feed = open_feed(plan.data, EvalSpec(), plan.train.seed, plan.step_shape(world).global_batch,
+                         plan.train.seq_len, None)
+    except DataError as e:
+        return [f"data: error: {e}"]
+    return feed.plan_lines(plan.train.steps) if feed is not None else []

@@ -21,28 +21,24 @@ A tokenized corpus may carry a loss mask (chat: only the assistant's tokens coun
 from __future__ import annotations
 
 import hashlib
-import os
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["Batch", "Corpus", "DataError", "eval_batch", "global_batch", "load_corpus",
+from ..data.batch import Batch
+from ..data.errors import DataError
+from ..data.files import BINARY_PROBE, text_files
+
+__all__ = ["Batch", "Corpus", "CorpusFeed", "DataError", "eval_batch", "global_batch", "load_corpus",
            "local_batch", "step_batch", "stdlib_dir"]
-
-SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib"}
-
 
 def stdlib_dir() -> Path:
     """The running interpreter's standard library source folder."""
     return Path(sysconfig.get_paths()["stdlib"])
-
-
-class DataError(Exception):
-    """A mistake in a data file (``file:line: ...``) or in what it holds; one line."""
 
 
 @dataclass
@@ -89,31 +85,6 @@ def document_positions(tokens: torch.Tensor, separator: int | None) -> torch.Ten
     index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
     return index - last_start
-
-
-@dataclass
-class Batch:
-    """One data-parallel rank's share of a global batch."""
-
-    tokens: torch.Tensor  # (local batch, seq_len + 1) int64: inputs [:, :-1], targets [:, 1:]
-    mask: torch.Tensor | None  # (local batch, seq_len) bool over the targets; None: all count
-    count: int  # targets the loss counts in the *global* batch (its normaliser)
-
-    def to(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.tokens.to(device), None if self.mask is None else self.mask.to(device)
-
-
-def text_files(folder: Path, suffix: str | None = None) -> Iterator[Path]:
-    """Files under ``folder`` in sorted order (the same corpus on every rank and run),
-    lazily, pruning skipped folders, so a capped read stops walking early."""
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-        for name in sorted(files):
-            if suffix is None or name.endswith(suffix):
-                yield Path(root) / name
-
-
-BINARY_PROBE = 1024  # a NUL in a file's first KiB marks it binary
 
 
 def _read_bytes(files: Iterable[Path], max_bytes: int) -> bytes:
@@ -214,6 +185,31 @@ def eval_batch(corpus: Corpus, index: int, batch: int, seq_len: int, dp_rank: in
     same ones)."""
     starts = (index * batch + torch.arange(batch)) * seq_len
     return _share(corpus, starts, seq_len, dp_rank, dp)
+
+
+class CorpusFeed:
+    """A corpus read whole (bytes, text tokenized into the run's cache) served like a
+    :class:`~tpplan.data.feed.TokenFeed`: ``batch(step, dp_rank, dp)``."""
+
+    def __init__(self, corpus: Corpus, seed: int, batch: int, seq_len: int):
+        self.corpus, self.seed, self.global_batch, self.seq_len = corpus, seed, batch, seq_len
+        self.separator, self.source = corpus.separator, corpus.source
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def batch(self, step: int, dp_rank: int, dp: int, global_batch: int | None = None) -> Batch:
+        return step_batch(self.corpus, self.seed, step, global_batch or self.global_batch, self.seq_len,
+                          dp_rank, dp)
+
+    def metrics(self, step: int, note: Callable[[str], None] | None = None) -> dict:
+        return {}
+
+    def summary(self, steps: int) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 def _mix(seed: int, step: int) -> int:

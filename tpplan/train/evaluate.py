@@ -16,17 +16,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..parallel.context.sequence import position_kwarg, shard_batch
+from ..parallel.tp.loss import IGNORE_INDEX, cross_entropy
 from .data import Batch, Corpus, document_positions, eval_batch
 
 __all__ = ["IGNORE_INDEX", "Evaluation", "eval_batches", "evaluate", "plain_loss", "summed_loss",
            "target_loss"]
-
-IGNORE_INDEX = -100
 
 
 def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
@@ -39,10 +37,10 @@ def summed_loss(logits: torch.Tensor, tokens: torch.Tensor,
     return target_loss(logits, targets)
 
 
-def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over ``targets`` that are not ``IGNORE_INDEX``."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+def target_loss(logits: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """Sum of cross-entropy over ``targets`` that are not ``IGNORE_INDEX``; ``chunk``: tokens
+    per chunk of the chunked loss (``train.loss_chunk``; 0: PyTorch's on the fp32 logits)."""
+    return cross_entropy(logits, targets, chunk)
 
 
 def plain_loss(t: torch.Tensor) -> torch.Tensor:
@@ -60,7 +58,7 @@ def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -
 @torch.no_grad()
 def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: int,
              batch: int, seq_len: int, micro: int, dp_rank: int, dp: int,
-             device: torch.device, documents: bool = False) -> tuple[float, float]:
+             device: torch.device, documents: bool = False, chunk: int = 0) -> tuple[float, float]:
     """(loss, perplexity) over ``batches`` global batches of held-out windows: the mean over
     every counted target of all of them, the same on any mesh. Collective. ``documents``:
     packed documents masked from each other, as in training."""
@@ -80,7 +78,7 @@ def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: 
             pos = None if positions is None else positions[m:m + micro, :-1]
             inputs, targets, kwargs = shard_batch(model, tokens[m:m + micro, :-1], targets, pos)
             with loss_context():
-                s = target_loss(model(inputs, **kwargs), targets)
+                s = target_loss(model(inputs, **kwargs), targets, chunk)
             total[0] += plain_loss(s).double()
             total[1] += (targets != IGNORE_INDEX).sum()
     # TP peers add the same sums as their dp rank: both totals grow alike, the ratio holds.
@@ -110,7 +108,8 @@ class Evaluation:
             return {}
         loss, ppl = evaluate(self.model, plan.loss_context, self.prep.eval_corpus, self.batches,
                              self.prep.step.global_batch, t.seq_len, self.micro, self.dp_rank,
-                             self.prep.dims.dp, self.device, plan.data.document_mask)
+                             self.prep.dims.dp, self.device, plan.data.document_mask,
+                             plan.train.loss_chunk)
         self.last = {"eval loss": loss, "eval perplexity": ppl}
         return {"eval_loss": loss, "eval_ppl": ppl}
 

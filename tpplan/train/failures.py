@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .setup import Prepared, TrainError
 
-__all__ = ["out_of_memory", "peer_lost"]
+__all__ = ["not_finite", "out_of_memory", "peer_lost"]
 
 _OOM = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
 
@@ -43,3 +43,33 @@ def peer_lost(e: RuntimeError) -> bool:
     return isinstance(e, dist.DistError) or any(s in text for s in (
         "Connection closed by peer", "Connection reset by peer", "Broken pipe",
         "NCCL communicator was aborted", "remote process exited"))
+
+
+def not_finite(step: int, loss: float, grad_norm: float, parts: list, optimizers: list,
+               last_saved) -> TrainError:
+    """A non-finite loss or gradient norm as what it is. Before any update of this process
+    (no optimizer step counted yet) the learning rate cannot be the cause: the weights it started
+    from, or the forward itself, are -- so the parameters that are not finite are named (every
+    rank's, gathered). After updates: training diverged."""
+    if any(float(state.get("step", 0)) > 0 for o in optimizers for state in o.state.values()):
+        return TrainError(
+            f"step {step}: loss {loss}, gradient norm {grad_norm}: training "
+            f"diverged; stopped before the optimizer step (last checkpoint: "
+            f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
+    bad = sorted({name for part in parts for name, p in part.named_parameters()
+                  if not torch.isfinite(_local(p)).all()})
+    if dist.is_initialized():
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, bad)
+        bad = sorted({n for names in gathered for n in names})
+    what = (f"{len(bad)} parameters are not finite before any update: "
+            f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} (a module whose weights "
+            f"nothing initialized, or a checkpoint or pretrained file holding them)") if bad else \
+        ("every parameter is finite, so the model's forward gives a non-finite value from "
+         "its initial weights and this batch (an overflow, a division by zero, a log of 0)")
+    return TrainError(f"step {step}: loss {loss}, gradient norm {grad_norm} before any update "
+                      f"(not a learning-rate problem): {what}")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p

@@ -23,14 +23,16 @@ import torch.distributed as dist
 
 from .. import checkpoint as ckpt
 from ..parallel.mesh import dp_rank as data_parallel_rank
+from ..parallel.float8 import cuda_capability, float8_problems
 from ..parallel.runtime import default_device_type
 from . import hooks
-from .data import Batch, document_positions, step_batch
+from .data import Batch, document_positions
 from .evaluate import Evaluation
-from .failures import out_of_memory, peer_lost
+from .failures import not_finite, out_of_memory, peer_lost
 from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm
 from .profiling import StepProfiler
+from .replicated import group_targets, hook_rank, lost_rank_hint, join_replicas, replica_fields, share, step_numbers
 from .progress import Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, start_folder
@@ -60,6 +62,7 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
     device_type = device_type or default_device_type()
+    float8_problems(prep.plan.spec, device_type, *cuda_capability(device_type)).raise_if_any()
     owned = not dist.is_initialized()  # a caller's own process group is left running
     predicted = None
     if estimate is not None and owned and int(os.environ.get("RANK", "0")) == 0:
@@ -78,10 +81,10 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
             raise
         first = str(e).strip().splitlines()[0]
         raise TrainError(f"rank {dist.get_rank()}: lost another rank, which crashed or was "
-                         f"killed ({first[first.rfind(']') + 1:].strip()[:160]}); under torchrun "
-                         f"--max-restarts the workers restart and resume from the last "
-                         f"checkpoint", every_rank=True) from None
+                         f"killed ({first[first.rfind(']') + 1:].strip()[:160]}); {lost_rank_hint()}",
+                         every_rank=True) from None
     finally:
+        prep.feed.close()
         if claimed is not None:
             claimed.lock.release()
         if owned and dist.is_initialized():
@@ -120,6 +123,7 @@ class _Rank:
     pp_group: Any  # the pp process group, None without a pipeline
     shapes: dict[str, list[int]]  # the whole model's parameter shapes, saved with each checkpoint
     rate: Throughput
+    replica: Any = None  # tpplan.ft.Replica in a fault-tolerant replica group, else None
 
 
 @dataclass
@@ -163,9 +167,14 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
         StepMemory(device_type),
         hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank),
         Evaluation(prep, trainee.parts[0], prep.step.micro_batch, dp_rank, device))  # no eval under pp
-    where = _Rank(device, device_type, rank, dp_rank, pp_group, shapes, rate)
+    replica = join_replicas(prep, trainee, device_type, watch.reporter.note, start)
+    where = _Rank(device, device_type, rank, dp_rank, pp_group, shapes, rate, replica)
     progress = _Progress(start, claimed.resume_from)
-    _steps(prep, trainee, watch, where, progress)
+    try:
+        _steps(prep, trainee, watch, where, progress)
+    finally:
+        if replica is not None:
+            replica.close()
     return _finish(prep, watch, where, progress, predicted)
 
 
@@ -174,15 +183,17 @@ def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, pro
     interval and at the end; a signal agreed by every rank ends them after its step."""
     plan, t = prep.plan, prep.plan.train
     with Preemption(plan.checkpoint.on_signal) as preemption:
-        for step in range(progress.start + 1, t.steps + 1):
+        for step in step_numbers(progress.start, t.steps, where.replica):
             watch.memory.before(trainee.parts, trainee.optimizers)
             t0 = time.perf_counter()
             with watch.profiler.step(step):
-                batch = step_batch(prep.corpus, t.seed, step, prep.step.global_batch,
-                                   t.seq_len, where.dp_rank, prep.dims.dp)
+                global_batch, dp_rank, dp = share(prep, where.dp_rank, where.replica)
+                batch = prep.feed.batch(step, dp_rank, dp, global_batch)
                 watch.record(step, batch.tokens)
-                loss_value, grad_norm, lr = _update(prep, trainee, batch, step, where, watch.profiler,
-                                                    progress.last_saved)
+                updated = _update(prep, trainee, batch, step, where, watch.profiler, progress.last_saved)
+                if updated is None:  # the replica groups did not commit: the step again
+                    continue
+                loss_value, grad_norm, lr, trained = updated
                 if where.device_type == "cuda":
                     torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -197,13 +208,15 @@ def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, pro
             if batch.mask is not None:
                 row["loss_tokens"] = batch.count
             row.update(watch.profiler.mark(step))
+            row.update(replica_fields(where.replica, trained, step == t.steps))
             if where.device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 row["mfu"] = where.rate.mfu(dt) if where.rate.peak else None
             row.update(watch.evaluation.after(step))
+            row.update(prep.feed.metrics(step, watch.reporter.note))
             watch.reporter.log(row, show=step % plan.metrics.log_interval == 0 or step == t.steps)
             watch.sinks.log(row)
-            hooks.after_step(where.rank, step)
+            hooks.after_step(hook_rank(where.rank, where.rate.world, where.replica), step)
             progress.stopped = stopped = preemption.agreed(where.device)
             interval = plan.checkpoint.interval
             if plan.checkpoint.enabled and (stopped or step == t.steps
@@ -216,34 +229,40 @@ def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, pro
 
 
 def _update(prep: Prepared, trainee: Trainee, batch: Batch, step: int, where: _Rank, profiler: StepProfiler,
-            last_saved: Path | None) -> tuple[float, float, float]:
+            last_saved: Path | None) -> tuple[float, float, float, int] | None:
     """One optimizer step on ``batch``: forward and backward over its micro-batches, the loss
     summed over the world, gradients clipped, then the update; a non-finite loss or gradient
-    norm stops the run before the update. Returns the loss, the gradient norm and the lr."""
+    norm stops the run before the update. Returns the loss, the gradient norm, the lr and the
+    targets trained; None when the replica groups did not commit it (:mod:`tpplan.ft`)."""
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
     tokens, mask = batch.to(where.device)
-    positions = document_positions(tokens, prep.corpus.separator) \
-        if plan.data.document_mask else None
+    positions = (document_positions(tokens, prep.feed.separator) if batch.positions is None
+                 else batch.positions.to(where.device)) if plan.data.document_mask else None
     count = max(batch.count, 1)  # a global batch of prompts only: loss 0, no update
     loss_sum = trainee.stepper(tokens, mask, count, positions)
     # TP peers hold the same partial sums (under a pipeline, the last stage's
     # ranks; the others hold 0): the world's total over tp is the global mean.
     with profiler.phase("loss"):
         dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
-    loss_value = loss_sum.item() / dims.tp
+    loss_value, trained = loss_sum.item() / dims.tp, batch.count
+    if where.replica is not None:  # the other groups' gradients and losses added
+        reduced = where.replica.reduce(loss_value, group_targets(prep, batch, where.device), batch.count)
+        loss_value, trained = reduced or (math.nan, 0)
     with profiler.phase("clip"):
         grad_norm = clip_grad_norm(trainee.trained, t.grad_clip, where.pp_group, trainee.ep_local)
+    # every rank of the group asks (a collective); a failed all-reduce makes it False
+    if where.replica is not None and not where.replica.commit():
+        for optimizer in trainee.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return None
     if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-        raise TrainError(
-            f"step {step}: loss {loss_value}, gradient norm {grad_norm}: training "
-            f"diverged; stopped before the optimizer step (last checkpoint: "
-            f"{last_saved or 'none'}). Lower train.lr or set train.grad_clip")
+        raise not_finite(step, loss_value, grad_norm, trainee.parts, trainee.optimizers, last_saved)
     lr = trainee.schedules[0].get_last_lr()[0]
     for optimizer, schedule in zip(trainee.optimizers, trainee.schedules):
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-    return loss_value, grad_norm, lr
+    return loss_value, grad_norm, lr, trained
 
 
 def _finish(prep: Prepared, watch: _Watchers, where: _Rank, progress: _Progress,

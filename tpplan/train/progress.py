@@ -82,6 +82,8 @@ class Reporter:
                 f"{row['tokens_per_s']:,.0f} tok/s ({row['tokens_per_s_per_device']:,.0f}/dev)")
         if "eval_loss" in row:
             info += f"  val {row['eval_loss']:.4f} (ppl {row['eval_ppl']:.4g})"
+        if "replicas" in row:  # fault tolerance: the replica groups this step took part
+            info += f"  replicas {row['replicas']}"
         if row.get("mfu") is not None:
             info += f"  mfu {row['mfu']:.1%}  mem {row['peak_mem_gib']:.1f} GiB"
         if self.progress is not None:

@@ -12,24 +12,26 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from .. import checkpoint as ckpt
 from ..api import Plan, load
 from ..models import build_model
+from ..models.init import constructor_problems
 from ..models.introspect import vocab_size
 from ..parallel.mesh import ParallelDims
 from ..parallel.lora.sizes import checkpointed
 from ..parallel.runtime import restart_problem
 from ..plan import ErrorList, PlanErrors, StepShape
 from . import pretrained
-from .corpora import load_corpora
-from .data import Corpus, DataError
+from .corpora import load_corpora, open_feed
+from .data import Corpus, CorpusFeed, DataError
 from .runfolder import launch_id, preflight, read_launch
 from .sinks import missing as missing_sink
 
-__all__ = ["Prepared", "TrainError", "prepare", "run_folders"]
+__all__ = ["Prepared", "TrainError", "check_before_launch", "check_init", "prepare", "run_folders"]
 
 
 class TrainError(Exception):
@@ -48,7 +50,7 @@ class Prepared:
     dims: ParallelDims
     step: StepShape  # micro-batch and accumulation per data-parallel rank
     model: nn.Module  # on the meta device, not yet parallelized
-    corpus: Corpus
+    corpus: Corpus | None  # the corpus read whole (text, bytes); None for token sources
     run_dir: Path
     ckpt_dir: Path
     # Checkpoints to resume from, newest first; the first intact one is used. Empty: fresh.
@@ -61,6 +63,7 @@ class Prepared:
     eval_corpus: Corpus | None = None  # held-out data (the eval section), None: no eval
     lora_base: dict | None = None  # with lora: the frozen base's identity, saved and checked
     adapter: dict | None = None  # model.adapter's tensors (tpplan's names), checked
+    feed: Any = None  # each step's batch: a TokenFeed (token sources) or a CorpusFeed
 
 
 def run_folders(plan: Plan, plan_path: str) -> tuple[Path, Path]:
@@ -105,9 +108,11 @@ def _check_sections(plan: Plan, world: int) -> tuple[ParallelDims, StepShape]:
     t, data = plan.train, plan.data
     errs = ErrorList()
     where = data.locs.get("path", data.loc)
-    if data.path is not None and not Path(data.resolved(data.path)).exists():
-        errs.add(f"data.path '{data.path}' does not exist (a text file, a folder of text files, "
-                 f"or a .bin of uint16 tokens; null = the Python standard library)", where)
+    path = data.resolved(data.path)
+    if path is not None and not Path(path).exists() and not Path(path + ".idx").exists():
+        errs.add(f"data.path '{data.path}' does not exist (a text file, a folder of text files, a token "
+                 f"store, a Megatron prefix, a file of ids with data.dtype; null = the Python standard "
+                 f"library)", where)
     try:  # reported together with the data path: every mistake at once
         dims = plan.parallel_dims(world)
         step = plan.step_shape(world)  # the batch against the mesh, seq_len under SP
@@ -163,6 +168,30 @@ def _choose_start(prep: Prepared, resume: str | None, overwrite: bool) -> None:
                          f"--set metrics.run_dir=<new folder>")
 
 
+def check_init(plan: Plan, model: nn.Module) -> None:
+    """Every parameter has a known initializer (``init_std``, ``reset_parameters()``, or the
+    model's constructor replayed under ``train.seed``); else PlanErrors at ``model``, each
+    parameter named with the fix."""
+    errs = ErrorList()
+    spec = plan.model
+    for problem in constructor_problems(spec, model, plan.train.seed):
+        errs.add(f"cannot initialize the model as its constructor does: {problem}",
+                 spec.locs.get("factory", spec.loc))
+    errs.raise_if_any()
+
+
+def check_before_launch(plan_path: str, overrides: Sequence[str], world: int) -> None:
+    """The plan's mistakes found before torchrun starts ``world`` workers (each would find
+    them too, after starting): the sections, the model against every rule (lora, freeze,
+    experts included) and its initializers. Raises PlanErrors."""
+    plan = load(plan_path, overrides)
+    _check_sections(plan, world)
+    model = build_model(plan.require_model(), device="meta", real_buffers=True)
+    plan.check(model, world)
+    if not plan.model.pretrained:
+        check_init(plan, model)
+
+
 def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
             overwrite: bool) -> Prepared:
     """Parse and check everything a run needs; raise PlanErrors / TrainError on a mistake."""
@@ -174,6 +203,8 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
         raise TrainError(problem)
     model = build_model(plan.require_model(), device="meta", real_buffers=True)
     plan.check(model, world)  # patterns, divisibility: located errors
+    if not plan.model.pretrained:
+        check_init(plan, model)
     source = pretrained.check(plan.model, model) if plan.model.pretrained else None
     adapter = pretrained.check_adapter(plan, model) if plan.model.adapter else None
     max_len = getattr(getattr(model, "config", None), "max_seq_len", None)
@@ -185,14 +216,18 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     vocab = vocab_size(model)
     run_dir, ckpt_dir = run_folders(plan, plan_path)
     try:
-        corpora = load_corpora(data, plan.eval, run_dir, vocab, t.seq_len)
+        feed = open_feed(data, plan.eval, t.seed, step.global_batch, t.seq_len, vocab)
+        corpora = None if feed is not None else load_corpora(data, plan.eval, run_dir, vocab, t.seq_len)
     except DataError as e:
         raise TrainError(str(e)) from None
-    _check_data(plan, corpora.train, corpora.eval, vocab, step)
+    if corpora is not None:
+        _check_data(plan, corpora.train, corpora.eval, vocab, step)
+        feed = CorpusFeed(corpora.train, t.seed, step.global_batch, t.seq_len)
     if problem := restart_problem():
         raise TrainError(problem)
-    prep = Prepared(plan, dims, step, model, corpora.train, run_dir, ckpt_dir, eval_corpus=corpora.eval,
-                    notes=list(corpora.notes), pretrained=source)
+    prep = Prepared(plan, dims, step, model, corpora and corpora.train, run_dir, ckpt_dir,
+                    eval_corpus=corpora and corpora.eval, pretrained=source, feed=feed,
+                    notes=list(corpora.notes) if corpora else feed.plan_lines(t.steps))
     if plan.lora is not None:
         prep.lora_base = pretrained.base_identity(plan.model, t.seed)
         prep.adapter = adapter

@@ -9,7 +9,6 @@ loss (:mod:`.evaluate`'s normalisation); the trainer sums it over the world.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.context.sequence import position_kwarg, shard_batch
@@ -32,6 +31,7 @@ class PlainStepper:
         self.can_skip_sync = hasattr(model, "set_requires_gradient_sync") and accum > 1
         # a model that takes no positions (a user's own) trains on packed data unmasked
         self.takes_positions = position_kwarg(model) is not None
+        self.chunk = plan.train.loss_chunk
 
     def __call__(self, tokens: torch.Tensor, mask: torch.Tensor | None, count: int,
                  positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,7 +48,7 @@ class PlainStepper:
                 else positions[part, :-1]  # packed documents, masked from each other
             inputs, targets, kwargs = shard_batch(self.model, inputs, targets, pos)
             with self.plan.loss_context():
-                loss = target_loss(self.model(inputs, **kwargs), targets) / count
+                loss = target_loss(self.model(inputs, **kwargs), targets, self.chunk) / count
                 loss = with_aux_loss(loss, aux_loss(self.model), 1 / self.micro_batches)
                 (loss * self.dp_scale).backward()
             loss_sum += plain_loss(loss.detach())
@@ -59,12 +59,11 @@ class _ScaledLoss:
     """The schedule's loss on the last stage: summed cross-entropy times ``scale``, set per
     step to ``dp / count`` (FSDP2 averages gradients over the dp ranks; see .evaluate)."""
 
-    def __init__(self):
-        self.scale = 1.0
+    def __init__(self, chunk: int = 0):
+        self.scale, self.chunk = 1.0, chunk
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum") * self.scale
+        return target_loss(logits, targets, self.chunk) * self.scale
 
 
 class PipelineStepper:
@@ -73,7 +72,7 @@ class PipelineStepper:
 
     def __init__(self, plan, model: nn.Module, mesh, device: torch.device, dp_scale: int):
         self.plan, self.dp_scale = plan, dp_scale
-        self.loss_fn = _ScaledLoss()
+        self.loss_fn = _ScaledLoss(plan.train.loss_chunk)
         # scale_grads off: the loss already carries the 1/count of the global mean.
         self.pipe = plan.apply_pipeline(model, mesh, self.loss_fn, device, scale_grads=False)
         self.parts = self.pipe.modules

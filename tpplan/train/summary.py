@@ -42,8 +42,8 @@ def run_header(prep: Prepared, claimed: Claim, start: int, notes: list[str], n_p
     plan, dims, t = prep.plan, prep.dims, prep.plan.train
     header = (f"tpplan train: {plan.source} | {dims} on {world} {device_type} ranks | "
               f"{n_params / 1e6:.2f}M params{trained_summary(trainee.trained, local_params)} "
-              f"({trainee.init_method}) | data {prep.corpus.source}, "
-              f"{len(prep.corpus) / 1e6:.2f}M tokens | global batch {prep.step.global_batch}×"
+              f"({trainee.init_method}) | data {prep.feed.source}, "
+              f"{len(prep.feed) / 1e6:.2f}M tokens | global batch {prep.step.global_batch}×"
               f"{t.seq_len} = {prep.step.grad_accum} micro-batch(es) of {prep.step.micro_batch} per dp rank | "
               f"run folder {prep.run_dir}")
     if prep.restarted:
@@ -66,6 +66,7 @@ def run_summary(prep: Prepared, start: int, losses: list[float], mean_dt: float,
         "first loss": losses[0] if losses else float("nan"),
         "final loss": losses[-1] if losses else float("nan"),
         **evaluation.summary(),
+        **prep.feed.summary(start + len(losses)),
         f"step time (s, excl. first{' and profiled' * bool(plan.metrics.profile)})": mean_dt,
         "tokens/s (global)": rate.tokens_per_step / mean_dt if mean_dt else 0.0,
         "tokens/s per device": rate.tokens_per_step / mean_dt / world if mean_dt else 0.0,

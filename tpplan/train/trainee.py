@@ -16,6 +16,7 @@ from torch import nn
 from .. import checkpoint as ckpt
 from ..models import init_weights, materialize
 from ..models.init import init_adapters
+from ..plan.specs import ModelSpec
 from ..parallel.experts.module_list import expert_list_groups
 from .optim import lr_lambda, make_optimizer
 from .pretrained import load as load_pretrained
@@ -38,10 +39,11 @@ class Trainee:
     init_method: str  # how the weights were set, for the header
 
 
-def _init(parts: list, seed: int, device: torch.device) -> str:
+def _init(parts: list, seed: int, device: torch.device, spec: ModelSpec | None = None) -> str:
     """Seeded init of each part: parameters are seeded by their whole-model name, so the
-    numbers do not depend on the pipeline split."""
-    return [init_weights(part, seed, device) for part in parts][0]
+    numbers do not depend on the pipeline split (those only a constructor writes: as the
+    plain build under ``seed`` does, ``spec``'s constructor replayed)."""
+    return [init_weights(part, seed, device, spec) for part in parts][0]
 
 
 def _initialize(prep: Prepared, claimed: Claim, parts: list[nn.Module], device: torch.device) -> str:
@@ -50,13 +52,13 @@ def _initialize(prep: Prepared, claimed: Claim, parts: list[nn.Module], device: 
     plan, t = prep.plan, prep.plan.train
     lora = plan.lora is not None  # checkpoints hold what trains; the base is loaded as at start
     if claimed.resume_from is not None and not (lora and prep.pretrained is not None):
-        init_method = f"{_init(parts, t.seed, device)} init, then the checkpoint's"
+        init_method = f"{_init(parts, t.seed, device, plan.model)} init, then the checkpoint's"
     elif prep.pretrained is not None:
         init_method = load_pretrained(prep.pretrained, parts[0])
         if sum(init_adapters(part, t.seed) for part in parts):  # not in the HF folder
             init_method += ", LoRA adapters drawn"
     else:
-        init_method = _init(parts, t.seed, device) + " init"
+        init_method = _init(parts, t.seed, device, plan.model) + " init"
     if prep.adapter is not None and claimed.resume_from is None:
         load_adapter(prep.adapter, parts)
         init_method += f", LoRA adapters from {plan.model.adapter}"

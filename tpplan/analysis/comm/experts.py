@@ -82,6 +82,14 @@ def top_k_of(model: nn.Module, path: str) -> int:
     return 0
 
 
+def router_width(model: nn.Module, path: str, num_experts: int) -> int:
+    """The hidden size a user's experts take, where nothing names it: the input width of
+    the router beside them (a linear layer scoring ``num_experts`` experts), else 0."""
+    parent = model.get_submodule(path.rpartition(".")[0]) if "." in path else model
+    return next((x.in_features for x in parent.modules()
+                 if isinstance(x, nn.Linear) and x.out_features == num_experts), 0)
+
+
 def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
     """Every experts container of ``model`` (parameters ``[num_experts, ...]``), with
     whether ``res`` (a Resolution) spreads it with ``expert_parallel``."""
@@ -98,7 +106,8 @@ def experts_modules(model: nn.Module, res) -> list[ExpertsModule]:
         shapes = tuple(tuple(p.shape) for p in params)  # DTensors: the global shape
         hidden = getattr(m, "hidden_dim", None) or getattr(m, "hidden_size", None) or \
             getattr(getattr(model, "config", None), "hidden_size", None) or \
-            listed and next((x.in_features for x in m.modules() if isinstance(x, nn.Linear)), 0)
+            listed and next((x.in_features for x in m.modules() if isinstance(x, nn.Linear)), 0) or \
+            router_width(model, path, n)
         out.append(ExpertsModule(
             path, n, top_k_of(model, path), int(hidden), shapes,
             (params[0].to_local() if isinstance(params[0], DTensor) else params[0]).element_size(),

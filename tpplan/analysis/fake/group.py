@@ -17,6 +17,7 @@ from ..._torch.dtensor import clear_sharding_caches
 from ..._torch.fsdp import fsdp_init_on_demand
 from ..._torch.mesh import own_groups_only
 from ...parallel.experts.style import balanced_routing
+from .experts import balanced_experts
 
 __all__ = ["ChunksOnDemand", "fake_process_group", "fewer_collections", "forget_meshes"]
 
@@ -24,7 +25,9 @@ __all__ = ["ChunksOnDemand", "fake_process_group", "fewer_collections", "forget_
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """A process group of ``world_size`` ranks in which collectives do nothing; inside it
-    ``expert_parallel`` routes evenly (:func:`~tpplan.parallel.experts.style.balanced_routing`)."""
+    ``expert_parallel`` routes evenly (:func:`~tpplan.parallel.experts.style.balanced_routing`)
+    and an experts module's own data-dependent operators get balanced sizes
+    (:func:`~tpplan.analysis.fake.experts.balanced_experts`)."""
     if dist.is_initialized():
         raise RuntimeError("a process group is already running; the dry run needs its own")
     dist.init_process_group("fake", rank=rank, world_size=world_size)
@@ -36,7 +39,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
         # handed back as "not a member" and dropped: 12.6 s of 87 of a 405B search's
         # (docs/benchmarks.md).
         with fsdp_init_on_demand(ChunksOnDemand), own_groups_only(rank), fewer_collections(), \
-                balanced_routing():
+                balanced_routing(), balanced_experts():
             yield
     finally:
         dist.destroy_process_group()

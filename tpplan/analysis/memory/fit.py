@@ -117,9 +117,11 @@ def _ep_candidates(result: DryRun) -> list[tuple[str, list[str]]]:
 def _cp_change(result: DryRun, plan_path: str, base: list[str], capacity: int
                ) -> dict[str, Any] | None:
     """Context parallelism for a sequence that does not fit: ``mesh.cp`` doubled until it
-    fits (each degree checked; the ranks come from dp_shard), or the largest the world and
-    the sequence allow; None when the model's attention cannot be split (no seam) or no
-    degree is possible. docs/long-context.md."""
+    fits (each degree checked; the ranks come from dp_shard), else the degree that needed
+    least. Doubling stops once a degree needs more than the one before: activations shrink
+    with cp but FSDP shards the state over fewer ranks, so past that point every larger
+    degree needs more still. None when the model's attention cannot be split (no seam) or
+    no degree is possible. docs/long-context.md."""
     from ...parallel.context.sequence import position_kwarg
 
     spec, shape, dims = result.plan.spec, result.step, result.resolution.dims
@@ -137,6 +139,8 @@ def _cp_change(result: DryRun, plan_path: str, base: list[str], capacity: int
         checked = _check(plan_path, result.world_size, base + sets, capacity)
         if checked["error"] is not None:
             return tried  # the plan cannot take this cp (the error says why)
+        if tried is not None and checked["needed"] > tried["needed"]:
+            return tried  # past the best degree: memory grows from here on
         tried = {"change": what, "set": sets, **checked}
         if checked["fits"]:
             break
@@ -198,7 +202,7 @@ def fit(result: DryRun, device: Device, plan_path: str, overrides: Sequence[str]
         out["changes"].append({"change": what, "set": sets,
                                **_check(plan_path, result.world_size, base + sets, device.memory)})
     cp = _cp_change(result, plan_path, base, device.memory)
-    if cp is not None:  # checked degree by degree: the smallest cp that fits, or the largest
+    if cp is not None:  # checked degree by degree: the smallest cp that fits, or the one needing least
         out["changes"].append(cp)
         candidates.append((cp["change"], cp["set"]))
     fitting = [c for c in out["changes"] if c["fits"]]

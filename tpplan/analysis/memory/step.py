@@ -46,7 +46,7 @@ from ..fake.tensors import fake_mode
 from .step_loop import TracedStep, micro_batches_traced
 from .tracker import MemoryTracker
 
-__all__ = ["trace_step", "first_forward_ends", "forward_activations", "truncated",
+__all__ = ["trace_step", "count_kernels", "first_forward_ends", "forward_activations", "truncated",
            "micro_batches_traced", "StageIO", "ModelBuilder"]
 
 
@@ -163,9 +163,17 @@ def first_forward_ends(spec: PlanSpec, mesh, build: Callable[[], nn.Module],
     return forward_activations(tracker.moments), tracker.ends
 
 
+def count_kernels(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+                  depth: int | None, kernels) -> None:
+    """The trainer's step for ``spec`` (its first ``depth`` blocks) on fake tensors, every
+    operator of it counted into ``kernels`` (a :class:`~tpplan.analysis.memory.kernels.KernelCount`)."""
+    with _on_fake_tensors(spec, mesh, build, depth, None) as (spec, model, blocks, io):
+        _run(spec, model, blocks, shape, io, kernels=kernels)
+
+
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
          io: StageIO, first_forward: bool = False, shards: set[int] | None = None,
-         period: int | None = None) -> MemoryTracker:
+         period: int | None = None, kernels=None) -> MemoryTracker:
     """The step run under a tracker; ``shards``: the storages of FSDP2's sharded
     parameters (:func:`~tpplan.analysis.memory.dp_shards.fsdp_shards`), to follow shards apart;
     ``period``: the live activations at the end of every ``period``-th block's forward
@@ -174,7 +182,7 @@ def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,
     run.warm_up()
     run.register(shards)
     tracker, where = run.tracker, run.where
-    tracker.ends = []
+    tracker.ends, tracker.kernels = [], kernels
     hooks = [block.register_forward_hook(lambda *_: tracker.ends.append(
         tracker.live["activations"])) for i, block in enumerate(
             getattr(*_parent(model, blocks)).children()) if i % period == period - 1] \

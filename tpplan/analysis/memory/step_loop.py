@@ -10,11 +10,11 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ...checkpoint.optim_state import init_state
 from ...parallel.apply import loss_context
 from ...parallel.context.sequence import shard_batch
+from ...parallel.tp.loss import cross_entropy
 from ...plan.specs import PlanSpec
 from ...plan.step import StepShape
 from .dp_shards import ScalableTracker
@@ -99,8 +99,9 @@ class TracedStep:
             inputs = torch.zeros(io.received[0], dtype=io.received[1], requires_grad=True)
         held["logits"] = self.model(inputs, **kwargs)
         if io.last:
-            held["loss"] = F.cross_entropy(held["logits"].flatten(0, 1).float(),
-                                           targets.flatten()) / self.accum
+            # the trainer's loss (chunked over a large vocabulary: train.loss_chunk)
+            held["loss"] = cross_entropy(held["logits"], targets, self.spec.train.loss_chunk,
+                                         reduction="mean") / self.accum
         else:
             io.sent = (tuple(held["logits"].shape), held["logits"].dtype)
 

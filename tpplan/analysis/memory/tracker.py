@@ -127,6 +127,7 @@ class MemoryTracker(Traced, TorchDispatchMode):
         self._copies, self._buffers, self._scatter, self._gather = _ops()
         self._patches: contextlib.ExitStack | None = None
         self._propagating = 0
+        self.kernels = None  # a KernelCount (tpplan.analysis.memory.kernels): every op counted
 
     # storages
     def _entry(self, st: torch.UntypedStorage) -> list | None:
@@ -248,6 +249,8 @@ class MemoryTracker(Traced, TorchDispatchMode):
         out = func(*args, **kwargs)
         if self._propagating:
             return out  # DTensor's sharding propagation: fake tensors of global shapes, no memory
+        if self.kernels is not None:
+            self.kernels.add(func, args, kwargs, out, self.where())
         part = self.phase
         if func in self._buffers:  # FSDP2's collective buffers, and the copies made for them
             part = "transients"

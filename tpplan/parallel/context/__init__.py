@@ -4,6 +4,8 @@
   seams of a model wrapped, and the checks a plan's ``context_parallel`` section gets.
 - ``attention``: ring (K/V all-gathered) and Ulysses (heads all-to-all) attention over
   differentiable collectives, with document and causal masks.
+- ``local``: sliding windows and chunks over global indices (the keys ring can skip).
+- ``hf``: a transformers model's attention routed through cp (its own kernel, our mask).
 """
 
 from ...exports import lazy_exports

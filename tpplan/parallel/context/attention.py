@@ -70,20 +70,28 @@ def _gather_plain(t: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 def sequence_mask(index: torch.Tensor, all_index: torch.Tensor, positions: torch.Tensor,
-                  group, cp: int, rank: int, queries: str) -> torch.Tensor:
+                  group, cp: int, rank: int, queries: str, window: int | None = None,
+                  chunk: int | None = None) -> torch.Tensor:
     """The boolean mask of one attention call, keys in rank order (every rank's tokens,
-    rank 0's first), queries ``local`` (this rank's, for ring) or ``all`` (for Ulysses).
+    rank 0's first), queries ``local`` (this rank's, for ring) or ``all`` (for Ulysses);
+    ``window``/``chunk``: a local-attention layer's (:mod:`.local`).
 
     Documents are read from the positions of the whole sequence (gathered once, integers
     only): where a position does not continue its predecessor's, a new document starts."""
+    from .local import local_mask
+
     every = _gather_plain(positions, group, cp)  # (bs, S) in rank order
     in_order = torch.empty_like(every)
     in_order[:, all_index] = every  # global order, where documents are contiguous
     docs = document_ids(in_order)[:, all_index]  # back to rank order
-    if queries == "all":
-        return attention_mask(all_index, all_index, docs, docs)
-    s = index.numel()
-    return attention_mask(index, all_index, docs[:, rank * s:(rank + 1) * s], docs)
+    q_index, q_docs, q_pos = all_index, docs, every
+    if queries != "all":
+        s = index.numel()
+        here = slice(rank * s, (rank + 1) * s)
+        q_index, q_docs, q_pos = index, docs[:, here], every[:, here]
+    mask = attention_mask(q_index, all_index, q_docs, docs)
+    local = local_mask(q_index, all_index, q_pos, every, window, chunk)
+    return mask if local is None else mask & local
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -94,10 +102,16 @@ def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         ~mask, float("-inf"))
 
 
-def ring_attention(q, k, v, mask, group, kernel: Kernel) -> torch.Tensor:
+def ring_attention(q, k, v, mask, group, kernel: Kernel,
+                   keys: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries against every rank's keys and values (all-gathered over cp on
-    the sequence dimension; their gradients reduce-scattered back in backward)."""
-    return kernel(q, _gather(k, 2, group), _gather(v, 2, group), mask)
+    the sequence dimension; their gradients reduce-scattered back in backward). ``keys``:
+    the rank-order places of the only keys the queries can see (a sliding window's), the
+    others left out of the kernel (``mask``'s columns are those keys')."""
+    k, v = _gather(k, 2, group), _gather(v, 2, group)
+    if keys is not None:
+        k, v = k.index_select(2, keys), v.index_select(2, keys)
+    return kernel(q, k, v, mask)
 
 
 def _to_heads(t: torch.Tensor, cp: int, group) -> torch.Tensor:

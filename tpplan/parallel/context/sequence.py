@@ -26,17 +26,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..._torch.fake import is_fake
-from ..._torch.transformers import attn_implementation, has_attn_implementation, set_attn_implementation
 from ...plan.errors import ErrorList
 from ...plan.context import ContextParallelSpec
 from ...plan.specs import PlanSpec
 from .attention import (additive, one_document_per_row, ring_attention, ring_causal,
-                                sequence_mask, ulysses_attention, ulysses_causal)
+                        sequence_mask, ulysses_attention, ulysses_causal)
+from .hf import HF_ATTENTION, hf_config, unsupported_layers, wrap_hf
+from .local import needed_keys
 
 __all__ = ["ContextParallel", "sequence_index", "apply_context_parallel", "shard_batch",
            "position_kwarg", "check_context_parallel", "attention_shape", "HF_ATTENTION"]
 
-HF_ATTENTION = "tpplan_context_parallel"  # the name registered with transformers
+
+def runs(local: int, cp: int, rank: int, load_balance: bool) -> tuple[tuple[int, int, int], ...]:
+    """Rank ``rank``'s runs of ``local`` tokens as (local start, global start, length)."""
+    if not load_balance:
+        return ((0, rank * local, local),)
+    size = local // 2  # chunks r and 2·cp - 1 - r, as sequence_index cuts them
+    return ((0, rank * size, size), (size, (2 * cp - 1 - rank) * size, size))
 
 
 def sequence_index(seq_len: int, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
@@ -65,6 +72,7 @@ class ContextParallel:
         self.position_kwarg = position_kwarg
         self._mask_for: tuple[Any, dict] | None = None
         self._causal: torch.Tensor | None = None  # positions shard_batch found undivided
+        self._given: torch.Tensor | None = None  # the last positions shard_batch gave
         self._layouts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def layout(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +102,30 @@ class ContextParallel:
 
     def chunks(self, local: int) -> tuple[tuple[int, int, int], ...]:
         """This rank's runs of tokens as (local start, global start, length)."""
-        if not self.load_balance:
-            return ((0, self.rank * local, local),)
-        size = local // 2  # chunks r and 2·cp - 1 - r, as sequence_index cuts them
-        return ((0, self.rank * size, size), (size, (2 * self.cp - 1 - self.rank) * size, size))
+        return runs(local, self.cp, self.rank, self.load_balance)
+
+    def _keys(self, local: int, window: int | None, chunk: int | None, device) -> torch.Tensor | None:
+        """Ring under a window or chunks: the rank-order places of the gathered keys some
+        local query can see (None: every key), from the layout alone."""
+        every = [(r * local + start, first, n) for r in range(self.cp)
+                 for start, first, n in runs(local, self.cp, r, self.load_balance)]
+        keep = needed_keys(self.chunks(local), every, window, chunk)
+        return None if keep is None else torch.tensor(keep, device=device)
+
+    def _mask(self, positions, index, all_index, dtype, window, chunk, keys) -> torch.Tensor:
+        """The additive mask of this forward for one locality (window, chunk): built once
+        per forward and kind of layer, shared by every such layer (``keys``: its columns)."""
+        if self._mask_for is None or self._mask_for[0] is not positions:
+            self._mask_for = (positions, {})
+        masks = self._mask_for[1]
+        if (window, chunk, "bool") not in masks:
+            queries = "local" if self.method == "ring" else "all"
+            mask = sequence_mask(index, all_index, positions, self.group, self.cp, self.rank,
+                                 queries, window, chunk)
+            masks[(window, chunk, "bool")] = mask if keys is None else mask.index_select(-1, keys)
+        if (window, chunk, dtype) not in masks:  # SDPA would turn a boolean mask to this per call
+            masks[(window, chunk, dtype)] = additive(masks[(window, chunk, "bool")], dtype)
+        return masks[(window, chunk, dtype)]
 
     def _undivided(self, positions: torch.Tensor, index: torch.Tensor) -> bool:
         """One document per row: the positions :func:`shard_batch` found so, or (a pipeline's
@@ -107,17 +135,21 @@ class ContextParallel:
         return positions.shape[-1] == index.numel() and bool((positions == index).all())
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor | None, kernel=None, scale: float | None = None
-               ) -> torch.Tensor:
+               positions: torch.Tensor | None, kernel=None, scale: float | None = None,
+               window: int | None = None, chunk: int | None = None) -> torch.Tensor:
         """(bs, h, s, hd) queries of this rank's tokens against the whole sequence.
 
         Without packed documents (the positions :func:`shard_batch` made, or given ones
         with no boundary) the built-in attention builds no mask: causal attention in
         blocks (:func:`.attention.ring_causal`, ``ulysses_causal``). With
         documents, or a model's own ``kernel(q, k, v, mask)``, one mask per forward, shared
-        by every layer. ``kernel`` None: softmax attention (SDPA), scores times ``scale``."""
+        by every layer. ``kernel`` None: softmax attention (SDPA), scores times ``scale``.
+        ``window``/``chunk``: a sliding-window or chunked layer (.local), part of its mask;
+        under ring only the gathered keys its queries can see enter the kernel."""
         from torch.distributed.tensor import DTensor
 
+        if positions is None:  # an attention not handed them (Llama 4's): the batch's
+            positions = self._given
         if positions is None:
             raise RuntimeError("context parallelism needs each token's position: take the "
                                "batch through tpplan.parallel.context.sequence.shard_batch")
@@ -126,7 +158,8 @@ class ContextParallel:
                                "q/k/v projections use_local_output: true (the default)")
         index, all_index = self.layout(q.shape[2])
         index, all_index = index.to(q.device), all_index.to(q.device)
-        if kernel is None and self._undivided(positions, index) and q.device.type in ("cpu", "meta"):
+        local = window or chunk
+        if kernel is None and not local and self._undivided(positions, index) and q.device.type in ("cpu", "meta"):
             order = torch.empty_like(all_index)
             order[all_index] = torch.arange(all_index.numel(), device=q.device)
             if self.method == "ring":
@@ -134,17 +167,10 @@ class ContextParallel:
             return ulysses_causal(q, k, v, self.group, self.cp, order, all_index, scale)
         if kernel is None:
             kernel = functools.partial(_sdpa, scale=scale)
-        if self._mask_for is None or self._mask_for[0] is not positions:
-            queries = "local" if self.method == "ring" else "all"
-            mask = sequence_mask(index, all_index, positions, self.group, self.cp, self.rank,
-                                 queries)
-            self._mask_for = (positions, {"bool": mask})
-        masks = self._mask_for[1]
-        if q.dtype not in masks:  # SDPA would turn a boolean mask to this per call, and keep it
-            masks[q.dtype] = additive(masks["bool"], q.dtype)
-        mask = masks[q.dtype]
+        keys = self._keys(q.shape[2], window, chunk, q.device) if local and self.method == "ring" else None
+        mask = self._mask(positions, index, all_index, q.dtype, window, chunk, keys)
         if self.method == "ring":
-            return ring_attention(q, k, v, mask, self.group, kernel)
+            return ring_attention(q, k, v, mask, self.group, kernel, keys)
         return ulysses_attention(q, k, v, mask, self.group, self.cp, kernel)
 
 
@@ -153,60 +179,21 @@ def _seams(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if callable(getattr(type(m), "attend", None))]
 
 
-def _hf_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config if has_attn_implementation(config) else None
-
-
 def position_kwarg(model: nn.Module) -> str | None:
     """The keyword the model takes per-token positions under: ``positions`` (built-in),
     ``position_ids`` (HF), None when it takes none."""
-    if _hf_config(model) is not None:
+    if hf_config(model) is not None:
         return "position_ids"
     return "positions" if _seams(model) else None
-
-
-_HF_CONTEXTS: dict[int, tuple[Any, ContextParallel, str]] = {}
-_PLAIN = {"dropout", "scaling", "use_cache", "cache_position"}  # keywords that change nothing
-
-
-def _hf_attention(module, query, key, value, attention_mask, **kwargs):
-    """The function transformers calls for each attention under context parallelism: the
-    model's own implementation (sdpa, eager, ...) as the kernel, our mask in place of its."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    _, ctx, inner_name = _HF_CONTEXTS[id(module.config)]
-    inner = ALL_ATTENTION_FUNCTIONS.get_interface(inner_name, eager_attention_forward)
-    positions = kwargs.pop("position_ids", None)
-
-    def kernel(q, k, v, mask):  # mask: additive, as transformers' kernels take it
-        out, _ = inner(module, q, k, v, mask, **kwargs)
-        return out.transpose(1, 2)  # transformers returns (bs, s, h, hd)
-
-    # transformers' sdpa with nothing but a scale (no window, soft cap, sinks) is softmax
-    # attention: ours serves, without a mask
-    given = {k for k, v in kwargs.items() if v is not None}  # sliding_window=None: no window
-    plain = inner_name == "sdpa" and not kwargs.get("dropout") and not given - _PLAIN
-    out = ctx.attend(query, key, value, positions, None if plain else kernel,
-                     kwargs.get("scaling"))
-    return out.transpose(1, 2).contiguous(), None
 
 
 def apply_context_parallel(model: nn.Module, mesh, spec: ContextParallelSpec) -> ContextParallel:
     """Wrap the model's attention for the cp sub-mesh ``mesh``; the returned object is also
     ``model.context_parallel`` (what :func:`shard_batch` reads)."""
-    config = _hf_config(model)
+    config = hf_config(model)
     ctx = ContextParallel(mesh, spec, position_kwarg(model) or "positions")
     if config is not None:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(HF_ATTENTION, _hf_attention)
-        inner = attn_implementation(config) or "sdpa"
-        if inner == HF_ATTENTION:  # applied twice (verify's reference build is separate)
-            inner = _HF_CONTEXTS[id(config)][2]
-        _HF_CONTEXTS[id(config)] = (config, ctx, inner)  # config kept: its id stays unique
-        set_attn_implementation(config, HF_ATTENTION)
+        wrap_hf(model, ctx)
     else:
         for m in _seams(model):
             m.attend = functools.partial(_seam_attend, ctx)
@@ -239,12 +226,14 @@ def shard_batch(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
     local = ctx.shard(positions)
     ctx._causal = local if one_document else None
+    ctx._given = local
     return ctx.shard(inputs), ctx.shard(targets), {ctx.position_kwarg: local}
 
 
 def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: ErrorList) -> None:
-    """What the model must offer for ``mesh.cp``: an attention tpplan can wrap, no sliding
-    window, heads that divide over cp under Ulysses, and FSDP to reduce the gradients."""
+    """What the model must offer for ``mesh.cp``: an attention tpplan can wrap, only
+    attention layers (full, sliding-window, chunked) mixing tokens, heads that divide over
+    cp under Ulysses, and FSDP to reduce the gradients."""
     cp, spec = plan.mesh.cp, plan.context_parallel
     if cp <= 1:
         return
@@ -253,21 +242,18 @@ def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: Erro
         errs.add(f"mesh cp={cp} needs an 'fsdp' section: the cp ranks hold the same parameters "
                  "and their gradients must be reduced (FSDP2 shards over dp_shard × cp); add "
                  "'fsdp: {}' at least", plan.mesh.locs.get("cp") or plan.mesh.loc)
-    config = _hf_config(model)
+    config = hf_config(model)
     if config is None and not _seams(model):
         errs.add(f"context parallelism cannot wrap {type(model).__name__}'s attention: tpplan "
                  "wraps the built-in Llama's Attention.attend(q, k, v, positions) and a "
                  "HuggingFace model's attention interface; give the model one of those", where)
         return
-    if config is not None:
-        types = getattr(config, "layer_types", None) or ()
-        sliding = "sliding_attention" in types or (
-            getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-            and not types)
-        if sliding:
-            errs.add(f"context parallelism does not support {type(model).__name__}'s "
-                     "sliding-window attention yet: its mask needs the window over global "
-                     "token indices, which tpplan's cp mask does not build", where)
+    other = unsupported_layers(config) if config is not None else []
+    if other:
+        errs.add(f"context parallelism does not support {type(model).__name__}'s "
+                 f"{', '.join(other)} layers: they mix tokens outside the attention function, "
+                 "which is all cp wraps (full, sliding-window and chunked attention are "
+                 "supported)", where)
     if spec.method == "ulysses":
         heads = _heads(model, config)
         for name, n in heads:
@@ -282,7 +268,7 @@ def check_context_parallel(plan: PlanSpec, model: nn.Module, tp: int, errs: Erro
 def attention_shape(model: nn.Module) -> tuple[int, int, int, int]:
     """(attention layers, query heads, KV heads, head dim) of a model cp can wrap, before
     tensor parallelism divides the heads."""
-    config = _hf_config(model)
+    config = hf_config(model)
     (_, h), (_, kv) = _heads(model, config)
     if config is not None:
         d = getattr(config, "head_dim", None) or config.hidden_size // h

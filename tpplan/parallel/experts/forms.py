@@ -15,16 +15,16 @@ from torch.distributed.tensor import DTensor
 
 from ..._torch.modules import own_parameters, swapped
 
-__all__ = ["expert_count", "list_expert_count", "call_form", "computes_aux_loss", "experts_for_ep",
+__all__ = ["expert_count", "list_expert_count", "call_form", "positional_call", "computes_aux_loss", "experts_for_ep",
            "local_experts", "using_local_experts", "param_owner", "tie_experts", "dense_forward"]
 
-# What the forward is given: (hidden_states, top_k_index, top_k_weights), or the same three
-# arguments under other names: gpt-oss's (hidden_states, router_indices,
-# routing_weights), whose expert weights are stored transposed ([E, in, out]) and carry
+# What the forward is given, by position: three tensors (hidden states [T, H], expert ids
+# [T, k], routing weights [T, k]) under any names -- transformers' (hidden_states,
+# top_k_index, top_k_weights), gpt-oss's (hidden_states, router_indices, routing_weights),
+# a user's (x, idx, w). gpt-oss stores its expert weights transposed ([E, in, out]) with
 # biases; the style only splits dimension 0 and calls the module's own forward, so neither
 # matters to it.
-CALL_NAMES = (("hidden_states",), ("top_k_index", "router_indices"),
-              ("top_k_weights", "routing_weights"))
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def expert_count(module: nn.Module) -> int | None:
@@ -66,16 +66,36 @@ def computes_aux_loss(model: nn.Module | None) -> bool:
 
 
 def call_form(module: nn.Module) -> str | None:
-    """How the experts module is called: ``"routed"`` (hidden states, expert ids, weights),
-    ``"dense"`` (Llama 4's: every token for every expert, pre-weighted) or None."""
+    """How the experts module is called, told by the arity of its forward alone (names do not
+    matter): ``"routed"`` (three tensors by position: hidden states, expert ids, weights;
+    further arguments only with defaults), ``"dense"`` (one: Llama 4's every token for every
+    expert, pre-weighted) or None."""
     try:
-        names = list(inspect.signature(module.forward).parameters)
+        params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
-    if names == ["hidden_states"]:
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    required = [p for p in params if p.default is p.empty and p.kind not in
+                (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    if len(required) > len(positional[:3]) or any(p not in positional for p in required):
+        return None
+    if len(positional) == 1:
         return "dense"
-    ok = len(names) >= 3 and all(p in q for p, q in zip(names, CALL_NAMES))
-    return "routed" if ok else None
+    return "routed" if len(positional) >= 3 and len(required) <= 3 else None
+
+
+def positional_call(forward, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``forward``'s arguments with its first three (the routed form's tensors) moved to
+    positions, whatever they are named, so a caller may pass them by keyword."""
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return args, kwargs
+    names = [n for n, p in inspect.signature(forward).parameters.items() if p.kind in _POSITIONAL][:3]
+    if len(args) >= 3 or not all(n in bound.arguments for n in names):
+        return args, kwargs
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    return tuple(bound.arguments[n] for n in names), rest
 
 
 def experts_for_ep(model: nn.Module) -> list[str]:

@@ -47,7 +47,7 @@ from ...plan.errors import ErrorList
 from ...plan.specs import MeshSpec, Rule
 from ...plan.styles import EP_STYLES
 from .forms import (call_form, computes_aux_loss, dense_forward, expert_count, experts_for_ep,
-                    tie_experts, using_local_experts)
+                    positional_call, tie_experts, using_local_experts)
 from .module_list import check_expert_list, check_rules_inside_lists, split_expert_list
 from .sequence_local import check_sequence_local
 
@@ -84,9 +84,10 @@ def check_expert_parallel(rule: Rule, path: str, module: nn.Module, ep: int,
             names = list(inspect.signature(module.forward).parameters)
         except (TypeError, ValueError):
             names = []
-        errs.add(f"{where} is not called as experts(hidden_states, top_k_index, "
-                 f"top_k_weights) (its forward takes {', '.join(names) or 'something else'}), "
-                 "so expert_parallel cannot route its tokens", rule.loc)
+        errs.add(f"{where}'s forward takes ({', '.join(names) or 'something else'}): "
+                 "expert_parallel calls experts with three tensors by position (hidden states "
+                 "[T, H], expert ids [T, k], routing weights [T, k]; any names, further "
+                 "arguments only with defaults), or one (every token for every expert)", rule.loc)
     if n % ep:
         errs.add(f"{where} holds {n} experts and mesh ep={ep} does not divide them", rule.loc)
 
@@ -173,6 +174,9 @@ def routed_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: in
     Looked up here when the style is applied."""
     from ..._torch.collectives import all_to_all_single_autograd
 
+    if hidden_states.dim() != 2 or top_k_index.shape[:1] != hidden_states.shape[:1]:
+        raise ValueError(f"expert_parallel: experts called with shapes {tuple(hidden_states.shape)}, "
+                         f"{tuple(top_k_index.shape)}: not hidden states [T, H], expert ids [T, k]")
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(f"expert_parallel: routing weights of shape {tuple(top_k_weights.shape)}"
                          f" do not match the expert ids' {tuple(top_k_index.shape)}")
@@ -219,6 +223,13 @@ def routed_forward(module: nn.Module, forward, mesh: DeviceMesh, num_experts: in
     return combined.index_add(0, token, (back * weights[:, None]).to(combined.dtype))
 
 
+def _by_position(module: nn.Module, forward, mesh: DeviceMesh, num_experts: int, *args, **kwargs):
+    """:func:`routed_forward` with the three tensors given by keyword moved to positions
+    (the contract is positional: a forward may name them as it likes)."""
+    args, kwargs = positional_call(forward, args, kwargs)
+    return routed_forward(module, forward, mesh, num_experts, *args, **kwargs)
+
+
 class ExpertParallel(ParallelStyle):
     """Spread a mixture-of-experts module's routed experts over the ep ranks and route its
     tokens to them with all-to-all (see the module docstring).
@@ -259,7 +270,7 @@ class ExpertParallel(ParallelStyle):
         module._tpplan_ep_size = device_mesh.size()
         module._tpplan_ep_tp = self.tokens_tp
         dense = call_form(module) == "dense"
-        module.forward = functools.partial(dense_forward if dense else routed_forward, module,
+        module.forward = functools.partial(dense_forward if dense else _by_position, module,
                                            module.forward, device_mesh, num_experts)
         return module
 

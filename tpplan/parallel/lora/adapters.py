@@ -34,7 +34,7 @@ from torch import nn
 
 from ...plan import ErrorList
 from ...plan.errors import nearest
-from ...plan.patterns import compile_pattern, generalize
+from ...plan.patterns import generalize
 from ...plan.specs import LoraSpec, LoraTarget
 
 __all__ = ["LoraA", "LoraB", "FOLLOWED_STYLES", "adapter_params", "apply_lora", "check_lora",
@@ -83,7 +83,7 @@ class LoraB(nn.Linear):
 def _last_verdict(rules: list[LoraTarget], path: str) -> bool:
     verdict = False
     for rule in rules:
-        if compile_pattern(rule.pattern).fullmatch(path):
+        if rule.matches(path):
             verdict = rule.included
     return verdict
 
@@ -122,9 +122,11 @@ def check_lora(spec: LoraSpec | None, modules: dict[str, nn.Module], rule_of: di
     linears = sorted({generalize(p) for p, m in modules.items() if p and isinstance(m, nn.Linear)})
     for rule in spec.targets + spec.modules_to_save:
         key = "targets" if rule in spec.targets else "modules_to_save"
-        hits = [p for p in paths if p and compile_pattern(rule.pattern).fullmatch(p)]
+        hits = [p for p in paths if p and rule.matches(p)]
         if not hits and rule.included and not stage:
             shown = linears if key == "targets" else sorted({generalize(p) for p in paths if p})
+            if "." not in rule.pattern:  # a bare name (PEFT's spelling): the names to compare
+                shown = sorted({p.rsplit(".", 1)[-1] for p in shown})
             errs.add(f"'lora.{key}' pattern '{rule.pattern}' matches no module of the model"
                      f"{nearest(rule.pattern, shown, 0.5)} ({'linear layers' if key == 'targets' else 'modules'} "
                      f"such as: {', '.join(shown[:8])})", rule.loc)
@@ -134,8 +136,7 @@ def check_lora(spec: LoraSpec | None, modules: dict[str, nn.Module], rule_of: di
         if general in seen:
             continue
         seen.add(general)
-        loc = next(r.loc for r in reversed(spec.targets)
-                   if compile_pattern(r.pattern).fullmatch(path))
+        loc = next(r.loc for r in reversed(spec.targets) if r.matches(path))
         if not isinstance(module, nn.Linear) or isinstance(module, (LoraA, LoraB)):
             errs.add(f"lora target '{general}' ({type(module).__name__}) is not an nn.Linear: "
                      "LoRA adapts linear layers; name the projections inside it", loc)

@@ -1,0 +1,229 @@
+"""Token sources on disk (docs/data.md): Megatron-Core indexed datasets read equal to
+megatron-core's own reader, flat files with a stated dtype, the token store ``tpplan data
+prepare`` writes (the same bytes for 1 or 2 workers, and after a kill and a restart), the
+mixture's shares and its purity in (seed, step), and each kind of bad data as one line
+naming its file. No process group: the training runs are in tests/test_data_train.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import run_main, tpplan_cli
+from hooked import KILL_PREPARE
+from tpplan.data.errors import DataError
+from tpplan.data.feed import Source, TokenFeed
+from tpplan.data.formats import open_tokens
+from tpplan.data.scan import check_source
+from tpplan.plan import PlanErrors
+from tpplan.train.corpora import open_feed
+
+megatron = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+
+
+def _megatron(prefix: Path, docs: list[list[int]], dtype=np.uint16) -> None:
+    builder = megatron.IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    for d in docs:
+        builder.add_item(torch.tensor(d))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+
+
+def _docs(n: int, seed: int = 0, high: int = 500) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, high, int(rng.integers(1, 60))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_megatron_documents_equal_megatron_cores_reader(tmp_path, dtype):
+    prefix = tmp_path / "corpus_text_document"
+    _megatron(prefix, _docs(200), dtype)
+    theirs = megatron.IndexedDataset(str(prefix))
+    ours = open_tokens(str(prefix), None)  # the prefix, as Megatron names it; no dtype needed
+    assert ours.kind == "megatron" and ours.documents == len(theirs) == 200
+    for i in range(len(theirs)):
+        assert np.array_equal(ours.document(i), theirs[i].astype(np.int64)), i
+    assert isinstance(ours.tokens.arrays[0].base.obj, mmap.mmap)  # mapped, never read whole
+    # a window's positions restart where Megatron's documents start
+    ids, _, positions = ours.window(3, 64)
+    starts = set(np.cumsum([0] + [len(theirs[i]) for i in range(len(theirs))]).tolist())
+    assert [p == 0 for p in positions[1:]] == [3 * 64 + j in starts for j in range(1, 65)]
+    assert np.array_equal(open_tokens(str(prefix) + ".bin", None).document(7), ours.document(7))
+
+
+def test_truncated_megatron_files_are_named(tmp_path):
+    prefix = tmp_path / "c"
+    _megatron(prefix, _docs(50))
+    bin_, idx = Path(str(prefix) + ".bin"), Path(str(prefix) + ".idx")
+    data = bin_.read_bytes()
+    bin_.write_bytes(data[:-6])
+    with pytest.raises(DataError, match=rf"^{bin_}: .*bytes, but c.idx says .* \(truncated\)$"):
+        open_tokens(str(prefix), None)
+    bin_.write_bytes(data)
+    idx.write_bytes(idx.read_bytes()[:-16])
+    with pytest.raises(DataError, match=rf"^{idx}: truncated: "):
+        open_tokens(str(prefix), None)
+
+
+def test_flat_file_dtype_is_stated_and_checked(tmp_path):
+    f = tmp_path / "train.bin"
+    np.arange(70_000, 70_000 + 1001, dtype=np.uint32).tofile(f)
+    with pytest.raises(DataError, match=rf"^{f}: a file of token ids needs its dtype stated"):
+        open_tokens(str(f), None)
+    t = open_tokens(str(f), "uint32")
+    assert len(t) == 1001 and isinstance(t.tokens.arrays[0].base.obj, mmap.mmap)
+    ids, mask, positions = t.window(2, 100)
+    assert ids.tolist() == list(range(70_200, 70_301)) and mask is None and positions is None
+    f.write_bytes(f.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"is not a whole number of uint32 ids .* data.dtype right"):
+        open_tokens(str(f), "uint32")
+
+
+def test_bad_data_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("TPPLAN_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "ids.bin"
+    np.array([1, 2, 3] * 100 + [70_000], dtype=np.uint32).tofile(f)
+    t = open_tokens(str(f), "uint32")
+    with pytest.raises(DataError, match=rf"^{f}: holds token id 70000, past the model's vocabulary of 65536"):
+        check_source(t, 65536, None, 16)
+    check_source(open_tokens(str(f), "uint32"), 128_256, None, 16)  # the scan, cached by size and mtime
+    assert json.loads((tmp_path / "cache" / "largest-ids.json").read_text()) == {
+        f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}:uint32": 70_000}
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=rf"^{empty}: 0 tokens, fewer than one sequence"):
+        check_source(open_tokens(str(empty), "uint16"), 256, None, 16)
+
+
+def test_sources_weights_are_checked_in_the_plan(tmp_path):
+    from tpplan import load
+
+    plan = tmp_path / "p.yaml"
+    plan.write_text("model: {name: llama3, config: debug}\ndata:\n  sources:\n"
+                    "    - {path: a.bin, weight: -1, dtype: uint8}\n    - {path: b.bin, weight: 0}\n")
+    with pytest.raises(PlanErrors) as e:
+        load(str(plan))
+    text = str(e.value)
+    assert f"{plan}:4:29: 'data.sources[0].weight' must be at least 0, got -1.0" in text
+    assert f"{plan}:4:40: 'data.sources[0].dtype' must be one of uint16, uint32, int32" in text
+    assert f"{plan}:4:5: 'data.sources' has no positive weight: no source would be drawn" in text
+
+
+def _flat(tmp_path: Path, name: str, n: int, offset: int) -> Path:
+    f = tmp_path / f"{name}.bin"
+    (np.arange(n, dtype=np.uint32) % 1000 + offset).astype(np.uint32).tofile(f)
+    return f
+
+
+def test_mixture_shares_match_weights_and_are_a_pure_function_of_seed_and_step(tmp_path):
+    weights = [0.5, 0.3, 0.2]
+    sizes = [20_001, 3_201, 50_001]  # the small one wraps several times
+    sources = [Source(f"s{i}", open_tokens(str(_flat(tmp_path, f"s{i}", n, 0)), "uint32"), w)
+               for i, (n, w) in enumerate(zip(sizes, weights))]
+    feed = TokenFeed(sources, seed=3, batch=20, seq_len=16)
+    draws = [feed.draw(step) for step in range(1, 101)]  # 2,000 samples
+    src = np.concatenate([d[0] for d in draws])
+    share = np.bincount(src, minlength=3) / len(src)
+    assert np.abs(share - weights).max() <= 0.01, share
+    # each source's windows: every one once an epoch, then a new order
+    for s, n in enumerate(feed.windows):
+        seen = np.concatenate([d[1][d[0] == s] for d in draws])
+        for e in range(len(seen) // n):
+            assert sorted(seen[e * n:(e + 1) * n].tolist()) == list(range(n))
+        if len(seen) >= 2 * n:
+            assert not np.array_equal(seen[:n], seen[n:2 * n])
+    # pure: a step drawn alone (a resumed run) equals the same step drawn in sequence, and
+    # any dp degree's slices make up the same global batch
+    again = TokenFeed(sources, seed=3, batch=20, seq_len=16)
+    assert all(np.array_equal(a, b) for a, b in zip(again.draw(57), draws[56]))
+    whole = again.batch(57, 0, 1).tokens
+    halves = torch.cat([again.batch(57, r, 2).tokens for r in range(2)])
+    quarters = torch.cat([again.batch(57, r, 4).tokens for r in range(4)])
+    assert torch.equal(whole, halves) and torch.equal(whole, quarters)
+    again.close()
+    used = feed.used(100)
+    assert [t for t, _ in used] == [int(c) * 16 for c in np.bincount(src, minlength=3)]
+    assert used[1][1] > 2  # the small source wrapped
+    assert any("s1 ran out of windows and wraps" in n for s in range(1, 101) for n in feed.wraps(s))
+
+
+def _shard_hashes(store: Path) -> dict[str, str]:
+    return {p.relative_to(store).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file() and p.name != "prepare.json"}
+
+
+def _texts(folder: Path, n: int) -> Path:
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    words = ["data", "token", "shard", "mesh", "plan", "rank", "loss", "store", "epoch", "weight"]
+    for i in range(n):
+        (folder / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(words, int(rng.integers(5, 80)))))
+    return folder
+
+
+def test_prepare_killed_and_restarted_makes_the_same_store_as_1_or_2_workers(tmp_path, tiny_llama, capsys):
+    from tpplan.data.prepare import PrepareJob, prepare
+
+    texts = _texts(tmp_path / "texts", 60)
+    job = PrepareJob(str(texts), str(tmp_path / "one"), str(tiny_llama), docs_per_shard=6)
+    prepare(job)  # one worker, in this process
+    args = ["data", "prepare", texts, "--tokenizer", tiny_llama, "--docs-per-shard", "6"]
+    two = tpplan_cli(*args, "--output", tmp_path / "two", "--workers", "2", check=True)
+    assert "60 documents" in two.stdout and "10 shards (10 made)" in two.stdout
+    killed = tpplan_cli(*args, "--output", tmp_path / "again", env={KILL_PREPARE: "4"})
+    assert killed.returncode == -9
+    assert not (tmp_path / "again" / "tokens.json").exists()
+    assert len(list((tmp_path / "again" / "shards").glob("*.json"))) == 4
+    restarted = prepare(PrepareJob(**{**job.__dict__, "output": str(tmp_path / "again")}))
+    assert (restarted.made, restarted.kept) == (6, 4)
+    one = _shard_hashes(tmp_path / "one")
+    assert len([n for n in one if n.endswith(".ids")]) == 10
+    assert one == _shard_hashes(tmp_path / "two") == _shard_hashes(tmp_path / "again")
+    store = open_tokens(str(tmp_path / "one"), None)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    first = (texts / "doc000.txt").read_text()
+    assert store.document(0)[:-1].tolist() == tok.encode(first, add_special_tokens=False).ids
+    rc, out = run_main(capsys, "data", "prepare", texts, "--tokenizer", tiny_llama, "--output", tmp_path / "one")
+    assert rc == 1 and "holds a prepare of other inputs, tokenizer or settings" in out
+
+
+def test_store_of_another_tokenizer_and_an_eval_section_are_refused(tmp_path, tiny_llama):
+    from tpplan.data.prepare import PrepareJob, prepare
+    from tpplan.plan.specs import DataSpec, EvalSpec
+
+    texts = _texts(tmp_path / "texts", 4)
+    prepare(PrepareJob(str(texts), str(tmp_path / "store"), str(tiny_llama)))
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    spec = json.loads((tiny_llama / "tokenizer.json").read_text())
+    spec["added_tokens"] = spec["added_tokens"] + [dict(spec["added_tokens"][0], id=512, content="<x>")]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    data = DataSpec(path=str(tmp_path / "store"), tokenizer=str(other / "tokenizer.json"))
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'store'}: made with another tokenizer"):
+        open_feed(data, EvalSpec(), 0, 4, 16, 1024)
+    with pytest.raises(PlanErrors, match="'eval' section is not supported with token sources"):
+        open_feed(DataSpec(path=str(tmp_path / "store")), EvalSpec(fraction=0.1), 0, 4, 16, 1024)
+    assert os.path.getsize(tmp_path / "store" / "tokens.json") > 0
+
+
+def test_a_max_bytes_cap_that_cuts_data_is_stated(tmp_path):
+    from tpplan.plan.specs import DataSpec, EvalSpec
+    from tpplan.train.corpora import load_corpora
+
+    text = tmp_path / "a.txt"
+    text.write_text("x" * 500)
+    cut = load_corpora(DataSpec(path=str(text), max_bytes=100), EvalSpec(), tmp_path / "run", 256, 16)
+    assert len(cut.train) == 100
+    assert [n for n in cut.notes if n.startswith("data.max_bytes=100 cut train data")]
+    whole = load_corpora(DataSpec(path=str(text), max_bytes=1000), EvalSpec(), tmp_path / "run", 256, 16)
+    assert len(whole.train) == 500 and not whole.notes

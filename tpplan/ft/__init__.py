@@ -1,0 +1,16 @@
+"""Fault tolerance on torchft: replica groups that survive each other's failures.
+
+``groups`` (where a replica group stands: its overrides, run folder, the extra's check; no
+torch), ``replica`` (this rank's torchft Manager around the trainer's step: quorum, recovery
+from a peer, the cross-group gradient all-reduce, the agreed commit), ``launch`` (the
+lighthouse and one torchrun per group on one machine). Imports only the plan layer.
+"""
+
+from ..exports import lazy_exports
+
+__all__, __getattr__ = lazy_exports(__name__, {
+    "groups": ["ENV_GROUP", "ENV_LIGHTHOUSE", "group_index", "group_overrides", "group_run_dir",
+               "missing_extra"],
+    "launch": ["lighthouse_argv", "start_groups", "start_lighthouse", "torchrun_argv"],
+    "replica": ["Replica"],
+})

@@ -1,0 +1,89 @@
+"""The training loop's few seams for fault tolerance (:mod:`tpplan.ft`), off without the
+section: which steps run, which share of the global batch this rank takes, what a step of
+fewer replica groups trained, and the metrics row's replica fields."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_targets", "hook_rank", "join_replicas", "lost_rank_hint", "replica_fields", "share", "step_numbers"]
+
+
+def join_replicas(prep, trainee, device_type: str, note: Callable[[str], None], start: int) -> Any:
+    """This rank's :class:`tpplan.ft.Replica` when it runs in a replica group, else None."""
+    from ..ft.groups import group_index
+
+    group = group_index()
+    if prep.plan.spec.fault_tolerance is None or group is None:
+        return None
+    from ..ft.replica import Replica
+
+    replica = Replica(prep.plan.spec.fault_tolerance, group, trainee, device_type, note)
+    replica.start_at(start)
+    # which process is which rank of the group: `kill -9 $(cat <run_dir>/replica-1/rank1.pid)`
+    (prep.run_dir / f"rank{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
+    return replica
+
+
+def step_numbers(start: int, steps: int, replica) -> Iterator[int]:
+    """The steps after ``start``; in a replica group, the quorum's next step each time (the
+    same one again when it did not commit, a later one after a recovery from a peer)."""
+    if replica is None:
+        yield from range(start + 1, steps + 1)
+        return
+    while replica.manager.current_step() < steps:  # committed steps, a peer's after a recovery
+        yield replica.next_step()
+
+
+def share(prep, dp_rank: int, replica) -> tuple[int, int, int]:
+    """(global batch, data-parallel rank, degree) of this rank's slice of a step's batch."""
+    if replica is None:
+        return prep.step.global_batch, dp_rank, prep.dims.dp
+    rank, dp = replica.data_place(dp_rank, prep.dims.dp)
+    return prep.step.global_batch * replica.spec.replica_groups, rank, dp
+
+
+def group_targets(prep, batch, device) -> int:
+    """The loss targets this replica group's share of the step's batch holds: each rank's
+    added over the group (the ranks of one data-parallel slice hold the same batch)."""
+    mine = batch.tokens[:, 1:].numel() if batch.mask is None else int(batch.mask.sum())
+    total = torch.tensor([float(mine)], device=device)
+    dist.all_reduce(total)
+    return int(round(total.item() * prep.dims.dp / dist.get_world_size()))
+
+
+def replica_fields(replica, trained: int, last: bool) -> dict:
+    """The metrics row's replica groups taking part, targets trained, seconds spent agreeing
+    on them (a failed try of the step, a recovery, included), and the step's event;
+    on an event and the last step, this rank's weights digest (equal across the groups)."""
+    if replica is None:
+        return {}
+    row = {"replicas": replica.participants, "tokens_trained": trained, "quorum_s": replica.waited}
+    replica.waited = 0.0
+    if (event := replica.event()) is not None:
+        row["event"] = event
+    if event is not None or last:
+        row["weights_sha256"] = replica.digest()
+    return row
+
+
+def hook_rank(rank: int, world: int, replica) -> int:
+    """This rank's number over every replica group (what the test seams are told)."""
+    return rank if replica is None else replica.group * world + rank
+
+
+def lost_rank_hint() -> str:
+    """What happens next when a rank of this job was lost: torchrun's restart resumes the
+    last checkpoint, or, in a replica group, takes the weights from a live group."""
+    from ..ft.groups import group_index
+
+    group = group_index()
+    if group is None:
+        return "under torchrun --max-restarts the workers restart and resume from the last checkpoint"
+    return (f"replica group {group} stops here; the other groups go on, and restarted by its "
+            f"torchrun (--max-restarts) it takes the weights from a live group and rejoins")
