@@ -76,3 +76,24 @@ def test_local_attention_under_ring_and_ulysses_matches_one_device(tmp_path, cap
     assert (unwindowed.logits - refs[2].logits).abs().max() > 1e-2 * refs[2].logits.abs().max()
     for name, ref, par in zip(names, refs, parallel_steps(jobs, 4)):
         _check(ref, par, name)
+
+
+def test_fit_and_search_take_local_attention_with_cp(tmp_path, capsys):
+    """``validate --device`` and ``search`` size a sliding-window, soft-capped model (Gemma 2)
+    under cp as they do a plain causal one: the cp layout is checked, not refused."""
+    from tpplan.analysis.search.candidates import Options
+    from tpplan.analysis.search.ranking import search
+    from tpplan.plan.devices import DEVICES
+
+    plan = _plan(tmp_path, capsys, "gemma2:w8-capped", CONFIGS["gemma2:w8-capped"])
+    rc, out = run_main(capsys, "validate", "--plan", plan, "--world-size", "8", "--device", "h100",
+                       "--set", "mesh.cp=2", "--set", "train.seq_len=64", "--json")
+    assert rc == 0, out
+    data = json.loads(out)
+    assert data["mesh"]["cp"] == 2 and data["fit"]["fits"] and not data.get("analysis_errors"), data.get("fit")
+    found = search(plan, 8, DEVICES["h100"], ["train.seq_len=64"], top=10,
+                   options=Options(max_tp=2, schedules=(), cp=(2,), ac_every=()))
+    reasons = " ".join(d["reason"] for d in found["dropped"])
+    assert "sliding" not in reasons and "local attention" not in reasons, reasons
+    assert all("pipeline" in d["reason"] for d in found["dropped"]), found["dropped"]
+    assert any("cp: 2" in r["sets"][0] for r in found["ranked"]), [r["sets"][0] for r in found["ranked"]]

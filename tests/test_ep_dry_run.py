@@ -117,3 +117,22 @@ def test_user_moe_dry_run_peak_is_a_real_step(tmp_path):
     rows = {r["part"]: r for r in compare(predicted.extra["memory_per_rank"], measured)}
     assert abs(rows["peak"]["ratio"] - 1) <= 0.10, rows["peak"]
     assert abs(rows["parameters"]["ratio"] - 1) <= 0.10, rows["parameters"]
+
+
+def test_search_ranks_layouts_of_a_user_moe_with_data_dependent_experts(tmp_path):
+    """``search`` over the same user MoE, ep 2 and 4 in its space: its candidates are traced
+    like validate's (the ``nonzero`` inside the experts given its balanced size), so every
+    candidate passes or is dropped for a reason of the plan (no pipeline section for pp),
+    none as impossible to size, and the ranked ones carry their peak."""
+    from tpplan.analysis.search.candidates import Options
+    from tpplan.analysis.search.ranking import search
+    from tpplan.plan.devices import DEVICES
+
+    plan = tmp_path / "user-moe.yaml"
+    plan.write_text(USER_MOE.format(ep=1, batch=16))
+    out = search(str(plan), 8, DEVICES["h100"], options=Options(max_tp=1, schedules=(), ep=(2, 4)), top=4)
+    dropped = {d["reason"]: d["count"] for d in out["dropped"]}
+    assert all("pipeline" in reason for reason in dropped), dropped
+    assert out["passed_checks"] + sum(dropped.values()) == out["candidates"]
+    assert any("ep: 2" in c for d in out["dropped"] for c in d["example"])  # ep was in the space
+    assert out["ranked"] and all(r["peak"] > 0 for r in out["ranked"]), out["ranked"]
