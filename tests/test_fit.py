@@ -113,6 +113,14 @@ def test_405b_on_4096_h100s_does_not_fit_and_a_checked_change_makes_it_fit(capsy
     tp16 = next(c for c in f["changes"] if c["set"] == ["mesh.tp=16"])
     assert tp16["error"] and "8 heads" in tp16["error"] and not tp16["fits"]
     assert "use a tp that divides 8" in tp16["error"]  # the built-in Llama: no kv_colwise
+    # No cp fits here: the one proposed needs least, as the next degree needs more (its ranks
+    # come from dp_shard, so FSDP shards the state over fewer), not the largest degree tried.
+    cp = next(c for c in f["changes"] if c["set"][0].startswith("mesh.cp="))
+    degree = int(cp["set"][0].split("=")[1])
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    sets = [a for a in argv[argv.index("--set"):argv.index("--device")] if a != "--set"]
+    nxt = dry_run(PLAN, 4096, sets + cp["set"][1:] + [f"mesh.cp={2 * degree}"], memory, apply=False)
+    assert not cp["fits"] and needed(nxt.extra["memory_per_rank"]["peak"]) > cp["needed"]
     out = Console(record=True, width=200)
     render_fit(out, f)
     text = out.export_text()
