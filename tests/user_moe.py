@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from toy_models import CausalSelfAttention
+from moe_models import Block  # pre-norm attention then the MoE, as the other test MoEs
 
 
 class GroupedExperts(nn.Module):
@@ -57,19 +57,6 @@ class SigmoidMoE(nn.Module):
         w, idx = torch.sigmoid(self.router(h)).topk(self.top_k, dim=-1)
         routed = self.experts(h, idx, w / w.sum(-1, keepdim=True))
         return (routed + self.shared(h)).view_as(x)
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, n_head: int, moe: nn.Module):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, n_head)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp = moe
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
 
 
 class UserMoEGPT(nn.Module):
