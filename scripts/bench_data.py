@@ -100,12 +100,43 @@ def train_tokens_per_s(path: Path, run_dir: Path) -> float:
     return statistics.median(r["tokens_per_s"] for r in rows[1:])
 
 
-def prepare_rate(texts: Path, tokenizer: Path, out: Path, workers: int) -> tuple[float, int, int]:
+def prepare_rate(texts: Path, tokenizer: Path, out: Path, workers: int) -> tuple[float, int, int, float]:
+    """(wall seconds, documents, tokens, CPU seconds of this process and its workers)."""
+    import resource
+
     from tpplan.data.prepare import PrepareJob, prepare
 
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
     shutil.rmtree(out, ignore_errors=True)
+    before = cpu()
     done = prepare(PrepareJob(str(texts), str(out), str(tokenizer), docs_per_shard=100), workers)
-    return done.seconds, done.manifest["documents"], done.manifest["tokens"]
+    return done.seconds, done.manifest["documents"], done.manifest["tokens"], cpu() - before
+
+
+def prepare_rates(work: Path, files: int, rounds: int) -> None:
+    """``data prepare`` of ``files`` stdlib sources on 1 and 2 workers, alternated ``rounds``
+    times, each figure with the load average and the CPU seconds it took (a shared machine
+    gives a second worker a core only when one is idle)."""
+    texts = work / "texts"
+    texts.mkdir(exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for i, f in enumerate(sorted(stdlib.rglob("*.py"))[:files]):
+        shutil.copy(f, texts / f"{i:05d}.py")
+    tok = work / "tiny-llama"
+    if not (tok / "tokenizer.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), "--family", "llama",
+                        "--no-data", "--out", str(tok)], check=True, capture_output=True)
+    mb = sum(f.stat().st_size for f in texts.iterdir()) / 1e6
+    for _ in range(rounds):
+        for workers in (1, 2):
+            seconds, docs, tokens, cpu = prepare_rate(texts, tok, work / f"store-{workers}", workers)
+            load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+            print(f"data prepare, {workers} worker(s): {docs:,} files ({mb:.1f} MB), {tokens:,} tokens in "
+                  f"{seconds:.1f} s = {tokens / seconds:,.0f} tokens/s; {cpu:.1f} CPU s; load average {load}",
+                  flush=True)
 
 
 def main() -> None:
@@ -114,12 +145,17 @@ def main() -> None:
     ap.add_argument("--sizes", default="0.1,1,8", help="corpus sizes in GB")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--prepare-files", type=int, default=1500, help="stdlib files tokenized")
+    ap.add_argument("--rounds", type=int, default=1, help="1 and 2 workers alternated this many times")
+    ap.add_argument("--only-prepare", action="store_true", help="only the data prepare figures")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()
     work = Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine()}")
     try:
+        if args.only_prepare:
+            prepare_rates(work, args.prepare_files, args.rounds)
+            return
         rows = []
         for gb in (float(x) for x in args.sizes.split(",")):
             path = work / f"corpus-{gb:g}GB.bin"
@@ -137,20 +173,7 @@ def main() -> None:
         load_rate = min(sum(r["tokens_per_s"] for r in got) for _, got in rows)
         print(f"debug Llama training step (2 ranks): {step_rate:,.0f} tokens/s; the loader's slowest "
               f"{load_rate:,.0f} tokens/s = {load_rate / step_rate:,.0f}× what the step consumes")
-        texts = work / "texts"
-        texts.mkdir(exist_ok=True)
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        for i, f in enumerate(sorted(stdlib.rglob("*.py"))[:args.prepare_files]):
-            shutil.copy(f, texts / f"{i:05d}.py")
-        tok = work / "tiny-llama"
-        if not (tok / "tokenizer.json").exists():
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), "--family", "llama",
-                            "--no-data", "--out", str(tok)], check=True, capture_output=True)
-        mb = sum(f.stat().st_size for f in texts.iterdir()) / 1e6
-        for workers in (1, 2):
-            seconds, docs, tokens = prepare_rate(texts, tok, work / f"store-{workers}", workers)
-            print(f"data prepare, {workers} worker(s): {docs:,} files ({mb:.1f} MB), {tokens:,} tokens in "
-                  f"{seconds:.1f} s = {tokens / seconds:,.0f} tokens/s", flush=True)
+        prepare_rates(work, args.prepare_files, args.rounds)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

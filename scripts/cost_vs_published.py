@@ -2,7 +2,9 @@
 
 Each configuration is a published training run: its model (as a Llama with the same matmul
 shapes), GPU count, layout and batch, run through ``tpplan validate``'s dry run and cost
-model with the default constants, next to the throughput its authors measured. Usage:
+model with the default constants, next to the throughput its authors measured; the step's
+non-GEMM kernels traced as `validate --device` traces them, the loss the plain one (every
+run below predates tpplan's chunked loss). Usage:
 
     PYTHONPATH=. python scripts/cost_vs_published.py [--cost compute=0.5,...] [--only NAME]
         [--search]
@@ -24,6 +26,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tpplan.analysis import ANALYSES  # noqa: E402
+from tpplan.analysis.analyses import analyze_kernels  # noqa: E402
 from tpplan.analysis.cost.step_time import DEFAULT_CONSTANTS, estimate_step  # noqa: E402
 from tpplan.analysis.dryrun import dry_run  # noqa: E402
 from tpplan.analysis.cost.schedule import schedule_facts  # noqa: E402
@@ -112,12 +115,13 @@ def measured_seconds(kind: str, value: float, est, world: int) -> float:
 
 def with_bubble_of(result, est, v: int, measured: float) -> dict:
     """``est`` with its bubble term recomputed for ``v`` stages per rank (the cost model's
-    own ``bubble_fraction × (compute + recompute + tp)``, the fraction simulated from
-    torch's schedule at that v); every other term as laid out."""
+    own ``bubble_fraction × (compute + recompute + non_gemm + tp)``, the fraction simulated
+    from torch's schedule at that v); every other term as laid out."""
     pipe = result.plan.spec.pipeline
     fraction, _ = schedule_facts(pipe.schedule, result.resolution.dims.pp, v, pipe.microbatches)
     t = est.terms
-    step = est.step_time - t["bubble"] + fraction * (t["compute"] + t["recompute"] + t["tp"])
+    step = est.step_time - t["bubble"] + fraction * (t["compute"] + t["recompute"] + t.get("non_gemm", 0.0)
+                                                     + t["tp"])
     return dict(bubble_fraction=fraction, step=step, ratio=step / measured)
 
 
@@ -152,12 +156,13 @@ def main() -> int:
         if args.only and args.only not in name:
             continue
         t0 = time.perf_counter()
-        r = dry_run(args.plan, world, sets, ANALYSES)
+        r = dry_run(args.plan, world, [*sets, "train.loss_chunk=0"], ANALYSES + [("kernels", analyze_kernels)])
         if not r.ok:
             why = r.errors[0].message if r.errors else r.analysis_errors[0].message
             print(f"{name}: dry run failed: {why}", file=sys.stderr)
             continue
         est = estimate_step(r, DEVICE_OF[dev], 8, constants)
+        r.extra.pop("kernels", None)  # priced into est (details.non_gemm)
         measured = measured_seconds(kind, value, est, world)
         rows.append(dict(name=name, source=source, world=world, mesh=r.resolution.dims.as_dict(),
                          measured_step=measured, estimated_step=est.step_time,

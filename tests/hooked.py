@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-KILL_AT = "TPPLAN_TEST_KILL_AT"  # "RANK:STEP": SIGKILL that rank after that step, once
+# "RANK:STEP": SIGKILL that rank after that step, once; "RANK:recovery": in a replica group's
+# first restart, SIGKILL it while it takes the weights from a live peer; several, comma-separated
+KILL_AT = "TPPLAN_TEST_KILL_AT"
 SLOW_STEP = "TPPLAN_TEST_STEP_SLEEP_S"  # seconds every step sleeps at its end
 RECORD_BATCHES = "TPPLAN_TEST_RECORD_BATCHES"  # "1": <run_dir>/batches/rank<R>.jsonl, a digest per step
 DIE_DURING_SAVE = "TPPLAN_TEST_DIE_DURING_SAVE"  # "STEP": every rank exits 17 in that step's save
@@ -49,6 +51,10 @@ def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setat
 
         if KILL_AT in on or SLOW_STEP in on:
             put(hooks, "after_step", _after_step(on, hooks.after_step))
+        if any(k.endswith(":recovery") for k in on.get(KILL_AT, "").split(",")):
+            from tpplan.ft.replica import Replica
+
+            put(Replica, "load", _kill_in_recovery(on[KILL_AT].split(","), Replica.load))
         if RECORD_BATCHES in on:
             put(hooks, "batch_recorder", _record_batches)
     if DIE_DURING_SAVE in on:
@@ -68,6 +74,7 @@ def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setat
     from tpplan.commands import train
 
     put(train, "WORKER_COMMAND", [str(HERE)])
+    put(train, "WORKER_ENTRY", InRanks(train.run_worker, on))
 
 
 class InRanks:
@@ -76,6 +83,8 @@ class InRanks:
 
     def __init__(self, fn: Callable, hooks: dict[str, str]) -> None:
         self.fn, self.hooks = fn, hooks
+        # torchrun's agent names its entrypoint by these (a function's)
+        self.__name__ = self.__qualname__ = getattr(fn, "__qualname__", type(self).__name__)
 
     def __call__(self, *args: Any) -> Any:
         install(self.hooks)
@@ -94,10 +103,23 @@ def _after_step(on: dict[str, str], then: Callable[[int, int], None]) -> Callabl
         if SLOW_STEP in on:
             time.sleep(float(on[SLOW_STEP]))
         # Only in the first round of a launch: the restarted workers must run on.
-        if on.get(KILL_AT) == f"{rank}:{step}" and \
+        if f"{rank}:{step}" in on.get(KILL_AT, "").split(",") and \
                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
     return after_step
+
+
+def _kill_in_recovery(kills: list[str], load: Callable) -> Callable:
+    """``Replica.load`` that SIGKILLs this rank, in its group's first restart, when a live
+    peer's weights have arrived and before they are applied: a second fault mid-recovery."""
+    def load_or_die(replica: Any, sent: dict) -> None:
+        import torch.distributed as dist
+
+        rank = replica.group * dist.get_world_size() + dist.get_rank()
+        if f"{rank}:recovery" in kills and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        load(replica, sent)
+    return load_or_die
 
 
 def _record_batches(run_dir: Path, rank: int, dp_rank: int, tp_rank: int) -> Callable:

@@ -8,6 +8,8 @@ the plain build does)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -135,9 +137,135 @@ def scaled_after(**kwargs) -> ScaledAfter:
     return ScaledAfter(**kwargs)
 
 
+class ScaledAfterData(MoEGPT):
+    """The same write made through ``.data``, an alias of the weight (its own tensor object):
+    caught as well."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        for layer in self.layers:
+            layer.mlp.experts.w_out.data.mul_(0.5)
+
+
+def scaled_after_data(**kwargs) -> ScaledAfterData:
+    return ScaledAfterData(**kwargs)
+
+
 def nan_norm(**kwargs) -> MoEGPT:
     """A constructor that writes a NaN into the final norm: the first loss is not finite
     before any update."""
     model = MoEGPT(**kwargs)
     model.norm.weight = nn.Parameter(torch.full(model.norm.weight.shape, float("nan")))
     return model
+
+
+class LayerNorm(nn.Module):
+    """nanoGPT's: LayerNorm with an optional bias (set in ``__init__``, no ``reset_parameters``)."""
+
+    def __init__(self, d: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.head_dim = d // heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+
+    def forward(self, x):  # -1 heads, chunk(3): runs unchanged on tp's packed q, k, v slices
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln_1 = LayerNorm(d, bias=True)
+        self.attn = CausalSelfAttention(d, heads)
+        self.ln_2 = LayerNorm(d, bias=True)
+        self.mlp = MLP(d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT, small: tied embeddings, then ``self.apply(self._init_weights)`` writing
+    N(0, 0.02) into every Linear and Embedding (zeros into biases) after they were built, then
+    the c_proj weights rescaled by a loop over ``named_parameters`` -- none of which their own
+    ``reset_parameters`` gives."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2,
+                 block_size: int = 64):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, d),
+            wpe=nn.Embedding(block_size, d),
+            h=nn.ModuleList([NanoBlock(d, heads) for _ in range(layers)]),
+            ln_f=LayerNorm(d, bias=True),
+        ))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():
+            if pn.endswith("c_proj.weight"):
+                self._scaled(p, 0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _scaled(self, p, std):
+        torch.nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nano_gpt(**kwargs) -> NanoGPT:
+    return NanoGPT(**kwargs)
+
+
+class NanoGPTData(NanoGPT):
+    """The same, written HF-style through ``.data`` (``module.weight.data.normal_``, the c_proj
+    loop's ``p.data.normal_``): the writes reach the parameters through aliases."""
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.data.zero_()
+
+    def _scaled(self, p, std):
+        p.data.normal_(mean=0.0, std=std)
+
+
+def nano_gpt_data(**kwargs) -> NanoGPTData:
+    return NanoGPTData(**kwargs)

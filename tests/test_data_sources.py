@@ -211,7 +211,7 @@ def test_store_of_another_tokenizer_and_an_eval_section_are_refused(tmp_path, ti
     data = DataSpec(path=str(tmp_path / "store"), tokenizer=str(other / "tokenizer.json"))
     with pytest.raises(DataError, match=rf"^{tmp_path / 'store'}: made with another tokenizer"):
         open_feed(data, EvalSpec(), 0, 4, 16, 1024)
-    with pytest.raises(PlanErrors, match="'eval' section is not supported with token sources"):
+    with pytest.raises(PlanErrors, match="eval.fraction is not supported with token sources"):
         open_feed(DataSpec(path=str(tmp_path / "store")), EvalSpec(fraction=0.1), 0, 4, 16, 1024)
     assert os.path.getsize(tmp_path / "store" / "tokens.json") > 0
 
@@ -227,3 +227,68 @@ def test_a_max_bytes_cap_that_cuts_data_is_stated(tmp_path):
     assert [n for n in cut.notes if n.startswith("data.max_bytes=100 cut train data")]
     whole = load_corpora(DataSpec(path=str(text), max_bytes=1000), EvalSpec(), tmp_path / "run", 256, 16)
     assert len(whole.train) == 500 and not whole.notes
+
+
+def test_a_runs_token_cache_is_a_store_a_later_run_reads(tmp_path, tiny_llama):
+    """A run with data.tokenizer leaves a token store (the format ``data prepare`` writes) in
+    its run folder, memory-mapped, not copied: chats with the assistant-only mask, each
+    document followed by the separator -- the tokens the per-run cache always made. A second
+    run reuses it, and a run naming it as ``data.path`` trains on the same tokens."""
+    from transformers import AutoTokenizer
+
+    from tpplan.plan.specs import DataSpec, EvalSpec
+    from tpplan.train.cache import CACHE_DIR
+    from tpplan.train.chat import render_chat
+    from tpplan.train.corpora import load_corpora
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))
+    sep = hf.convert_tokens_to_ids("<|im_end|>")
+    ids, mask, lengths = [], [], []
+    for n, line in enumerate((tiny_llama / "chat.jsonl").read_text().splitlines(), 1):
+        i, m = render_chat(hf, json.loads(line)["messages"], f"chat.jsonl:{n}")
+        ids, mask = ids + i + [sep], mask + m + [False]  # what the int32 cache held
+        lengths.append(len(i) + 1)
+    data = DataSpec(path=str(tiny_llama / "chat.jsonl"), tokenizer=str(tiny_llama))
+    first = load_corpora(data, EvalSpec(), tmp_path / "run", 512, 16)
+    assert first.train.tokens.tolist() == ids and first.train.mask.tolist() == mask
+    assert first.train.tokens.dtype == torch.uint16 and first.train.separator == sep
+    store = tmp_path / "run" / CACHE_DIR / "train"
+    ptr = first.train.tokens.data_ptr()  # in a mapping of the store's shard: never an int64 copy
+    spans = [line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines()
+             if line.endswith(str(store / "shards" / "00000.ids"))]
+    assert any(int(lo, 16) <= ptr < int(hi, 16) for lo, hi in spans)
+    record = json.loads((store.parent / "train.json").read_text())
+    again = load_corpora(data, EvalSpec(), tmp_path / "run", 512, 16)
+    assert json.loads((store.parent / "train.json").read_text())["made_at"] == record["made_at"]
+    assert again.train.tokens.tolist() == ids  # mapped again, not re-tokenized
+    feed = open_feed(DataSpec(path=str(store), tokenizer=str(tiny_llama)), EvalSpec(), 0, 4, 16, 512)
+    (source,) = feed.sources
+    assert source.file.kind == "store" and source.file.documents == len(lengths)
+    assert source.file.tokens.read(0, len(ids)).tolist() == ids
+    assert source.file.mask.read(0, len(ids)).astype(bool).tolist() == mask
+    assert [len(source.file.document(d)) for d in range(len(lengths))] == lengths  # the boundaries
+    feed.close()
+
+
+def test_negative_ids_float_megatron_data_and_stray_carriage_returns(tmp_path):
+    """Dtype edges said in one line naming the file: a negative id in a signed flat file, a
+    Megatron dataset of floats; a stray \\r inside a .jsonl line is no new record for prepare."""
+    from tpplan.data.units import plan_units, unit_documents
+
+    ids = np.arange(40, dtype=np.int32)
+    ids[7] = -3
+    ids.tofile(tmp_path / "signed.bin")
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'signed.bin'}: holds token id -3, a negative id"):
+        check_source(open_tokens(str(tmp_path / "signed.bin"), "int32"), 512, None, 16)
+    _megatron(tmp_path / "floats", [[1.5, 2.5, 3.5]], dtype=np.float32)
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'floats.idx'}: a Megatron dataset of float32"):
+        open_tokens(str(tmp_path / "floats"), None)
+    (tmp_path / "r.jsonl").write_bytes(b'{"text": "a"}\r\n{"text":\r "b"}\n{"text": "d"}\n')  # \r: JSON whitespace
+    docs = [d.value for u in plan_units(tmp_path / "r.jsonl", "auto", 2) for d in unit_documents(u, "auto", "text")]
+    assert docs == ["a", "b", "d"]
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": [f"row{i}" for i in range(10)]}), tmp_path / "t.parquet", row_group_size=3)
+    units = plan_units(tmp_path / "t.parquet", "auto", 4)  # units across row groups: each read once
+    assert [d.value for u in units for d in unit_documents(u, "auto", "text")] == [f"row{i}" for i in range(10)]

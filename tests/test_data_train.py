@@ -4,7 +4,9 @@ prepared from a HuggingFace ``datasets`` folder, and a flat uint32 file of ids a
 -- trains a Llama with Llama 3's 128,256-entry vocabulary (tiny width) on 2 ranks, is killed
 after step 3, and resumes on 1 rank. Every batch each rank trained on is recorded and
 compared with the mixture's pure function of (seed, step): the killed run, the resumed run
-on another dp size and an uninterrupted run all read the same global batches.
+on another dp size and an uninterrupted run all read the same global batches. A held-out
+Megatron dataset (``eval.path``) is evaluated after steps 2 (on 2 ranks) and 4 (on 1): each
+loss equals one process's over the same in-order windows, from the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def _sources(tmp: Path, tokenizer: Path) -> list[tuple[Path, float, str | None]]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp / "hf-folder"))
     prepare(PrepareJob(str(tmp / "hf-folder"), str(tmp / "books"), str(tokenizer)))
     rng.integers(65_536, VOCAB, 3 * SEQ + 1).astype(np.uint32).tofile(tmp / "code.bin")  # 3 windows
+    builder = megatron.IndexedDatasetBuilder(str(tmp / "held_text_document.bin"), dtype=np.int32)
+    for _ in range(20):  # held out: ~10 windows, 2 evaluation batches of 4
+        builder.add_item(torch.tensor(rng.integers(0, VOCAB, int(rng.integers(5, 30)))))
+        builder.end_document()
+    builder.finalize(str(tmp / "held_text_document.idx"))
     return [(tmp / "web_text_document", 0.4, None), (tmp / "books", 0.3, None),
             (tmp / "code.bin", 0.3, "uint32")]
 
@@ -54,7 +61,8 @@ def _plan(tmp: Path, sources) -> Path:
         f"model: {{name: llama3, config: debug, kwargs: {{n_layers: 1, dim: 16, n_heads: 2, n_kv_heads: 1, "
         f"vocab_size: {VOCAB}}}}}\n"
         f"train: {{steps: {STEPS}, seq_len: {SEQ}, global_batch_size: {BATCH}, warmup_steps: 1}}\n"
-        f"data:\n  sources:\n{listed}checkpoint: {{interval: 2}}\nmetrics: {{run_dir: {tmp / 'run'}}}\n")
+        f"data:\n  sources:\n{listed}checkpoint: {{interval: 2}}\nmetrics: {{run_dir: {tmp / 'run'}}}\n"
+        f"eval: {{path: {tmp / 'held_text_document'}, interval: 2, batches: 2}}\n")
     return plan
 
 
@@ -116,3 +124,34 @@ def test_killed_and_resumed_on_another_dp_size_reads_the_same_global_batches(mix
             assert got and got[0]["digest"] == _expected(plan, step, rank, 2), (step, rank)
     for step in (3, 4):
         assert seen[(step, "rank0.jsonl")][-1]["digest"] == _expected(plan, step, 0, 1), step
+
+
+def test_eval_on_a_held_out_source_equals_one_process_over_the_same_windows(mixture_run):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tpplan import load
+    from tpplan.models import build_model, materialize
+    from tpplan.parallel.context.sequence import position_kwarg
+    from tpplan.train.corpora import open_feed
+    from tpplan.train.evaluate import summed_loss
+
+    plan, run, killed, _ = mixture_run
+    assert "data: eval: " in killed.stdout and "(megatron, int32), read in order" in killed.stdout
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()}
+    p = load(str(plan))
+    held = open_feed(p.data, p.eval, p.train.seed, BATCH, SEQ, VOCAB).held_out
+    model = build_model(p.model, device="meta", real_buffers=True)
+    materialize(model, "cpu")
+    name = position_kwarg(model)
+    for step in (2, 4):  # 2: evaluated on 2 ranks; 4: on 1, after the resume
+        dcp_to_torch_save(run / "checkpoints" / f"step-{step:06d}", run / "weights.pt")
+        model.load_state_dict(torch.load(run / "weights.pt", weights_only=False)["model"])
+        total = count = 0.0
+        with torch.no_grad():
+            for i in range(2):
+                b = held.eval_batch(i, BATCH, SEQ, 0, 1)
+                assert torch.equal(b.tokens, torch.cat([held.eval_batch(i, BATCH, SEQ, r, 2).tokens for r in (0, 1)]))
+                logits = model(b.tokens[:, :-1], **{name: b.positions[:, :-1]})
+                total += summed_loss(logits, b.tokens, b.mask).item()
+                count += b.count
+        assert rows[step]["eval_loss"] == pytest.approx(total / count, rel=1e-5), step

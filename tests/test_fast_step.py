@@ -56,7 +56,7 @@ def test_compile_left_out_is_on_for_cuda_only(tmp_path):
 
 def test_float8_refused_located_on_cpu_and_old_gpus(tmp_path):
     """``float8`` needs CUDA at compute capability 8.9+: ``tpplan train`` on CPU refuses it at
-    the section's line before any process group; an A100 (8.0) likewise; tp > 1 is not built."""
+    the section's line before any process group; an A100 (8.0) likewise (tp > 1 composes: tests/test_float8.py)."""
     import importlib.util
 
     from helpers import ROOT

@@ -74,6 +74,31 @@ def test_tensorboard_scalars_equal_metrics_jsonl(watched):
     assert f"tensorboard --logdir {run / 'tensorboard'}" in out
 
 
+def test_a_rows_event_is_a_mark_on_the_curves_axis_and_a_text_in_tensorboard(tmp_path):
+    """A fault-tolerant run's fault / rejoin rows (``event`` in metrics.jsonl) reach
+    TensorBoard as ``events/<event>`` = 1 at their step and as an ``events`` text; rows
+    without one add nothing there. In process: the sink itself, read by tensorboard's reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import tpplan
+    from tpplan.train.sinks import EVENTS, Sinks, tag
+
+    metrics = tpplan.load(PLAN, [f"metrics.tensorboard={{dir: {tmp_path / 'tb'}}}"]).metrics
+    sinks = Sinks(metrics, tmp_path, True, {})
+    for step, event in [(1, None), (2, "fault"), (3, None), (4, "rejoin"), (5, "recovered")]:
+        sinks.log({"step": step, "loss": 1.0 / step, "replicas": 1 if event == "fault" else 2,
+                   **({"event": event} if event else {})})
+    sinks.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    marks = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]
+             if t.startswith(f"{EVENTS}/")}
+    assert marks == {f"{EVENTS}/fault": [(2, 1.0)], f"{EVENTS}/rejoin": [(4, 1.0)],
+                     f"{EVENTS}/recovered": [(5, 1.0)]}
+    assert [e.step for e in acc.Scalars(tag("loss"))] == [1, 2, 3, 4, 5]
+    assert sorted(e.step for e in acc.Tensors(f"{EVENTS}/text_summary")) == [2, 4, 5]
+
+
 def test_wandb_offline_history_equals_metrics_jsonl(watched):
     import yaml
     from wandb_log import config, history

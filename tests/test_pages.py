@@ -164,6 +164,35 @@ def test_the_report_page_draws_validation_loss_when_the_run_logs_it(browser, run
     assert "could not be read" in page.by_id("main").text  # the cut-off last line, said so
 
 
+def test_the_report_page_marks_faults_and_rejoins_on_the_curves(browser, run_dir, tmp_path):
+    """A copy of the run laid out as a fault-tolerant one (docs/fault-tolerance.md): group 0
+    down for steps 3-4 (its rows missing), group 1's rows saying the fault at 3 and the rejoin
+    at 5. Each is a labelled vertical line on the loss and throughput curves, at its step."""
+    folder = tmp_path / "run"
+    shutil.copytree(run_dir, folder)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    seen = {3: {"event": "fault", "replicas": 1}, 5: {"event": "rejoin", "replicas": 2}}
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] not in (3, 4)))
+    (folder / "replica-1").mkdir()
+    (folder / "replica-1" / "metrics.jsonl").write_text(
+        "".join(json.dumps({**r, **seen.get(r["step"], {})}) + "\n" for r in rows))
+    page_file = tmp_path / "run.html"
+    tpplan_cli("report", folder, "--html", page_file, check=True)
+    page = _clean(*rendered_dom(browser, page_file))
+    for key in ("loss", "tokens_per_s"):
+        [chart] = page.find_all("svg", **{"data-series": key})
+        assert int(chart.attrs["data-points"]) == len(rows), "the steps group 0 missed, from group 1"
+        xs = [float(p.split(",")[0]) for p in chart.find_all("polyline")[0].attrs["points"].split()]
+        marks = chart.find_all("g", **{"class": "event"})
+        assert [(m.attrs["data-event"], int(m.attrs["data-step"])) for m in marks] == [("fault", 3), ("rejoin", 5)]
+        for m in marks:  # on the curve's point of that step, drawn top to bottom, labelled
+            [line] = m.find_all("line")
+            assert float(line.attrs["x1"]) == float(line.attrs["x2"]) == xs[int(m.attrs["data-step"]) - 1]
+            step = int(m.attrs["data-step"])
+            assert m.find_all("text")[0].text == f"{m.attrs['data-event']} ({seen[step]['replicas']})"
+    assert not page.find_all("svg", **{"data-series": "grad_norm"})[0].find_all("g", **{"class": "event"})
+
+
 def test_report_on_a_folder_that_is_not_a_run_says_so(tmp_path):
     proc = tpplan_cli("report", tmp_path)
     assert proc.returncode == 1 and "no metrics.jsonl" in proc.stderr

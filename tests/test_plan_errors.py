@@ -297,7 +297,7 @@ def test_activation_checkpointing_every_only_with_selective(write_plan):
     assert "'activation_checkpointing.every' applies to mode selective only" in e.message
     assert (e.loc.line, e.loc.column) == (4, 47)
     e = one_error(write_plan(BASE + "activation_checkpointing: ful\n", name="typo.yaml"))
-    assert "mode must be one of none, full, selective, got 'ful' (did you mean 'full'?)" in e.message
+    assert "mode must be one of none, full, selective, op, got 'ful' (did you mean 'full'?)" in e.message
 
 
 OPTIMIZER_MISTAKES = [  # (train section, line and column of the value, message)

@@ -126,6 +126,18 @@ def _nn():
     _has(torch.nn.Module, "register_parameter")
     assert _params(torch.nn.Module.register_parameter)[:3] == ["self", "name", "param"]
     assert torch.nn.BatchNorm1d(2)._non_persistent_buffers_set == set()
+    # initializers_seen: these skip a meta tensor without drawing; under it they draw on CPU
+    from tpplan._torch.nn import initializers_seen
+
+    for name in ("trunc_normal_", "orthogonal_", "sparse_", "dirac_"):
+        t = torch.empty(4, 4, *([3] if name == "dirac_" else []), device="meta")
+        state = torch.get_rng_state()
+        assert getattr(torch.nn.init, name)(t, *([0.5] if name == "sparse_" else [])) is t, name
+        assert torch.equal(torch.get_rng_state(), state), f"nn.init.{name} draws on a meta tensor"
+    state = torch.get_rng_state()
+    with initializers_seen(draw=True):
+        seen = torch.nn.init.trunc_normal_(torch.empty(4, 4, device="meta"))
+    assert seen.is_meta and not torch.equal(torch.get_rng_state(), state)
 
 
 def _optim():
@@ -140,9 +152,21 @@ def _cuda():
 
 
 def _launch():
-    from torch.distributed.run import get_args_parser
+    import logging
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    from tpplan._torch.launch import FAILURE_LOGGER
 
     _has(get_args_parser(), "_actions")  # shutdown_timeout_args reads its option strings
+    # run_forked: torchrun's own parse, then its agent with a function entrypoint, forked
+    args = get_args_parser().parse_args(["--start-method=forkserver", "--nproc-per-node=2", "x"])
+    config, _, _ = config_from_args(args)
+    assert isinstance(config, LaunchConfig) and config.start_method == "forkserver"
+    assert _params(elastic_launch)[:2] == ["config", "entrypoint"]
+    assert FAILURE_LOGGER in logging.Logger.manager.loggerDict or \
+        importlib.import_module(FAILURE_LOGGER).logger.name == FAILURE_LOGGER
 
 
 def _pipelining():

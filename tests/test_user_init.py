@@ -36,6 +36,15 @@ data: {{max_bytes: 50000}}
 checkpoint: {{interval: 1}}
 """
 WRITTEN = ("attn_norm.weight", "mlp_norm.weight", "mlp.experts.w_in", "mlp.experts.w_out")
+# nanoGPT's way: its own apply(_init_weights) over Linear / Embedding (tied), c_proj rescaled
+NANO = """mesh: {tp: 2, dp_shard: -1}
+model: {factory: "init_models:nano_gpt", kwargs: {vocab: 256}}
+tensor_parallel:
+  "transformer.h.*.attn.c_attn": {style: packed_colwise, parts: 3}
+  "transformer.h.*.{attn,mlp}.c_proj": rowwise
+  "transformer.h.*.mlp.c_fc": colwise
+fsdp: {units: ["transformer.h.*"]}
+""" + PLAN[PLAN.index("# lr 1e-30"):]
 
 
 def _plan(write_plan, factory: str = "moe_gpt", extra: str = "") -> str:
@@ -73,6 +82,26 @@ def test_init_weights_replays_the_constructor_and_keeps_its_buffers():
         init_weights(model, SEED, "cpu")  # without the spec, said, never left as memory held
 
 
+@pytest.mark.parametrize("factory", ["nano_gpt", "nano_gpt_data"])
+def test_writes_after_a_module_is_complete_are_replayed(factory):
+    """nanoGPT's ``self.apply(self._init_weights)`` (N(0, 0.02) into every Linear and the tied
+    Embedding, zeros into biases) and its c_proj rescale loop, through ``nn.init`` or through
+    ``.data``: every parameter equals the plain CPU build's, although Linear and Embedding
+    have a ``reset_parameters()`` of their own (which used to win: kaiming, a first loss above
+    ln(vocab)); the two ways of writing give the same numbers."""
+    spec = ModelSpec(factory=f"init_models:{factory}", kwargs={"vocab": 256})
+    model = build_model(spec, "meta", real_buffers=True)
+    materialize(model, "cpu")
+    assert init_weights(model, SEED, "cpu", spec) == "reset_parameters and constructor"
+    plain = _plain(getattr(init_models, factory))
+    ref = dict(plain.named_parameters())
+    assert model.transformer.wte.weight is model.lm_head.weight
+    for name, p in model.named_parameters():
+        assert torch.equal(p, ref[name]), name
+    for name, p in _plain(init_models.nano_gpt).named_parameters():
+        assert torch.equal(p, ref[name]), name
+
+
 def test_train_on_1_and_4_ranks_starts_from_the_constructors_weights(write_plan, tmp_path):
     """``tpplan train`` alone and on tp 2 × ep 2 (FSDP2): step 1's checkpoint (lr 1e-30)
     holds exactly the constructor's tensors, the same at both sizes; the losses agree."""
@@ -94,12 +123,39 @@ def test_train_on_1_and_4_ranks_starts_from_the_constructors_weights(write_plan,
     a, b = metrics(runs[1]), metrics(runs[4])
     for step in (1, 2):
         assert math.isclose(a[step]["loss"], b[step]["loss"], rel_tol=1e-5), (step, a, b)
+    _nano_on_1_and_4_ranks(write_plan, tmp_path)
 
 
-def test_a_constructor_that_cannot_be_replayed_is_refused_before_launch(write_plan, capsys):
-    """A parent writing into its experts' weights after they were built: refused at the
-    factory's line before torchrun starts, each parameter named with the fix."""
-    plan = _plan(write_plan, "scaled_after")
+def _nano_on_1_and_4_ranks(write_plan, tmp_path):
+    """nanoGPT's writes after its modules were complete: ``nano_gpt`` alone, ``nano_gpt_data``
+    (the same numbers written through ``.data``) on tp 2 (c_attn packed) × dp_shard 2 with
+    FSDP2 and tied embeddings; both start from the plain build, the first loss near ln(256)."""
+    from tpplan.checkpoint import read_model_state
+
+    plan = write_plan(NANO, "nano.yaml")
+    runs = {1: tmp_path / "nano_one", 4: tmp_path / "nano_four"}
+    ok(tpplan_cli("train", "--plan", plan, "--set", "mesh.tp=1", "--set", f"metrics.run_dir={runs[1]}",
+                  env=ENV))
+    ok(tpplan_cli("train", "--plan", plan, "--nproc", 4, "--set", "model.factory=init_models:nano_gpt_data",
+                  "--set", f"metrics.run_dir={runs[4]}", env=ENV))
+    one, four = (read_model_state(runs[n] / "checkpoints" / "step-000001") for n in (1, 4))
+    ref = _plain(init_models.nano_gpt).state_dict()  # the tied weight under both names
+    assert one.keys() == four.keys() == ref.keys()
+    for name in one:  # exact but for the zeros (biases), which step 1 moves by 1e-30
+        for got in (one[name], four[name]):
+            assert (got - ref[name]).abs().max() <= 1e-29, name
+    a, b = metrics(runs[1]), metrics(runs[4])
+    assert abs(a[1]["loss"] - math.log(256)) < 0.05, a[1]  # N(0, 0.02) weights: logits near 0
+    for step in (1, 2):
+        assert math.isclose(a[step]["loss"], b[step]["loss"], rel_tol=1e-5), (step, a, b)
+
+
+@pytest.mark.parametrize("factory", ["scaled_after", "scaled_after_data"])
+def test_a_constructor_that_cannot_be_replayed_is_refused_before_launch(write_plan, capsys, factory):
+    """A parent scaling its experts' weights (``mul_``, reading what they held) after they were
+    built, on the parameter or through ``.data``: refused at the factory's line before torchrun
+    starts, each parameter named with the fix."""
+    plan = _plan(write_plan, factory)
     rc, out = run_main(capsys, "train", "--plan", plan, "--nproc", "4")
     assert rc == 1, out
     assert "plan.yaml:2:" in out and "cannot initialize the model as its constructor does" in out

@@ -37,6 +37,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.command_line = argv is None  # this process is the command, not a caller's call
+    args.main = main  # what a worker forked by ``train --nproc`` runs (commands don't import this)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         return int(args.run(args) or 0)

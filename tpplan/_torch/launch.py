@@ -1,13 +1,17 @@
-"""torchrun's command line, as each torch version takes it.
+"""torchrun's command line, as each torch version takes it, and its agent with forked workers.
 
 Checked on torch 2.11 through 2.14.1. ``--shutdown-timeout`` (how long workers have to
 finish after a signal before they are killed) is in torchrun from 2.13; torch 2.11's
-torchrun does not know it and would exit on it.
+torchrun does not know it and would exit on it. ``run_forked`` uses torchrun's public
+pieces only (``get_args_parser``, ``config_from_args``, ``elastic_launch``).
 """
 
 from __future__ import annotations
 
-__all__ = ["shutdown_timeout_args"]
+import logging
+from typing import Any, Callable, Sequence
+
+__all__ = ["run_forked", "shutdown_timeout_args"]
 
 
 def shutdown_timeout_args(seconds: int) -> list[str]:
@@ -17,3 +21,52 @@ def shutdown_timeout_args(seconds: int) -> list[str]:
 
     known = {s for a in get_args_parser()._actions for s in a.option_strings}
     return [f"--shutdown-timeout={seconds}"] if "--shutdown-timeout" in known else []
+
+
+def run_forked(torchrun_args: Sequence[str], entry: Callable[..., Any], entry_args: tuple,
+               preload: Sequence[str]) -> bool:
+    """torchrun's agent as ``torchrun torchrun_args`` runs it (rendezvous, ``--max-restarts``,
+    signals passed on, ``--shutdown-timeout``), each worker calling ``entry(*entry_args)`` in
+    a process forked from a server that imported ``preload`` once: N workers do not each
+    import torch (about 3 CPU-s apiece). The server imports nothing but ``preload`` and
+    starts no thread, so CUDA and gloo start fresh in every worker, as in a new interpreter.
+
+    Returns False, starting nothing, where the platform has no forkserver (Windows): the
+    caller runs the command line instead. Raises what ``torchrun`` raises
+    (``ChildFailedError``, ``SignalException``).
+    """
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    _one_line_failures()
+    config, _cmd, _cmd_args = config_from_args(
+        get_args_parser().parse_args(["--start-method=forkserver", *torchrun_args]))
+    multiprocessing.set_forkserver_preload(list(preload))  # read when the server starts
+    elastic_launch(config, entrypoint=entry)(*entry_args)
+    return True
+
+
+# The logger by which torchrun's agent reports a failed worker of a function entrypoint.
+FAILURE_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    """A worker that exited (with a code, or killed by a signal) said in the agent's one
+    line, without the agent's own traceback of how it noticed: the worker already said why,
+    a killed one has nothing more to say. A worker's uncaught exception keeps it: the
+    worker's traceback is inside (``ProcessRaisedException``)."""
+    from torch.multiprocessing import ProcessExitedException
+
+    if record.exc_info and isinstance(record.exc_info[1], ProcessExitedException):
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _one_line_failures() -> None:
+    log = logging.getLogger(FAILURE_LOGGER)
+    if _without_traceback not in log.filters:
+        log.addFilter(_without_traceback)

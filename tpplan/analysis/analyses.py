@@ -273,14 +273,25 @@ def _reasons(parts: list, spec) -> list[dict[str, Any]]:
 ANALYSES: list[Analysis] = [("memory_per_rank", analyze_memory), ("comm_per_step", analyze_comm)]
 
 
-def analyze_kernels(result: DryRun) -> None:
+def analyze_kernels(result: DryRun, profile: Callable[..., dict[str, Any]] | None = None) -> None:
     """``kernels``: the step's memory-bound kernels, traced (:func:`~tpplan.analysis.memory.kernels.kernel_profile`;
-    priced by :func:`tpplan.analysis.cost.non_gemm.non_gemm_seconds`). Not in :data:`ANALYSES`:
-    a caller asks for it (``scripts/non_gemm_rows.py``); none under a pipeline."""
+    priced by :func:`tpplan.analysis.cost.non_gemm.non_gemm_term`). Not in :data:`ANALYSES`:
+    ``validate --device`` and ``search`` ask for it. Under a pipeline, each reported pp rank's
+    stages, ``{stages: {index: profile}, ranks: {pp rank: [index]}}``. ``profile``: in place of
+    ``kernel_profile``, with its signature (``search``'s cache, :mod:`tpplan.analysis.search.kernel_cache`)."""
     from .memory.kernels import kernel_profile
 
-    if result.plan.spec.pipeline is not None:
+    profile = profile or kernel_profile
+    spec = result.plan.spec
+    if spec.pipeline is not None:
+        from .memory.stages import stage_traces
+
+        split, per_stage, _ = stage_traces(
+            spec, result.mesh, lambda: build_model(spec.model, "meta"), result.step, result.resolution.dims,
+            lambda *a, io: profile(*a, io=io))
+        ranks = {s.rank: [t.index for t in split.of_rank(s.rank)] for s in split.stages if s.index in per_stage}
+        result.extra["kernels"] = dict(stages=per_stage, ranks=ranks)
         return
     blocks, n_blocks = model_blocks(result)
-    result.extra["kernels"] = kernel_profile(result.plan.spec, result.mesh, _builder(result), result.step,
-                                             n_blocks, blocks)
+    result.extra["kernels"] = profile(result.plan.spec, result.mesh, _builder(result), result.step,
+                                      n_blocks, blocks)

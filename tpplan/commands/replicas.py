@@ -10,6 +10,8 @@ rank (it then takes the weights from a live group and rejoins); the other groups
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 __all__ = ["fault_tolerant", "launch_replicas", "worker_overrides"]
@@ -26,7 +28,7 @@ def worker_overrides(plan_path: str, overrides: list[str]) -> list[str]:
     the batch, its run folder); the overrides unchanged outside a replica group. A plan with
     the section run outside one, or without torchft installed, is one line."""
     from ..api import load
-    from ..ft.groups import group_index, group_overrides, missing_extra
+    from ..ft.groups import ENV_CHECKPOINTS, group_index, group_overrides, missing_extra, run_checkpoints
     from ..plan.errors import CommandError
     from ..train.setup import run_folders
 
@@ -44,7 +46,9 @@ def worker_overrides(plan_path: str, overrides: list[str]) -> list[str]:
         raise CommandError(f"TPPLAN_REPLICA_GROUP={group}: the plan has "
                            f"{plan.spec.fault_tolerance.replica_groups} replica groups (0 .. "
                            f"{plan.spec.fault_tolerance.replica_groups - 1})")
-    run_dir, _ = run_folders(plan, plan_path)
+    run_dir, ckpt_dir = run_folders(plan, plan_path)
+    if group and plan.checkpoint.enabled:  # where it writes a step's checkpoint as its lowest group
+        os.environ[ENV_CHECKPOINTS] = str(run_checkpoints(plan, run_dir, group))
     return [*overrides, *group_overrides(plan, group, run_dir)]
 
 
@@ -62,6 +66,8 @@ def _train_args(args: argparse.Namespace, group: int, run_dir) -> list[str]:
         argv.append("--overwrite")
     if args.device:
         argv += ["--device", args.device]
+    if getattr(args, "profile", None):
+        argv += ["--profile", args.profile]
     return argv
 
 
@@ -70,6 +76,7 @@ def launch_replicas(args: argparse.Namespace, worker: list[str]) -> int:
     them. 0 when a group finished the run (a group that ran out of restarts is said)."""
     from ..api import load
     from ..ft.groups import group_overrides, missing_extra
+    from .._torch.launch import shutdown_timeout_args
     from ..ft.launch import start_groups, start_lighthouse, torchrun_argv
     from ..train.setup import check_before_launch, run_folders
 
@@ -91,22 +98,36 @@ def launch_replicas(args: argparse.Namespace, worker: list[str]) -> int:
     print(f"tpplan train: {ft.replica_groups} replica groups × {args.nproc} ranks, lighthouse "
           f"{address}, a step commits with at least {ft.min_replicas}", flush=True)
     procs, _meeting = start_groups(ft.replica_groups, address, lambda g: torchrun_argv(
-        args.nproc, args.max_restarts, worker, _train_args(args, g, run_dir)))
+        args.nproc, args.max_restarts, worker, _train_args(args, g, run_dir), shutdown_timeout_args(300)))
+    # a SIGTERM to this launcher (a scheduler's stop) goes on to each group's torchrun, which
+    # gives its workers the grace to finish the step and save; the lighthouse goes last
+    stopped = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: stopped.append(signum) or _stop(procs, signum))
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
+        _stop(procs, signal.SIGTERM)
         codes = [p.wait() for p in procs]
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if server is not None:
             server.terminate()
             server.wait()
+    if stopped:
+        print("tpplan train: stopped by SIGTERM, passed on to each replica group's torchrun (their "
+              "workers finish the step and save, as without fault tolerance)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     for g, code in enumerate(codes):
         if code:
             print(f"tpplan train: replica group {g} did not finish (exit {code}; the reason is "
                   f"above)", file=sys.stderr)
     return 0 if 0 in codes else 1
+
+
+def _stop(procs: list, signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
 
 
 def dry_run_overrides(plan_path: str, overrides: list[str]) -> list[str]:

@@ -72,7 +72,7 @@ def _single(args: argparse.Namespace) -> int:
                   + f"; {last.get('tokens_per_s', 0):,.0f} tokens/s at the last step")
     else:
         out.print(f"{run_dir}: no step logged yet")
-    events = [f"step {r['step']} {r['event']} ({r.get('replicas')} replica groups)" for r in rows if "event" in r]
+    events = [f"step {e['step']} {e['event']} ({e['replicas']} replica groups)" for e in data["run"]["events"]]
     if events:  # fault tolerance (docs/fault-tolerance.md): where groups were lost and came back
         out.print("replica groups: " + ", ".join(events), highlight=False)
     plan = data["plan"]

@@ -10,7 +10,20 @@ TERM_NAMES = {
     "compute": "compute (forward + backward)", "recompute": "recompute (activation checkpointing)",
     "tp": "tp collectives (critical path)", "fsdp": "fsdp all-gather / reduce-scatter (exposed)",
     "dp": "dp_replicate all-reduce (exposed)", "pp_p2p": "pipeline send/recv",
-    "bubble": "pipeline bubble", "ep": "ep all-to-all (exposed)", "cp": "cp exchange"}
+    "bubble": "pipeline bubble", "ep": "ep all-to-all (exposed)", "cp": "cp exchange",
+    "non_gemm": "non-GEMM kernels (memory-bound, launch floor)"}
+
+
+def analyses(base: list, device, calibration) -> list:
+    """The dry run's analyses for ``validate``: ``base``, and the step's non-GEMM kernels
+    traced (:func:`tpplan.analysis.analyses.analyze_kernels`) where the step time will be
+    estimated on a device with a memory bandwidth and no ``--calibrate`` (a calibrated
+    ``compute_efficiency`` stands for them instead)."""
+    if device is None or not device.bf16_flops or not device.memory_bandwidth or calibration is not None:
+        return base
+    from ..analysis.analyses import analyze_kernels
+
+    return [*base, ("kernels", analyze_kernels)]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -73,12 +86,17 @@ def estimate(result, device, args, c, calibration) -> dict[str, Any] | None:
     nothing to estimate against (no device, or one without a bf16 peak)."""
     from ..analysis.cost.step_time import estimate_step
 
+    kernels = result.extra.pop("kernels", None)  # priced into the estimate's non_gemm term
     if device is None or not device.bf16_flops or result.errors:
         return None
+    if kernels is not None:
+        result.extra["kernels"] = kernels
     try:
         out = estimate_step(result, device, args.gpus_per_node, c).to_json()
     except (ValueError, KeyError) as e:
+        result.extra.pop("kernels", None)
         return {"error": f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)}
+    result.extra.pop("kernels", None)
     if calibration is not None:
         out["calibration"] = calibration
     return out
@@ -110,7 +128,7 @@ def render(out, st: dict[str, Any]) -> None:
         f"weights + attention; {st['tokens_per_step']:,} tokens per step); dominant: "
         f"{st['dominant']}"))
     out.print(Text(
-        f"constants ({c['source']}): compute {c['compute_efficiency']:.3g} × "
+        f"constants ({c['source']}): compute {1.0 if d.get('non_gemm') else c['compute_efficiency']:.3g} × "
         f"{(dev.get('gemm_fraction') or 1.0):.3g} (a large GEMM's) of "
         f"{dev['bf16_flops'] / 1e12:,.1f} TFLOP/s, intra-node {c['intra_node_efficiency']:.3g} "
         f"of {_bw(dev['intra_node_bandwidth'])} (one direction: half), inter-node "
@@ -125,6 +143,12 @@ def render(out, st: dict[str, Any]) -> None:
         f"GEMM's rate ({(dev.get('gemm_fraction') or 1.0):.3g} of the peak, measured, × "
         f"compute_efficiency); latency (α) in the collectives: "
         + (", ".join(f"{k} {v:.4g} s of {raw[k]:.4g} s" for k, v in lat.items()) or "none")))
+    if d.get("non_gemm"):
+        ng = d["non_gemm"]
+        out.print(Text(f"non-GEMM: {ng['kernels']:,.0f} memory-bound kernels a step ({ng['bytes'] / 1e9:,.3g} GB "
+                       f"at {ng['hbm_efficiency']:.3g} of {_bw(dev.get('memory_bandwidth'))}, each at least "
+                       f"{ng['launch_s'] * 1e6:.3g} µs), traced; GEMMs at their own rate (compute_efficiency "
+                       "not applied)"))
     first = d["first_unit_exposure"]
     if first:
         out.print(Text("overlap: " + "; ".join(

@@ -14,15 +14,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Callable
 
 from ._common import add_plan_args
 
 SHUTDOWN_S = 300  # how long torchrun waits for workers to save after a signal
+RANK0_FIRST_S = 5  # how long the other ranks wait to exit after an error rank 0 says
 EXIT_STOPPED = 75  # tpplan.train.signals.EXIT_STOPPED (not imported: it would load torch)
 # What each worker that ``--nproc`` starts runs after the interpreter: this package's command.
 # A script that wraps the command (tests/hooked.py) puts its own path here, so the workers
 # torchrun starts run it too.
 WORKER_COMMAND = ["-m", "tpplan"]
+# What each worker calls where workers are forked (:func:`run_worker`); a wrapping script puts
+# a picklable callable of its own here, as for WORKER_COMMAND.
+WORKER_ENTRY = None
+_forked = False  # this process is a forked worker: the agent waits for run_worker to return
+# Imported once by the server the workers are forked from (the rest, lazily, by each).
+PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "tpplan.commands.train", "tpplan.train",
+           "tpplan.analysis.runs.expected")
 
 
 def register(sub) -> None:
@@ -56,7 +67,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from .._torch.launch import shutdown_timeout_args
+    from .._torch.launch import run_forked, shutdown_timeout_args
     from ..train.setup import check_before_launch
 
     # The plan's mistakes (lora, freeze, rules, initializers) said once, before any worker.
@@ -67,20 +78,27 @@ def _relaunch(args: argparse.Namespace) -> int:
     argv = ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
             f"--rdzv-id={launch}", f"--nproc-per-node={args.nproc}",
             f"--max-restarts={args.max_restarts}", *shutdown_timeout_args(SHUTDOWN_S),
-            *WORKER_COMMAND, "train", "--plan", args.plan]
+            *WORKER_COMMAND]
+    worker = ["train", "--plan", args.plan]
     for o in args.overrides:
-        argv += ["--set", o]
+        worker += ["--set", o]
     if args.resume is not None:
-        argv += ["--resume", args.resume]
+        worker += ["--resume", args.resume]
     if args.overwrite:
-        argv.append("--overwrite")
+        worker.append("--overwrite")
     if args.device:
-        argv += ["--device", args.device]
+        worker += ["--device", args.device]
     if args.profile:
-        argv += ["--profile", args.profile]
+        worker += ["--profile", args.profile]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")  # as torchrun's ``python -u``
+    # A HF model's launch check imported transformers here: its workers will too.
+    preload = [*PRELOAD, *(["transformers", "tpplan.models.hf"] if "transformers" in sys.modules else [])]
     try:
-        torchrun(argv)
+        main = getattr(args, "main", None)  # set by the command line; else no fork
+        if main is None or not run_forked(argv + worker, WORKER_ENTRY or run_worker, (main, worker),
+                                          preload):
+            torchrun(argv + worker)
     except ChildFailedError:  # the failing rank already printed why, as "error: ..."
         print(f"tpplan train: the run on {args.nproc} processes did not finish (the reason is "
               f"above)", file=sys.stderr)
@@ -88,6 +106,17 @@ def _relaunch(args: argparse.Namespace) -> int:
     except SignalException as e:  # the workers had SHUTDOWN_S to finish a step and save
         return EXIT_STOPPED if _stopped_cleanly(args, launch) else 128 + int(e.sigval)
     return 0
+
+
+def run_worker(main: Callable[[list[str]], int], argv: list[str]) -> None:
+    """One worker of ``--nproc``, forked by torchrun's agent: ``main`` (the command line's)
+    on ``argv``. It returns (the agent waits for every worker's return) or exits with the
+    command's code; the fork's end skips the interpreter teardown ``run`` otherwise avoids."""
+    global _forked
+    _forked = True
+    code = main(argv)
+    if code:
+        sys.exit(code)
 
 
 def _stopped_cleanly(args: argparse.Namespace, launch: str) -> bool:
@@ -136,9 +165,13 @@ def run(args: argparse.Namespace) -> int:
         # say it once, fail everywhere.
         if rank0 or e.every_rank:
             print(f"error: {e}", file=sys.stderr)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            # The first worker to exit has torchrun stop the others: rank 0, the one that says
+            # it, must get there first (workers forked together reach a data error together).
+            time.sleep(RANK0_FIRST_S)
         return 1
     code = EXIT_STOPPED if summary.get("stopped") else 0
-    if "TORCHELASTIC_RUN_ID" in os.environ or getattr(args, "command_line", False):
+    if ("TORCHELASTIC_RUN_ID" in os.environ and not _forked) or getattr(args, "command_line", False):
         # The run is complete and its process group destroyed. Gloo's worker threads can
         # still abort the interpreter's teardown ("terminate called without an active
         # exception", pytorch/pytorch#190489), which torchrun would report as a failed

@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
 
     args.overrides = dry_run_overrides(args.plan, list(args.overrides))  # fault_tolerance's groups
 
-    result = dry_run(args.plan, args.world_size, args.overrides, ANALYSES)
+    result = dry_run(args.plan, args.world_size, args.overrides, steptime.analyses(ANALYSES, device, calibration))
     if not result.errors:  # the HF checkpoint a plan starts from, against its model
         result.errors.extend(plan_problems(args.plan, args.overrides))
     if device is not None and "peak" in result.extra.get("memory_per_rank", {}):

@@ -14,7 +14,7 @@ from ..exports import lazy_exports
 __all__, __getattr__ = lazy_exports(__name__, {
     "errors": ["DataError"],
     "formats": ["FLAT_DTYPES", "is_token_source", "open_tokens"],
-    "feed": ["Source", "TokenFeed"],
+    "feed": ["HeldOut", "Source", "TokenFeed"],
     "scan": ["check_source", "largest_id"],
     "store": ["MANIFEST", "open_store"],
     "tokenfile": ["TokenFile"],

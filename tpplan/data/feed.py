@@ -22,7 +22,7 @@ from .batch import Batch
 from .order import consumed, key_of, permute, route
 from .tokenfile import TokenFile
 
-__all__ = ["Source", "TokenFeed"]
+__all__ = ["HeldOut", "Source", "TokenFeed"]
 
 AHEAD = 2  # steps gathered ahead of the one training
 
@@ -45,6 +45,7 @@ class TokenFeed:
         self.windows = [s.file.windows(seq_len) for s in sources]
         self.masked = any(s.file.mask is not None for s in sources)
         self.ahead = ahead
+        self.held_out: HeldOut | None = None  # eval.path: the held-out windows, read in order
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[tuple[int, int, int, int], Future] = {}
         self._lock = threading.Lock()
@@ -150,4 +151,45 @@ class TokenFeed:
             lines.append(f"data: {s.name}: {len(s.file):,} tokens ({n:,} windows) in {s.file.path} "
                          f"({s.file.kind}, {s.file.dtype}), weight {s.weight:g}: reads {tokens:,} "
                          f"tokens = {epochs:.3g} epochs{wrap}")
+        if self.held_out is not None:
+            f = self.held_out.file
+            lines.append(f"data: eval: {len(f):,} tokens ({f.windows(self.seq_len):,} windows) in {f.path} "
+                         f"({f.kind}, {f.dtype}), read in order from its first window")
         return lines
+
+
+class _InOrder(TokenFeed):
+    """One source's windows in order: step ``s`` reads windows ``(s-1)·B … s·B - 1``."""
+
+    def draw(self, step: int, batch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        batch = batch or self.global_batch
+        return np.zeros(batch, dtype=np.int64), (step - 1) * batch + np.arange(batch, dtype=np.int64)
+
+    def gather(self, step: int, dp_rank: int, dp: int, batch: int) -> Batch:
+        return self._make(step, dp_rank, dp, batch)
+
+
+class HeldOut:
+    """A held-out token source (``eval.path``) read in order: evaluation batch ``i`` is windows
+    ``i·B … (i+1)·B - 1`` (``B`` the global batch), each rank its contiguous slice, so every
+    evaluation on any mesh sees the same windows and the same count of targets."""
+
+    separator = None  # positions come from the source's document starts
+
+    def __init__(self, name: str, file: TokenFile, seq_len: int):
+        self.file, self.seq_len = file, seq_len
+        self._feed = _InOrder([Source(name, file, 1.0)], 0, 1, seq_len, ahead=0)
+
+    @property
+    def source(self) -> str:
+        return self._feed.source
+
+    def windows(self, seq_len: int) -> int:
+        return self.file.windows(seq_len)
+
+    def eval_batch(self, index: int, batch: int, seq_len: int, dp_rank: int, dp: int) -> Batch:
+        """Evaluation batch ``index`` (from 0) of ``batch`` windows: this rank's share."""
+        if (index + 1) * batch > self.windows(seq_len) or seq_len != self.seq_len:
+            raise IndexError(f"{self.file.path}: evaluation batch {index} of {batch} windows of {seq_len} "
+                             f"is past its {self.windows(self.seq_len)} windows of {self.seq_len}")
+        return self._feed.gather(index + 1, dp_rank, dp, batch)

@@ -54,6 +54,8 @@ def open_megatron(prefix: Path) -> TokenFile:
     """``prefix.bin`` through its ``prefix.idx``: documents as Megatron's reader returns them."""
     idx, bin_ = prefix.with_name(prefix.name + ".idx"), prefix.with_name(prefix.name + ".bin")
     dtype, lengths, pointers, documents = read_index(idx)
+    if dtype.startswith("float"):
+        raise DataError(f"{idx}: a Megatron dataset of {dtype} values, not token ids")
     item = np.dtype(dtype).itemsize
     size = bin_.stat().st_size
     end = int(pointers[-1]) + item * int(lengths[-1]) if len(lengths) else 0

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from multiprocessing import get_all_start_methods, get_context
@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .chat import render_chat
+from .documents import Document
 from .errors import DataError
 from .store import MANIFEST, STORE_FORMAT, VERSION, id_dtype, shard_done, write_shard
 from .tokenizer import TextTokenizer
 from .units import Unit, plan_units, unit_documents
 
-__all__ = ["PrepareJob", "Prepared", "prepare"]
+__all__ = ["PrepareJob", "Prepared", "pack", "prepare", "store_manifest", "write_manifest"]
 
 JOB_FILE = "prepare.json"
 ENCODE_CHUNK = 256  # texts encoded together (the tokenizers library batches in Rust)
@@ -67,8 +68,10 @@ def _start_worker(job: dict[str, Any]) -> None:
                    dtype=id_dtype(tok.vocab_size))
 
 
-def _documents(unit: Unit):
-    job, tok, sep = _WORKER["job"], _WORKER["tok"], _WORKER["sep"]
+def pack(documents: Iterable[Document], tok: TextTokenizer, sep: int) -> Iterator[tuple[list[int], list[bool]]]:
+    """(ids with the separator, loss mask) of each document, in order: texts encoded
+    ``ENCODE_CHUNK`` at a time, chats rendered with the template (the assistant's tokens
+    count). The one packing both ``data prepare`` and the per-run token cache use."""
     texts: list[str] = []
 
     def flush():
@@ -76,7 +79,7 @@ def _documents(unit: Unit):
             yield ids + [sep], [True] * (len(ids) + 1)
         texts.clear()
 
-    for doc in unit_documents(unit, job["format"], job["text_field"]):
+    for doc in documents:
         if doc.is_chat:
             yield from flush()  # keep the documents' order
             ids, mask = render_chat(tok.hf, doc.value, doc.where)
@@ -86,6 +89,11 @@ def _documents(unit: Unit):
             if len(texts) >= ENCODE_CHUNK:
                 yield from flush()
     yield from flush()
+
+
+def _documents(unit: Unit):
+    job = _WORKER["job"]
+    return pack(unit_documents(unit, job["format"], job["text_field"]), _WORKER["tok"], _WORKER["sep"])
 
 
 @contextlib.contextmanager
@@ -137,7 +145,9 @@ def _claim(out: Path, key: dict[str, Any], overwrite: bool) -> None:
     job_file.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
 
 
-def _manifest(job: PrepareJob, tok: TextTokenizer, metas: list[dict[str, Any]], key: dict) -> dict[str, Any]:
+def store_manifest(job: PrepareJob, tok: TextTokenizer, metas: list[dict[str, Any]],
+                   inputs: list) -> dict[str, Any]:
+    """The store's ``tokens.json`` for shards ``metas`` (in order) of ``job``."""
     sep_name, sep = tok.separator(job.separator)
     return {"format": STORE_FORMAT, "version": VERSION, "dtype": id_dtype(tok.vocab_size),
             "tokenizer": {"identity": tok.identity(), "name": Path(job.tokenizer).name,
@@ -147,7 +157,15 @@ def _manifest(job: PrepareJob, tok: TextTokenizer, metas: list[dict[str, Any]], 
             "loss_tokens": sum(m["loss_tokens"] for m in metas),
             "masked": any(m["masked"] for m in metas),
             "max_token": max((m["max_token"] for m in metas), default=-1),
-            "shards": metas, "inputs": key["inputs"]}
+            "shards": metas, "inputs": inputs}
+
+
+def write_manifest(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` into ``out/tokens.json`` atomically: the store is whole once it exists."""
+    tmp = out / f"{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
 
 
 def prepare(job: PrepareJob, workers: int = 1, overwrite: bool = False,
@@ -184,8 +202,6 @@ def prepare(job: PrepareJob, workers: int = 1, overwrite: bool = False,
             docs, tokens = docs + meta["documents"], tokens + meta["tokens"]
             if progress:
                 progress(len(metas), len(units), docs, tokens)
-    manifest = _manifest(job, tok, [metas[i] for i in range(len(units))], key)
-    tmp = out / f"{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    manifest = write_manifest(out, store_manifest(job, tok, [metas[i] for i in range(len(units))],
+                                                  key["inputs"]))
     return Prepared(manifest, len(todo), kept, time.perf_counter() - t0)

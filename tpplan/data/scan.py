@@ -27,14 +27,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TPPLAN_CACHE") or Path.home() / ".cache" / "tpplan")
 
 
-def _scan(path: Path, dtype: str) -> int:
+def _scan(path: Path, dtype: str) -> list[int]:
+    """[largest, smallest] id of the file (``[-1, 0]`` when empty)."""
     item = np.dtype(dtype).itemsize
     buf = np.empty(CHUNK // item, dtype=dtype)
-    top = -1
+    top, bottom = -1, 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(memoryview(buf).cast("B")):
             top = max(top, int(buf[:n // item].max()))
-    return top
+            bottom = min(bottom, int(buf[:n // item].min()))
+    return [top, bottom]
 
 
 def largest_id(tf: TokenFile) -> int:
@@ -48,8 +50,11 @@ def largest_id(tf: TokenFile) -> int:
         known = json.loads(cache.read_text())
     except (OSError, ValueError):
         known = {}
-    if key not in known:
-        known[key] = _scan(tf.path, tf.dtype)
+    low = f"{key}:min" if np.dtype(tf.dtype).kind == "i" else None  # a signed dtype: its smallest id too
+    if key not in known or (low is not None and low not in known):
+        known[key], smallest = _scan(tf.path, tf.dtype)
+        if low is not None:
+            known[low] = smallest
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_name(f"{cache.name}.{os.getpid()}")
@@ -57,7 +62,7 @@ def largest_id(tf: TokenFile) -> int:
             os.replace(tmp, cache)
         except OSError:
             pass  # a read-only home: scan again next time
-    tf.max_token = int(known[key])
+    tf.max_token, tf.min_token = int(known[key]), int(known.get(low, 0))
     return tf.max_token
 
 
@@ -72,6 +77,9 @@ def check_source(tf: TokenFile, vocab: int | None, tokenizer: str | None, seq_le
                         f"sha256 {str(tf.tokenizer.get('identity'))[:12]}) than data.tokenizer "
                         f"(sha256 {tokenizer[:12]}): its ids mean other tokens")
     top = largest_id(tf)
+    if (tf.min_token or 0) < 0:  # a signed dtype (int32, a Megatron int16/int64): no id is negative
+        raise DataError(f"{tf.path}: holds token id {tf.min_token}, a negative id (the wrong data.dtype, "
+                        f"or not a file of token ids?)")
     if vocab is not None and top >= vocab:
         raise DataError(f"{tf.path}: holds token id {top}, past the model's vocabulary of {vocab} "
                         f"(a corpus tokenized for another model, or the wrong data.dtype?)")

@@ -29,7 +29,7 @@ from .errors import DataError
 from .files import file_digest
 from .tokenfile import Pieces, Starts, TokenFile, map_file
 
-__all__ = ["MANIFEST", "STORE_FORMAT", "id_dtype", "open_store", "shard_done", "write_shard"]
+__all__ = ["MANIFEST", "STORE_FORMAT", "id_dtype", "open_store", "shard_done", "shard_paths", "write_shard"]
 
 MANIFEST = "tokens.json"
 STORE_FORMAT = "tpplan-token-store"
@@ -42,7 +42,7 @@ def id_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def _shard_paths(folder: Path, index: int) -> dict[str, Path]:
+def shard_paths(folder: Path, index: int) -> dict[str, Path]:
     return {part: folder / "shards" / f"{index:05d}.{part}" for part in (*PARTS, "json")}
 
 
@@ -50,7 +50,7 @@ def write_shard(folder: Path, index: int, dtype: str,
                 documents: Iterable[tuple[list[int], list[bool]]]) -> dict[str, Any]:
     """Write shard ``index`` from ``documents`` (ids with the separator, loss mask); returns
     its meta. The same documents give the same bytes, whatever wrote them and when."""
-    paths = _shard_paths(folder, index)
+    paths = shard_paths(folder, index)
     paths["ids"].parent.mkdir(parents=True, exist_ok=True)
     tmp = {k: p.with_name(p.name + f".tmp-{os.getpid()}") for k, p in paths.items()}
     ids_, starts, masks = [], [], []
@@ -87,7 +87,7 @@ def write_shard(folder: Path, index: int, dtype: str,
 
 def shard_done(folder: Path, index: int, dtype: str) -> dict[str, Any] | None:
     """The meta of shard ``index`` when it was written whole, else None (to be written)."""
-    paths = _shard_paths(folder, index)
+    paths = shard_paths(folder, index)
     try:
         meta = json.loads(paths["json"].read_text())
         sizes = {"ids": meta["tokens"] * np.dtype(dtype).itemsize, "docs": 8 * meta["documents"],
@@ -127,7 +127,7 @@ def open_store(folder: Path) -> TokenFile:
     ids, masks, starts = [], [], []
     base = 0
     for s in m["shards"]:
-        paths = _shard_paths(folder, s["index"])
+        paths = shard_paths(folder, s["index"])
         ids.append(_map(paths["ids"], dtype, s["tokens"], "tokens"))
         masks.append(_map(paths["mask"], "uint8", s["tokens"], "mask bytes") if s["masked"] else None)
         starts.append((base, _map(paths["docs"], "int64", s["documents"], "document starts"), 1))

@@ -117,6 +117,7 @@ class TokenFile:
     starts: Starts | None = None
     mask: Pieces | None = None
     max_token: int | None = None
+    min_token: int | None = None  # known once a scan read the file (stores hold no negative ids)
     tokenizer: dict | None = None  # a store's tokenizer identity
     separator: int | None = None
     loss_tokens: int | None = None

@@ -129,7 +129,8 @@ def _records(unit: Unit) -> Iterator[tuple[object, str]]:
     if unit.kind == "jsonl":
         with open(f, "rb") as fh:
             fh.seek(unit.lo)
-            for n, line in enumerate(fh.read(unit.hi - unit.lo).splitlines(), unit.first_line):
+            # lines as the unit counted them (b"\n"), not splitlines(): a stray \r is no new record
+            for n, line in enumerate(fh.read(unit.hi - unit.lo).split(b"\n"), unit.first_line):
                 if line.strip():
                     try:
                         yield json.loads(line), f"{f}:{n}"
@@ -142,8 +143,16 @@ def _records(unit: Unit) -> Iterator[tuple[object, str]]:
     else:
         import pyarrow.parquet as pq
 
-        row = 0
-        for chunk in pq.ParquetFile(f).iter_batches():
+        pf = pq.ParquetFile(f)
+        groups, starts, at = [], [], 0  # only the row groups that hold the unit's rows: no re-reading
+        for g in range(pf.metadata.num_row_groups):
+            n = pf.metadata.row_group(g).num_rows
+            if at + n > unit.lo and at < unit.hi:
+                groups.append(g)
+                starts.append(at)
+            at += n
+        row = starts[0] if starts else 0
+        for chunk in pf.iter_batches(row_groups=groups):
             if row + chunk.num_rows <= unit.lo:
                 row += chunk.num_rows
                 continue

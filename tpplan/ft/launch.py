@@ -52,8 +52,9 @@ def start_lighthouse(spec, log: Path) -> tuple[subprocess.Popen, str]:
 
 def torchrun_argv(nproc: int, max_restarts: int, worker: Sequence[str], train_args: Sequence[str],
                   extra: Sequence[str] = ()) -> list[str]:
-    """One group's torchrun: its own rendezvous on a free port, ``--max-restarts`` of its own."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+    """One group's torchrun (:mod:`tpplan.ft.torchrun`: its end an exit code, not a traceback):
+    its own rendezvous on a free port, ``--max-restarts`` of its own."""
+    return [sys.executable, "-m", "tpplan.ft.torchrun", "--nnodes=1", "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0", f"--rdzv-id=tpplan-{uuid.uuid4().hex[:12]}",
             f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", *extra, *worker, *train_args]
 

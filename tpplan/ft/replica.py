@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .groups import ENV_START
+from ..plan.errors import CommandError
+from .groups import ENV_LIGHTHOUSE, ENV_START
 
 __all__ = ["Replica"]
 
@@ -59,6 +60,11 @@ def _optimizer_from_local(optimizer: torch.optim.Optimizer, sent: dict) -> dict:
     return {"state": state, "param_groups": sent["param_groups"]}
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
 def _store() -> tuple[Any, str, int]:
     """A TCPStore of this launch round for the Manager (torchrun's keeps keys across restarts,
     where a stale manager address would be read): rank 0 serves it, the group learns where."""
@@ -89,13 +95,15 @@ class Replica:
         self.spec, self.group, self.trainee, self.note = spec, group, trainee, note
         self.healed_at: int | None = None  # the step a transfer from a peer brought us to
         self.participants = self.logged = spec.replica_groups
+        self.members: list[int] = []  # the groups whose gradients the last all-reduce added
+        self.checkpoints = None  # the run's checkpoint folder when this group may write it
         self.waited = 0.0  # seconds in quorums and failed tries since the last committed step
         self.tried: float | None = None  # when the current try of a step started
         timeout = timedelta(seconds=spec.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self._store, host, port = _store()
         self.manager = Manager(
-            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=spec.min_replicas,
+            pg=pg, load_state_dict=self.load, state_dict=self._state, min_replica_size=spec.min_replicas,
             use_async_quorum=False, timeout=timeout, quorum_timeout=timeout * 4, connect_timeout=timeout,
             rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
             replica_id=f"tpplan_{group}", init_sync=False)
@@ -120,37 +128,43 @@ class Replica:
 
     def next_step(self) -> int:
         """A quorum for the next step (recovering from a peer if this group is behind); the
-        step's number. Says so, once, when groups were lost or came back."""
-        before = self.participants
+        step's number."""
         t0 = time.perf_counter()
         if self.tried is not None:  # the last try of a step did not commit: its time is lost
             self.waited += t0 - self.tried
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except (RuntimeError, TimeoutError) as e:  # the lighthouse gone: torchft's Rust error
+            why = f"no answer in {self.spec.timeout_s * 4:g} s" if isinstance(e, TimeoutError) else _first_line(e)
+            raise CommandError(f"replica group {self.group}: no quorum from the lighthouse "
+                               f"{os.environ.get(ENV_LIGHTHOUSE, '')} ({why}); start it again "
+                               f"(tpplan lighthouse), then the groups: they resume from the last "
+                               f"checkpoint") from None
         self.tried = time.perf_counter()
         self.waited += self.tried - t0  # quorum, reconfiguration, recovery
         self.participants = self.manager.num_participants()
-        step = self.manager.current_step() + 1
+        return self.manager.current_step() + 1
+
+    def event(self, step: int) -> str | None:
+        """The committed ``step``'s event for metrics.jsonl, against the last committed step's
+        groups: a fault, a rejoin, or this group's recovery from a peer; each said in one line.
+        Said at the commit, not at the quorum: a try that a second fault undid (a group dying
+        while it recovers) changes nothing the run keeps, so it says nothing."""
+        before, self.logged = self.logged, self.participants
+        groups = self.spec.replica_groups
         if self.healed_at is not None:
             self.note(f"replica group {self.group}: recovered weights and optimizer state from a "
-                      f"live peer at step {self.healed_at}; rejoined ({self.participants} of "
-                      f"{self.spec.replica_groups} replica groups)")
-        elif self.participants < before:
-            self.note(f"fault: {before - self.participants} replica group(s) lost at step {step}; "
-                      f"{self.participants} of {self.spec.replica_groups} go on")
-        elif self.participants > before:
-            self.note(f"rejoin: {self.participants} of {self.spec.replica_groups} replica groups "
-                      f"from step {step}")
-        return step
-
-    def event(self) -> str | None:
-        """The committed step's event for metrics.jsonl, against the last committed step's
-        groups: a fault, a rejoin, or this group's recovery from a peer."""
-        before, self.logged = self.logged, self.participants
-        if self.healed_at is not None:
+                      f"live peer at step {self.healed_at}; rejoined ({self.participants} of {groups} "
+                      f"replica groups)")
             self.healed_at = None
             return "recovered"
-        if self.participants != before:
-            return "fault" if self.participants < before else "rejoin"
+        if self.participants < before:
+            self.note(f"fault: {before - self.participants} replica group(s) lost at step {step}; "
+                      f"{self.participants} of {groups} go on")
+            return "fault"
+        if self.participants > before:
+            self.note(f"rejoin: {self.participants} of {groups} replica groups from step {step}")
+            return "rejoin"
         return None
 
     def data_place(self, dp_rank: int, dp: int) -> tuple[int, int]:
@@ -160,17 +174,21 @@ class Replica:
 
     def reduce(self, loss_sum: float, trained: int, count: int) -> tuple[float, int] | None:
         """Add the groups' gradients, losses and trained targets; rescale to the mean over what
-        was trained. None when a group failed mid-way (the step will not commit)."""
+        was trained. None when a group failed mid-way (the step will not commit). A one-hot of
+        this group's index rides along: the sum names the groups in the step (:meth:`saves`)."""
+        groups = self.spec.replica_groups
         grads = [_local(p.grad) for p in self.trainee.trained if p.grad is not None]
-        flat = torch.cat([g.reshape(-1).float() for g in grads] +
-                         [torch.tensor([loss_sum, float(trained)], device=grads[0].device
-                                       if grads else "cpu", dtype=torch.float32)])
+        tail = torch.zeros(2 + groups, dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        tail[0], tail[1], tail[2 + self.group] = loss_sum, float(trained), 1.0
+        flat = torch.cat([g.reshape(-1).float() for g in grads] + [tail])
         from torch.distributed import ReduceOp
 
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
         if self.manager.errored() is not None:
             return None
-        total = int(round(flat[-1].item()))
+        tail = flat[-groups - 2:].tolist()
+        self.members = [g for g in range(groups) if tail[2 + g] > 0.5]
+        total = int(round(tail[1]))
         scale = count / total if total else 0.0
         offset = 0
         for g in grads:
@@ -178,7 +196,7 @@ class Replica:
             part = flat[offset:offset + n].view_as(g)
             g.copy_(part * scale if scale != 1.0 else part)
             offset += n
-        return flat[-2].item() * scale, total
+        return tail[0] * scale, total
 
     def commit(self) -> bool:
         """Whether every group's ranks agree to take this step's optimizer update."""
@@ -199,8 +217,10 @@ class Replica:
         return h.hexdigest()[:16]
 
     def saves(self) -> bool:
-        """Group 0 writes the checkpoints (the others' run folders hold metrics only)."""
-        return self.group == 0
+        """Whether this group writes the committed step's checkpoint: the lowest-numbered group
+        whose gradients the step added. Every group of the step read the same sum, so exactly
+        one of them writes, whichever groups are down (group 0 when it takes part)."""
+        return bool(self.members) and self.members[0] == self.group
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
@@ -213,7 +233,9 @@ class Replica:
                 "optimizers": [_tree_to_local(o.state_dict()) for o in t.optimizers],
                 "schedule": t.schedules[0].state_dict(), "rng": torch.get_rng_state()}
 
-    def _load(self, sent: dict) -> None:
+    def load(self, sent: dict) -> None:
+        """Take what a live peer sent (:meth:`_state`): the Manager calls it at the quorum of a
+        group that is behind, before the step's forward."""
         t = self.trainee
         with torch.no_grad():
             for part, weights in zip(t.parts, sent["parts"]):

@@ -19,6 +19,7 @@ from .._torch.modules import own_parameters, set_buffers, set_parameters, shell_
 from ..plan.packing import Packing, packed_params
 from ..plan.specs import ModelSpec
 from .build import build_model
+from .late_writes import watch_build
 from .replay import constructor_modules, replay_constructors
 
 __all__ = ["constructor_problems", "init_adapters", "init_weights", "materialize", "param_seed"]
@@ -76,9 +77,11 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str,
     (std None = ones, a norm weight). Other models: a full-size CPU copy is rebuilt module
     by module with ``reset_parameters()`` under a generator seeded per module path, then
     sharded -- one module's parameters at a time. A module with parameters and no
-    ``reset_parameters()`` gets what its constructor writes: the model's constructor (from
-    ``spec``) is replayed on CPU under ``torch.manual_seed(seed)``, so those parameters equal
-    the plain CPU build's (:mod:`.replay`); ValueError when that cannot be done.
+    ``reset_parameters()`` gets what its constructor writes, and so does a parameter the
+    constructor writes after its module is complete (a parent's ``apply(_init_weights)``,
+    found by a meta build of ``spec``): the model's constructor is replayed on CPU under
+    ``torch.manual_seed(seed)``, so those parameters equal the plain CPU build's
+    (:mod:`.replay`); ValueError when that cannot be done.
     """
     if hasattr(model, "init_buffers"):
         model.init_buffers(device)
@@ -99,7 +102,7 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str,
         init_adapters(model, seed)
         return "init_std"
     _reset_each(model, seed, model.named_modules(), packed)
-    wanted = constructor_modules(model)
+    wanted, paths = _to_initialize(model, spec)
     if not wanted:
         return "reset_parameters"
     if spec is None:
@@ -114,13 +117,31 @@ def init_weights(model: nn.Module, seed: int, device: torch.device | str,
             _assign(p, full if isinstance(p, DTensor) else full.to(p.device),
                     packed.get(f"{path}.{name}" if path else name))
             got.add((path, name))
-    problems = replay_constructors(spec, seed, take, build_model)
+    problems = replay_constructors(spec, seed, take, build_model, paths)
     left = {path: [n for n in names if (path, n) not in got] for path, names in wanted.items()}
     left = {path: names for path, names in left.items() if names}
     if problems or left:
         raise ValueError("; ".join(problems + ([f"{_listed(left)} not written by the replayed "
                                                 f"constructor"] if left else [])))
     return "reset_parameters and constructor"
+
+
+def _to_initialize(model: nn.Module, spec: ModelSpec | None) -> tuple[dict[str, list[str]], list | None]:
+    """{module path: parameter names} of ``model`` that only its constructor's replay sets:
+    those of modules without ``reset_parameters()``, and those written (or set anew) after
+    their module was complete, which one meta build of ``spec`` finds; with that build's
+    module paths for the replay (None: no build made, no ``spec`` or an ``init_std`` model)."""
+    wanted = constructor_modules(model)
+    if spec is None or hasattr(model, "init_std"):
+        return wanted, None
+    paths, late = watch_build(spec, build_model)
+    modules = dict(model.named_modules(remove_duplicate=False))  # a pipeline part: its own
+    for path, names in late.items():
+        own = own_parameters(modules[path]) if path in modules else {}
+        for name in names:
+            if own.get(name) is not None and name not in wanted.get(path, []):
+                wanted.setdefault(path, []).append(name)
+    return wanted, paths
 
 
 def _listed(modules: dict[str, list[str]]) -> str:
@@ -132,21 +153,24 @@ def constructor_problems(spec: ModelSpec, model: nn.Module, seed: int) -> list[s
     """Why some parameters of ``model`` (built from ``spec`` on meta) could not be initialized
     as the user's constructor writes them: each parameter named, with the fix. Replays the
     constructor on CPU (one module's tensors at a time) when the model has modules without
-    ``reset_parameters``; nothing to do for the others."""
-    wanted = constructor_modules(model)
+    ``reset_parameters`` or parameters written after their module was complete (a meta build
+    finds them); nothing more to do for the others."""
+    wanted, paths = _to_initialize(model, spec)
     if not wanted:
         return []
     got: set[str] = set()
     problems = replay_constructors(spec, seed, lambda path, n, t: got.add(f"{path}.{n}" if path else n),
-                                   build_model)
-    missed = [f"{p}.{n}" if p else n for p, ns in wanted.items() for n in ns
-              if (f"{p}.{n}" if p else n) not in got]
+                                   build_model, paths)
+    said = " ".join(problems)
+    names = [f"{p}.{n}" if p else n for p, ns in wanted.items() for n in ns]
+    missed = [name for name in names if name not in got and f"'{name}'" not in said]
     if missed:
         problems.append(f"{', '.join(missed[:6])}{' ...' if len(missed) > 6 else ''}: not set by "
                         "the constructor of the module holding it")
     fix = ("give the module a reset_parameters() that sets its parameters, or set them in its "
-           "own __init__ (tpplan reruns the model's constructor under train.seed and takes each "
-           "module's parameters when the module is complete; docs/training.md)")
+           "own __init__, or write them whole afterwards (nn.init.normal_, copy_) rather than "
+           "change what they hold (tpplan reruns the model's constructor under train.seed and "
+           "takes each module's parameters when the module is complete; docs/training.md)")
     return [f"{p}; {fix}" for p in dict.fromkeys(problems)]
 
 

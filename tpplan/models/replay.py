@@ -13,13 +13,20 @@ model's constructor is replayed, in its own order, under ``torch.manual_seed(see
   then draws on it (``nn.Linear``'s kaiming init) are drawn on a scratch CPU tensor and
   dropped, so the random stream advances exactly as in the plain build;
 - a module without it keeps its CPU parameters until it is complete -- registered into its
-  parent, or the factory returned -- when they are handed over (``take``) and dropped too.
+  parent, or the factory returned -- when they are handed over (``take``) and dropped too;
+- a write into a parameter after its module is complete (a parent's
+  ``apply(_init_weights)``, a loop over ``named_parameters``, through ``.data`` or a view:
+  found by storage, :mod:`.late_writes`) is computed on a CPU shadow of that one parameter,
+  created by a write that sets it whole and handed over when the constructor writes another
+  parameter or returns (a later value replaces an earlier one).
 
-Peak extra memory is one module's tensors (and whatever the constructor itself holds), never
-the model. The numbers equal the plain CPU build's at every mesh shape. What cannot be
-replayed is returned by :func:`replay_constructors`: a parameter changed by other code after its
-module was complete (a parent writing into a child's weight), a factory whose modules are
-not the same from one build to the next.
+Peak extra memory is one module's tensors or one parameter's shadow (and whatever the
+constructor itself holds), never the model. The numbers equal the plain CPU build's at every
+mesh shape. What cannot be replayed is returned by :func:`replay_constructors`: a parameter
+changed after its module was complete by a write that reads what it held before (``mul_``)
+with no shadow of it alive (its first such write, or one after the constructor moved on to
+other parameters), or one written from a value not kept (another parameter); a factory whose
+modules are not the same from one build to the next.
 """
 
 from __future__ import annotations
@@ -31,9 +38,12 @@ from torch import nn
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
-from .._torch.dispatch import TorchDispatchMode, op_schema
+from .._torch.dispatch import TorchDispatchMode
 from .._torch.modules import own_parameters, set_parameters
+from .._torch.storage import storage_key
 from ..plan.specs import ModelSpec
+from .._torch.nn import initializers_seen
+from .late_writes import Completion, overwrites, watch_build, written_tensors
 
 __all__ = ["constructor_modules", "replay_constructors"]
 
@@ -51,24 +61,75 @@ def constructor_modules(model: nn.Module) -> dict[str, list[str]]:
             if not hasattr(m, "reset_parameters") and any(p is not None for p in own_parameters(m).values())}
 
 
+def _said(names: list[tuple[str, str]]) -> str:
+    return ", ".join(f"'{path}.{n}'" if path else f"'{n}'" for path, n in names)
+
+
+class _Shadow:
+    """The CPU value of the one parameter being written after its module was complete: made
+    by a write that sets it whole, handed to ``take`` under each of its names (a tied weight
+    has several) when another parameter is written or the build ends, then dropped."""
+
+    def __init__(self, take: Take, problems: list[str]):
+        self.take, self.problems = take, problems
+        self.key: int | None = None
+        self.flat = self.whole = None  # the storage's values on CPU; the meta parameter
+        self.names: list[tuple[str, str]] = []
+
+    def release(self) -> None:
+        if self.key is not None:
+            value = self.flat.as_strided(self.whole.shape, self.whole.stride(), self.whole.storage_offset())
+            for path, name in self.names:
+                self.take(path, name, value)
+        self.key, self.flat, self.whole, self.names = None, None, None, []
+
+    def write(self, func, args: tuple, kwargs: dict, target: torch.Tensor, argument: str,
+              whole: torch.Tensor, names: list[tuple[str, str]]) -> None:
+        """Run ``func`` with the shadow of ``whole`` in place of ``target`` (a view of it)."""
+        if storage_key(target) != self.key:
+            self.release()
+            if not overwrites(func, argument, target, whole):
+                self.problems.append(f"parameter {_said(names)} is changed after its module was "
+                                     f"complete (by {func}), by code outside the module's own "
+                                     f"constructor")
+                return
+            elements = target.untyped_storage().nbytes() // whole.element_size()
+            self.key, self.whole, self.names = storage_key(target), whole, names
+            self.flat = torch.empty(elements, dtype=whole.dtype)
+        unknown = []
+
+        def cpu(x):
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                if storage_key(x) == self.key:
+                    return self.flat.as_strided(x.shape, x.stride(), x.storage_offset())
+                unknown.append(x)
+            return x
+        args, kwargs = [cpu(a) for a in args], {k: cpu(v) for k, v in kwargs.items()}
+        if unknown:
+            self.problems.append(f"parameter {_said(names)} is written after its module was "
+                                 f"complete (by {func}) from a value not kept (another "
+                                 f"parameter, or a tensor made from one)")
+            self.key, self.flat, self.whole, self.names = None, None, None, []
+            return
+        func(*args, **kwargs)
+
+
 class _Replay(TorchDispatchMode):
     """Random draws on meta tensors made on scratch CPU tensors (the stream advances as in the
-    plain build); a write into a handed-over parameter recorded as a problem."""
+    plain build); a write into a parameter of a complete module made on its shadow."""
 
-    def __init__(self, done: dict[int, tuple], problems: list[str]):
+    def __init__(self, completion: Completion, shadow: _Shadow,
+                 names_of: Callable[[list], list[tuple[str, str]]]):
         super().__init__()
-        self.done, self.problems = done, problems
+        self.completion, self.shadow, self.names_of = completion, shadow, names_of
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        schema = op_schema(func)
-        written = [a for a, arg in zip(args, schema.arguments)
-                   if arg.alias_info is not None and arg.alias_info.is_write]
-        for t in written:
-            if isinstance(t, torch.Tensor) and id(t) in self.done:
-                self.problems.append(f"{self.done[id(t)][1]} is changed after its module was "
-                                     f"complete (by {func}), by code outside the module's own "
-                                     f"constructor")
+        for argument, t in written_tensors(func, args, kwargs):
+            found = self.completion.owner(t)
+            if found and (names := self.names_of(found[1])):
+                self.shadow.write(func, args, kwargs, t, argument, found[0], names)
+                return func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and (
                 any(isinstance(a, torch.Tensor) and a.is_meta for a in args) or
                 str(kwargs.get("device", "")) == "meta"):
@@ -81,47 +142,37 @@ class _Replay(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _structure(spec: ModelSpec, build) -> list[str | None]:
-    """The model path of each module registration, in the order the constructor makes them,
-    from a meta build (no numbers)."""
-    events: list[nn.Module] = []
-    handle = register_module_module_registration_hook(
-        lambda parent, name, child: events.append(child) if child is not None else None)
-    try:
-        with torch.random.fork_rng(devices=[]):  # a constructor drawing on CPU leaves no trace
-            model = build(spec, "meta")
-    finally:
-        handle.remove()
-    path_of: dict[int, str] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        path_of.setdefault(id(m), path)
-    return [path_of.get(id(c)) for c in events]
-
-
-def replay_constructors(spec: ModelSpec, seed: int, take: Take, build) -> list[str]:
+def replay_constructors(spec: ModelSpec, seed: int, take: Take, build,
+                        paths: list[str | None] | None = None) -> list[str]:
     """Replay ``build(spec, "cpu")`` under ``torch.manual_seed(seed)`` (the caller's random
-    state restored after), handing each module's constructor-written parameters to
-    ``take(module path, name, CPU tensor)`` when the module is complete; returns the
-    problems that keep the numbers from being the plain build's (empty: none)."""
-    paths = _structure(spec, build)
+    state restored after), handing each constructor-written parameter to ``take(module path,
+    name, CPU tensor)`` when its module is complete, and each written after that when the
+    write is done; returns the problems that keep the numbers from being the plain build's
+    (empty: none). ``paths``: :func:`.late_writes.watch_build`'s, when already made."""
+    paths = watch_build(spec, build)[0] if paths is None else paths
     problems: list[str] = []
-    done: dict[int, tuple] = {}  # id of a handed-over (now meta) parameter -> it, its path
+    completion, shadow = Completion(), _Shadow(take, problems)
+    path_of: dict[int, str] = {}  # id of a module (held by completion) -> its model path
     count = [0]
 
-    def hand_over(module: nn.Module, where: Callable[[], str | None]) -> None:
-        kept = {n: p for n, p in own_parameters(module).items() if p is not None and not p.is_meta}
-        path = where() if kept else None
-        for name, p in kept.items():
-            if path is not None:
-                take(path, name, p.detach())
-            meta = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-            set_parameters(module, {name: meta})
-            done[id(meta)] = (meta, f"parameter '{path + '.' if path else ''}{name}'")  # held: ids stay unique
+    def hand_over(module: nn.Module) -> None:
+        path = path_of.get(id(module))
+        for name, p in own_parameters(module).items():
+            if p is not None and not p.is_meta:
+                if path is not None:
+                    take(path, name, p.detach())
+                set_parameters(module, {name: nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)})
 
     def on_param(module, name, param):
-        if param is not None and hasattr(module, "reset_parameters") and not param.is_meta:
+        if param is None:
+            return None
+        complete = completion.registered(module, name)
+        if not param.is_meta and (complete or hasattr(module, "reset_parameters")):
+            if complete and id(module) in path_of:  # set anew after the module was complete
+                shadow.release()
+                take(path_of[id(module)], name, param.detach())
             return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        if param is not None and param.is_meta and not hasattr(module, "reset_parameters"):
+        if param.is_meta and not hasattr(module, "reset_parameters"):
             problems.append(f"parameter '{name}' of a {type(module).__name__} is computed from "
                             "another module's parameter after that module was complete")
         return None
@@ -134,31 +185,31 @@ def replay_constructors(spec: ModelSpec, seed: int, take: Take, build) -> list[s
             problems.append("the factory built more modules than on the meta device: its "
                             "modules differ from one build to the next")
             return None
+        if paths[k] is not None:
+            for rel, sub in child.named_modules():
+                path_of.setdefault(id(sub), f"{paths[k]}.{rel}" if paths[k] and rel else paths[k] or rel)
         for sub in child.modules():  # a child complete: everything under it is
-            hand_over(sub, lambda sub=sub: None if paths[k] is None else _below(child, sub, paths[k]))
+            hand_over(sub)
+        completion.complete(child)
         return None
+
+    def names_of(owners: list) -> list[tuple[str, str]]:
+        return [(path_of[id(m)], n) for m, n in owners if id(m) in path_of]
 
     hooks = [register_module_parameter_registration_hook(on_param),
              register_module_module_registration_hook(on_module)]
     try:
-        with torch.random.fork_rng(devices=[]), _Replay(done, problems):
+        with torch.random.fork_rng(devices=[]), initializers_seen(True), _Replay(completion, shadow, names_of):
             torch.manual_seed(seed)
             model = build(spec, "cpu")
     finally:
         for h in hooks:
             h.remove()
+    shadow.release()
     if count[0] != len(paths):
         problems.append(f"the factory built {count[0]} modules on CPU and {len(paths)} on the "
                         "meta device: its modules differ from one build to the next")
     for path, m in model.named_modules():
-        hand_over(m, lambda path=path: path)  # the root and anything registered late
+        path_of.setdefault(id(m), path)
+        hand_over(m)  # the root and anything registered late
     return problems
-
-
-def _below(parent: nn.Module, sub: nn.Module, parent_path: str) -> str | None:
-    if sub is parent:
-        return parent_path
-    for rel, m in parent.named_modules():
-        if m is sub:
-            return f"{parent_path}.{rel}" if parent_path else rel
-    return None

@@ -21,13 +21,14 @@ from ..plan.specs import FSDPSpec, PlanSpec, torch_dtype
 from ..plan.styles import EP_STYLES, PACKED_STYLES, SEQUENCE_LOCAL
 from .tp.attention import register_cpu_attention
 from .context.sequence import apply_context_parallel
-from .float8 import apply_float8
+from .float8 import apply_float8, float8_style, gathers_float8
 from .freeze import apply_freeze
 from .tp.kv_heads import kv_style, localize_kv_groups
 from .lora.adapters import apply_lora, freeze_base
 from .fsdp_units import fsdp_calls
 from .experts.style import ExpertParallel
 from .mesh import cp_mesh, dp_mesh, expert_meshes
+from .op_sac import op_checkpointed_forward
 from .tp.packed import packed_style
 from .report import ApplyReport
 from .resolve import Resolution, resolve
@@ -64,6 +65,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, res: Resolution) -> DeviceMe
         else:
             style = styles.get(id(rule)) or packed_style(  # packed: sizes from each module
                 rule.style, modules[path], modules.get(path.rpartition(".")[0]))
+        style = float8_style(style, modules[path])  # torchao's where the linear is float8
         parallelize_module(modules[path], tp_mesh, kv_style(style, rule, path, modules))
         if rule.style.name.startswith("prepare_"):
             check_layout_counts(modules[path], path, rule)
@@ -96,17 +98,20 @@ def _checkpointed_forward(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_ac(model: nn.Module, blocks: list[str], every: int) -> None:
-    """Recompute every ``every``-th block in backward (``every=1`` is full checkpointing).
+def apply_ac(model: nn.Module, blocks: list[str], every: int, per_op: bool = False) -> None:
+    """Recompute every ``every``-th block in backward (``every=1`` is full checkpointing);
+    ``per_op``: keep the outputs of the operators :mod:`tpplan.parallel.op_sac` names and
+    recompute only the rest.
 
     The block's ``forward`` is wrapped on the instance, so module paths (and with them FSDP
     unit patterns and checkpoint keys) stay exactly as the plan names them.
     """
+    wrapper = op_checkpointed_forward if per_op else _checkpointed_forward
     modules = dict(model.named_modules())
     for i, path in enumerate(blocks):
         if i % every == 0:
             block = modules[path]
-            block.forward = functools.partial(_checkpointed_forward, block.forward)
+            block.forward = functools.partial(wrapper, block.forward)
 
 
 def apply_compile(model: nn.Module, blocks: list[str], fullgraph: bool) -> None:
@@ -158,7 +163,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
     router_shards = None
     if plan.float8 is not None and mesh.device_type == "cuda":  # before TP (torchtitan's order)
         log.info("float8 (%s): %d linears", plan.float8.scaling,
-                 apply_float8(model, plan, plan.fsdp is not None))
+                 apply_float8(model, plan, gathers_float8(plan, dims)))
     if dims.tp > 1:
         router_shards = apply_tp(model, mesh["tp"], res)
         log.info("applied tensor parallel: %d modules on tp=%d", len(res.rule_of), dims.tp)
@@ -177,7 +182,7 @@ def apply_plan(plan: PlanSpec, model: nn.Module, mesh: DeviceMesh,
         log.info("applied context parallel: %s on cp=%d", plan.context_parallel.method, dims.cp)
     ac = plan.activation_checkpointing
     if ac.enabled:
-        apply_ac(model, res.ac_blocks, ac.every)
+        apply_ac(model, res.ac_blocks, ac.every, per_op=ac.mode == "op")
         log.info("applied %s activation checkpointing to %d blocks", ac.mode, len(res.ac_blocks))
     # left out of the plan: compiled on CUDA, but not pipeline stages or cp's attention (unchecked)
     if plan.compile.on(mesh.device_type, plan.pipeline is not None or cp_mesh(mesh) is not None) \

@@ -35,7 +35,7 @@ TOP_LEVEL = (
     "activation_checkpointing", "compile", "freeze", "lora", "pipeline", "context_parallel",
     "fault_tolerance", "float8", *TRAINER_SECTIONS,
 )
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "selective", "op")
 
 
 def parse_mesh(doc: LMap, errs: ErrorList) -> MeshSpec:
@@ -183,7 +183,7 @@ def _section(doc: LMap, key: str, errs: ErrorList, allowed: tuple, shorthand: di
 
 
 def parse_ac(doc: LMap, errs: ErrorList) -> ACSpec:
-    """``activation_checkpointing: none|full|{mode: selective, every: 2, blocks: ...}``."""
+    """``activation_checkpointing: none|full|op|{mode: selective, every: 2, blocks: ...}``."""
     key = "activation_checkpointing"
     words = {False: {"mode": "none"}, True: {"mode": "full"}}
     if isinstance(doc.get(key), str):  # a mode by itself; a wrong one is reported below

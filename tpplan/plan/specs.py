@@ -161,8 +161,10 @@ class FSDPSpec:
 
 @dataclass
 class ACSpec:
-    """``activation_checkpointing:`` — ``none``, ``full`` (every block) or ``selective``
-    (every ``every``-th block). ``every`` is 1 unless the mode is selective."""
+    """``activation_checkpointing:`` — ``none``, ``full`` (every block), ``selective``
+    (every ``every``-th block) or ``op`` (every block, keeping the outputs of every other
+    matmul, attention and reductions: tpplan.parallel.op_sac). ``every`` is 1 unless the
+    mode is selective."""
 
     mode: str = "none"
     every: int = 1

@@ -12,21 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data.feed import Source, TokenFeed
+from ..data.feed import HeldOut, Source, TokenFeed
 from ..data.formats import is_token_source, open_tokens
 from ..data.scan import check_source
-from ..plan import ErrorList
+from ..plan import ErrorList, PlanErrors
 from ..plan.specs import DataSpec, EvalSpec, SourceSpec
-from .cache import CACHE_DIR, Made, cached, file_digest
-from .chat import render_chat
+from ..data.prepare import PrepareJob, pack, store_manifest, write_manifest
+from ..data.store import id_dtype, write_shard
+from .cache import CACHE_DIR, cached, file_digest
 from .data import Corpus, DataError, load_corpus
 from .sources import read_documents, source_files
 from .tokens import TextTokenizer
 
 __all__ = ["Corpora", "data_plan", "load_corpora", "open_feed", "token_sources"]
-
-ENCODE_CHUNK = 256  # texts encoded together (the tokenizers library batches in Rust)
-
 
 @dataclass
 class Corpora:
@@ -68,32 +66,21 @@ def _tokenized(role: str, path: Path, data: DataSpec, tok: TextTokenizer,
            "tokenizer": tok.identity(), "format": data.format, "text_field": data.text_field,
            "separator": sep_name, "max_bytes": data.max_bytes}
 
-    def build(made: Made) -> None:
-        texts: list[str] = []
+    job = PrepareJob(str(path), "", str(tok.path), data.format, data.text_field, data.separator)
 
-        def flush() -> None:
-            for ids in tok.encode(texts):
-                made.add(ids + [sep], [True] * (len(ids) + 1))
-            texts.clear()
-
-        for doc in read_documents(files, data.format, data.text_field, data.max_bytes):
-            made.documents += 1
-            if doc.is_chat:
-                flush()  # keep the documents' order
-                ids, mask = render_chat(tok.hf, doc.value, doc.where)
-                made.add(ids + [sep], mask + [False])
-            else:
-                texts.append(doc.value)
-                if len(texts) >= ENCODE_CHUNK:
-                    flush()
-        flush()
+    def build(store: Path) -> dict:
+        # prepare's packing into one shard of a store; read_documents applies data.max_bytes
+        docs = read_documents(files, data.format, data.text_field, data.max_bytes)
+        meta = write_shard(store, 0, id_dtype(tok.vocab_size), pack(docs, tok, sep))
+        inputs = [[k["path"], k["bytes"], k["sha256"]] for k in key["sources"]]
+        return write_manifest(store, store_manifest(job, tok, [meta], inputs))
 
     tokens, mask, manifest, reused = cached(cache_dir, role, key, build)
     source = f"{path} ({manifest['documents']} documents, tokenizer {tok.path})"
     counted = (f", {manifest['loss_tokens']:,} of them assistant tokens (the loss)"
                if manifest["masked"] else "")
     note = (f"{role} tokens: {manifest['tokens']:,}{counted}; "
-            f"{'reused' if reused else 'made'} {cache_dir / role}.tokens")
+            f"{'reused' if reused else 'made'} the token store {cache_dir / role}")
     return Corpus(tokens, manifest["max_token"] + 1, source, mask, packed=True,
                   separator=sep), note
 
@@ -172,9 +159,14 @@ def open_feed(data: DataSpec, ev: EvalSpec, seed: int, global_batch: int, seq_le
         if not Path(data.resolved(s.path)).exists() and not Path(data.resolved(s.path) + ".idx").exists():
             errs.add(f"data source '{s.path}' does not exist (a token store folder, a Megatron prefix "
                      f"or a file of ids)", s.locs.get("path", s.loc))
-    if ev.enabled:
-        errs.add("the 'eval' section is not supported with token sources yet (data.sources, a store, "
-                 "a Megatron prefix or data.dtype); remove it", ev.loc)
+    if ev.fraction is not None:
+        errs.add("eval.fraction is not supported with token sources (data.sources, a store, a Megatron "
+                 "prefix or data.dtype): hold the data out as its own source and name it eval.path",
+                 ev.locs.get("fraction", ev.loc))
+    eval_path = ev.path and data.resolved(ev.path)
+    if eval_path is not None and not Path(eval_path).exists() and not Path(eval_path + ".idx").exists():
+        errs.add(f"eval.path '{ev.path}' does not exist (a token store folder, a Megatron prefix or a "
+                 f"file of ids with data.dtype)", ev.locs.get("path", ev.loc))
     errs.raise_if_any()
     identity = _tokenizer(data, model_vocab).identity() if data.tokenizer is not None else None
     sources = []
@@ -182,7 +174,24 @@ def open_feed(data: DataSpec, ev: EvalSpec, seed: int, global_batch: int, seq_le
         tf = open_tokens(data.resolved(s.path), s.dtype or data.dtype)
         check_source(tf, model_vocab, identity, seq_len)
         sources.append(Source(name, tf, s.weight))
-    return TokenFeed(sources, seed, global_batch, seq_len)
+    feed = TokenFeed(sources, seed, global_batch, seq_len)
+    if eval_path is not None:
+        feed.held_out = _held_out(eval_path, ev, data, model_vocab, identity, global_batch, seq_len)
+    return feed
+
+
+def _held_out(path: str, ev: EvalSpec, data: DataSpec, model_vocab: int | None, identity: str | None,
+              global_batch: int, seq_len: int) -> HeldOut:
+    """``eval.path`` opened like a training source (``data.dtype`` for a flat file), checked
+    the same way, and holding at least one global batch of windows."""
+    tf = open_tokens(path, data.dtype)
+    check_source(tf, model_vocab, identity, seq_len)
+    if tf.windows(seq_len) < global_batch:
+        errs = ErrorList()
+        errs.add(f"the held-out data {path} has {tf.windows(seq_len)} windows of {seq_len} tokens, fewer "
+                 f"than one global batch of {global_batch}", ev.locs.get("path", ev.loc))
+        errs.raise_if_any()
+    return HeldOut("eval", tf, seq_len)
 
 
 def data_plan(plan_path: str, overrides: list[str], world: int) -> list[str]:
@@ -194,8 +203,8 @@ def data_plan(plan_path: str, overrides: list[str], world: int) -> list[str]:
     if not token_sources(plan.data):
         return []
     try:
-        feed = open_feed(plan.data, EvalSpec(), plan.train.seed, plan.step_shape(world).global_batch,
+        feed = open_feed(plan.data, plan.eval, plan.train.seed, plan.step_shape(world).global_batch,
                          plan.train.seq_len, None)
-    except DataError as e:
+    except (DataError, PlanErrors) as e:
         return [f"data: error: {e}"]
     return feed.plan_lines(plan.train.steps) if feed is not None else []

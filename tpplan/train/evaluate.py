@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..data.feed import HeldOut
 from ..parallel.context.sequence import position_kwarg, shard_batch
 from ..parallel.tp.loss import IGNORE_INDEX, cross_entropy
 from .data import Batch, Corpus, document_positions, eval_batch
@@ -48,7 +49,7 @@ def plain_loss(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -> int:
+def eval_batches(corpus: Corpus | HeldOut, wanted: int | None, batch: int, seq_len: int) -> int:
     """Global batches one evaluation runs: ``wanted`` (all when None), at most what the
     held-out data holds."""
     whole = corpus.windows(seq_len) // batch
@@ -56,7 +57,7 @@ def eval_batches(corpus: Corpus, wanted: int | None, batch: int, seq_len: int) -
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: int,
+def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus | HeldOut, batches: int,
              batch: int, seq_len: int, micro: int, dp_rank: int, dp: int,
              device: torch.device, documents: bool = False, chunk: int = 0) -> tuple[float, float]:
     """(loss, perplexity) over ``batches`` global batches of held-out windows: the mean over
@@ -66,10 +67,13 @@ def evaluate(model: nn.Module, loss_context: Callable, corpus: Corpus, batches: 
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (loss sum, targets)
     for i in range(batches):
-        b: Batch = eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
+        b: Batch = corpus.eval_batch(i, batch, seq_len, dp_rank, dp) if isinstance(corpus, HeldOut) \
+            else eval_batch(corpus, i, batch, seq_len, dp_rank, dp)
         tokens, mask = b.to(device)
-        positions = document_positions(tokens, corpus.separator) \
-            if documents and position_kwarg(model) is not None else None
+        positions = None
+        if documents and position_kwarg(model) is not None:  # a source's document starts, or the separator
+            positions = b.positions.to(device) if b.positions is not None \
+                else document_positions(tokens, corpus.separator)
         for m in range(0, len(tokens), micro):
             targets = tokens[m:m + micro, 1:]
             if mask is not None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .setup import Prepared, TrainError
 
-__all__ = ["not_finite", "out_of_memory", "peer_lost"]
+__all__ = ["not_finite", "out_of_memory", "peer_cause", "peer_lost"]
 
 _OOM = re.compile(r"can't allocate memory|out of memory|not enough memory", re.IGNORECASE)
 
@@ -43,6 +43,14 @@ def peer_lost(e: RuntimeError) -> bool:
     return isinstance(e, dist.DistError) or any(s in text for s in (
         "Connection closed by peer", "Connection reset by peer", "Broken pipe",
         "NCCL communicator was aborted", "remote process exited"))
+
+
+def peer_cause(e: RuntimeError) -> str:
+    """The failed collective's own words, short: gloo's source location and its advice
+    ("This is typically caused by a remote worker crashing. ...") left out."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    first = re.sub(r"^\[[^\]]*:\d+\]\s*", "", first)
+    return first.split(". ")[0].strip()[:160]
 
 
 def not_finite(step: int, loss: float, grad_norm: float, parts: list, optimizers: list,

@@ -28,11 +28,12 @@ from ..parallel.runtime import default_device_type
 from . import hooks
 from .data import Batch, document_positions
 from .evaluate import Evaluation
-from .failures import not_finite, out_of_memory, peer_lost
+from .failures import not_finite, out_of_memory, peer_cause, peer_lost
 from .memwatch import StepMemory, largest_peak
 from .optim import clip_grad_norm
 from .profiling import StepProfiler
-from .replicated import group_targets, hook_rank, lost_rank_hint, join_replicas, replica_fields, share, step_numbers
+from .replicated import (checkpoint_writer, group_targets, hook_rank, join_replicas, lost_rank_hint, replica_fields,
+                         share, step_numbers)
 from .progress import Reporter, flops_per_token, peak_flops
 from .resume import Claim, claim
 from .runfolder import record_launch, start_folder
@@ -79,9 +80,8 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
             raise oom from None
         if not peer_lost(e):
             raise
-        first = str(e).strip().splitlines()[0]
         raise TrainError(f"rank {dist.get_rank()}: lost another rank, which crashed or was "
-                         f"killed ({first[first.rfind(']') + 1:].strip()[:160]}); {lost_rank_hint()}",
+                         f"killed ({peer_cause(e)}); {lost_rank_hint()}",
                          every_rank=True) from None
     finally:
         prep.feed.close()
@@ -208,7 +208,7 @@ def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, pro
             if batch.mask is not None:
                 row["loss_tokens"] = batch.count
             row.update(watch.profiler.mark(step))
-            row.update(replica_fields(where.replica, trained, step == t.steps))
+            row.update(replica_fields(where.replica, step, trained, step == t.steps))
             if where.device_type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
                 row["mfu"] = where.rate.mfu(dt) if where.rate.peak else None
@@ -219,10 +219,10 @@ def _steps(prep: Prepared, trainee: Trainee, watch: _Watchers, where: _Rank, pro
             hooks.after_step(hook_rank(where.rank, where.rate.world, where.replica), step)
             progress.stopped = stopped = preemption.agreed(where.device)
             interval = plan.checkpoint.interval
-            if plan.checkpoint.enabled and (stopped or step == t.steps
-                                            or (interval and step % interval == 0)):
+            writer = checkpoint_writer(prep, where.replica)  # in replica groups: one group of the step
+            if writer is not None and (stopped or step == t.steps or (interval and step % interval == 0)):
                 progress.last_saved = save_checkpoint(
-                    prep, trainee, step, Preemption.name(stopped) if stopped else "interval", where.shapes,
+                    writer, trainee, step, Preemption.name(stopped) if stopped else "interval", where.shapes,
                     progress.last_saved)
             if stopped:
                 break

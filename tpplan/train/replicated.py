@@ -4,6 +4,7 @@ fewer replica groups trained, and the metrics row's replica fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,12 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_targets", "hook_rank", "join_replicas", "lost_rank_hint", "replica_fields", "share", "step_numbers"]
+__all__ = ["checkpoint_writer", "group_targets", "hook_rank", "join_replicas", "lost_rank_hint", "replica_fields",
+           "share", "step_numbers"]
 
 
 def join_replicas(prep, trainee, device_type: str, note: Callable[[str], None], start: int) -> Any:
     """This rank's :class:`tpplan.ft.Replica` when it runs in a replica group, else None."""
-    from ..ft.groups import group_index
+    from ..ft.groups import group_checkpoints, group_index
 
     group = group_index()
     if prep.plan.spec.fault_tolerance is None or group is None:
@@ -25,6 +27,7 @@ def join_replicas(prep, trainee, device_type: str, note: Callable[[str], None], 
 
     replica = Replica(prep.plan.spec.fault_tolerance, group, trainee, device_type, note)
     replica.start_at(start)
+    replica.checkpoints = prep.ckpt_dir if prep.plan.checkpoint.enabled else group_checkpoints()
     # which process is which rank of the group: `kill -9 $(cat <run_dir>/replica-1/rank1.pid)`
     (prep.run_dir / f"rank{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
     return replica
@@ -38,6 +41,17 @@ def step_numbers(start: int, steps: int, replica) -> Iterator[int]:
         return
     while replica.manager.current_step() < steps:  # committed steps, a peer's after a recovery
         yield replica.next_step()
+
+
+def checkpoint_writer(prep, replica) -> Any:
+    """What ``save_checkpoint`` takes when this rank writes the step's checkpoint, else None.
+    In a replica group: the lowest-numbered group of the step writes the run's checkpoints
+    (group 0's folder), so none is skipped while group 0 is down and none is written twice."""
+    if replica is None:
+        return prep if prep.plan.checkpoint.enabled else None
+    if replica.checkpoints is None or not replica.saves():
+        return None
+    return prep if replica.checkpoints == prep.ckpt_dir else dataclasses.replace(prep, ckpt_dir=replica.checkpoints)
 
 
 def share(prep, dp_rank: int, replica) -> tuple[int, int, int]:
@@ -57,7 +71,7 @@ def group_targets(prep, batch, device) -> int:
     return int(round(total.item() * prep.dims.dp / dist.get_world_size()))
 
 
-def replica_fields(replica, trained: int, last: bool) -> dict:
+def replica_fields(replica, step: int, trained: int, last: bool) -> dict:
     """The metrics row's replica groups taking part, targets trained, seconds spent agreeing
     on them (a failed try of the step, a recovery, included), and the step's event;
     on an event and the last step, this rank's weights digest (equal across the groups)."""
@@ -65,7 +79,7 @@ def replica_fields(replica, trained: int, last: bool) -> dict:
         return {}
     row = {"replicas": replica.participants, "tokens_trained": trained, "quorum_s": replica.waited}
     replica.waited = 0.0
-    if (event := replica.event()) is not None:
+    if (event := replica.event(step)) is not None:
         row["event"] = event
     if event is not None or last:
         row["weights_sha256"] = replica.digest()

@@ -239,7 +239,12 @@ def start_folder(prep: "Prepared", claimed: "Claim", start: int) -> list[str]:
         remove_written(prep.run_dir, prep.ckpt_dir)
     record_launch(prep.run_dir)
     write_plan(prep.run_dir, prep.plan)
-    dropped = trim_metrics(prep.run_dir, start)
+    from ..ft.groups import group_index
+
+    # a replica group keeps its rows (it does not run those steps again: it takes the weights
+    # of a later step from a live group); a torchrun restart otherwise runs them again
+    in_group = prep.plan.fault_tolerance is not None and group_index() is not None
+    dropped = trim_metrics(prep.run_dir, 2 ** 62 if in_group else start)
     if dropped:
         notes.append(f"metrics.jsonl: dropped {dropped} line(s) past step {start} "
                      f"(steps the checkpoint does not hold, or a line cut off by a kill)")

@@ -226,7 +226,7 @@ def prepare(plan_path: str, overrides: Sequence[str], resume: str | None,
     if problem := restart_problem():
         raise TrainError(problem)
     prep = Prepared(plan, dims, step, model, corpora and corpora.train, run_dir, ckpt_dir,
-                    eval_corpus=corpora and corpora.eval, pretrained=source, feed=feed,
+                    eval_corpus=corpora.eval if corpora else feed.held_out, pretrained=source, feed=feed,
                     notes=list(corpora.notes) if corpora else feed.plan_lines(t.steps))
     if plan.lora is not None:
         prep.lora_base = pretrained.base_identity(plan.model, t.seed)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Sinks", "TAGS", "missing", "tag"]
+__all__ = ["EVENTS", "Sinks", "TAGS", "missing", "tag"]
 
 # metrics.jsonl key -> the tag a sink shows it under (grouped as TensorBoard and W&B panels).
 TAGS = {
@@ -25,6 +25,7 @@ TAGS = {
     "tokens_per_s_per_device": "perf/tokens_per_s_per_device", "mfu": "perf/mfu",
     "peak_mem_gib": "memory/peak_gib",
 }
+EVENTS = "events"  # the tag prefix of a row's event (fault tolerance: fault, rejoin, recovered)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 
 
@@ -83,12 +84,20 @@ class Sinks:
                                    if w.mode == "offline" else self.wandb.url or w.project)
 
     def log(self, row: dict[str, Any]) -> None:
-        values = _numbers(row)
+        """A row's numbers as scalars; its ``event`` (a fault tolerance group's fault, rejoin or
+        recovery) also as ``events/<event>`` = 1 at that step, a mark on the same axis as the
+        curves, and in TensorBoard as a text ``events`` of that step."""
+        values = {tag(k): v for k, v in _numbers(row).items()}
+        event = row.get("event")
+        if isinstance(event, str):
+            values[f"{EVENTS}/{event}"] = 1.0
         if self.tb is not None:
             for k, v in values.items():
-                self.tb.add_scalar(tag(k), v, row["step"])
+                self.tb.add_scalar(k, v, row["step"])
+            if isinstance(event, str):
+                self.tb.add_text(EVENTS, f"step {row['step']}: {event}", row["step"])
         if self.wandb is not None:
-            self.wandb.log({tag(k): v for k, v in values.items()}, step=row["step"])
+            self.wandb.log(values, step=row["step"])
 
     def text(self, name: str, text: str, data: dict[str, Any] | None = None) -> None:
         """A note for the whole run (the dry run against the run); ``data`` also goes to the

@@ -18,9 +18,11 @@ Constants, not fitted to any measured step:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-__all__ = ["HBM_EFFICIENCY", "KERNEL_LAUNCH_S", "kernel_seconds", "non_gemm_seconds"]
+__all__ = ["HBM_EFFICIENCY", "KERNEL_LAUNCH_S", "kernel_seconds", "non_gemm_seconds", "non_gemm_term",
+           "gemm_constants"]
 
 HBM_EFFICIENCY = 0.85
 KERNEL_LAUNCH_S = 5e-6
@@ -54,3 +56,31 @@ def non_gemm_seconds(profile: dict[str, Any], device, efficiency: float = HBM_EF
         figures = [tuple(a + more * (b - a) for a, b in zip(*figures))]
     seconds, kernels, moved = figures[0]
     return dict(seconds=seconds, kernels=kernels, bytes=moved)
+
+
+def non_gemm_term(result, device) -> dict[str, float] | None:
+    """The non-GEMM term of ``result``'s step on ``device``: its traced kernels
+    (``result.extra["kernels"]``, :func:`tpplan.analysis.analyses.analyze_kernels`) priced,
+    ``{seconds, kernels, bytes, hbm_efficiency, launch_s}`` (a pipeline's: its busiest
+    reported pp rank's, its stages' kernels summed, and ``pp_rank``); None where the dry run
+    traced none (a failed trace, a caller that did not ask) or the device has no memory
+    bandwidth: the step then keeps ``compute_efficiency`` for what is not a GEMM."""
+    profile = result.extra.get("kernels")
+    if not profile or "error" in profile or not device.memory_bandwidth:
+        return None
+    if "stages" not in profile:
+        return dict(non_gemm_seconds(profile, device), hbm_efficiency=HBM_EFFICIENCY, launch_s=KERNEL_LAUNCH_S)
+    # A pipeline: each pp rank runs its stages' kernels; the busiest rank's sets the step.
+    stage = {i: non_gemm_seconds(p, device) for i, p in profile["stages"].items()}
+    ranks = {r: {k: sum(stage[i][k] for i in mine) for k in ("seconds", "kernels", "bytes")}
+             for r, mine in profile["ranks"].items()}
+    busiest = max(ranks, key=lambda r: ranks[r]["seconds"])
+    return dict(ranks[busiest], pp_rank=busiest, hbm_efficiency=HBM_EFFICIENCY, launch_s=KERNEL_LAUNCH_S)
+
+
+def gemm_constants(c, traced: bool):
+    """The constants the GEMM term runs under: with the non-GEMM term traced (``traced``),
+    each GEMM at its own measured rate (``compute_efficiency`` 1: ``gemm_fraction`` × its
+    shape's ``f``), the rest priced by the term; without, ``c`` as given, its
+    ``compute_efficiency`` (0.625 by default) standing for everything that is not a GEMM."""
+    return replace(c, compute_efficiency=1.0) if traced else c

@@ -4,9 +4,12 @@ Every term is in seconds per optimizer step on the busiest rank, so a user sees 
 dominates (formulas, device figures and their sources: docs/search.md):
 
 - ``compute``: the model's training FLOPs (:mod:`.flops`: ``3 ×`` forward, ``6N + 12·L·d·s``
-  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction × compute_efficiency
-  × f(shape)``: ``gemm_fraction`` the rate a large GEMM measurably reaches on the device; ``f``
-  (:mod:`.gemm`) what the rank's own shapes lose to tile and wave quantization and bandwidth;
+  per token) on the rank, GEMM by GEMM, over ``bf16_flops × gemm_fraction × f(shape)``:
+  ``gemm_fraction`` the rate a large GEMM measurably reaches on the device; ``f`` (:mod:`.gemm`)
+  what the rank's own shapes lose to tile and wave quantization and bandwidth (and ×
+  ``compute_efficiency``, standing for every other kernel, where ``non_gemm`` is not traced);
+- ``non_gemm``: the traced step's memory-bound kernels (:mod:`.non_gemm`: bytes over HBM, a
+  launch floor each), where the dry run traced them (``analyze_kernels``; a pipeline's busiest rank);
 - ``recompute``: the forward of the blocks activation checkpointing recomputes in backward;
 - ``tp``, ``fsdp`` (``dp_shard``), ``dp`` (``dp_replicate``), ``pp_p2p``: the dry run's
   collectives per mesh dimension (``comm_per_step``), each call ``α₀ + steps × α + wire
@@ -16,8 +19,8 @@ dominates (formulas, device figures and their sources: docs/search.md):
   ``fsdp_overlap``, except the first all-gather of each micro-batch and the last
   reduce-scatter / all-reduce of the step (nothing to hide behind); rows of other sources
   (``ep``: all-to-all, hidden up to ``ep_overlap``; ``cp``) are their own terms;
-- ``bubble``: the schedule's idle time, ``bubble_fraction × (compute + recompute + tp)``
-  (tpplan's bubble fraction is idle time over the rank's work, ``(p-1)/m`` for 1F1B).
+- ``bubble``: the schedule's idle time, ``bubble_fraction × (compute + recompute + non_gemm
+  + tp)`` (tpplan's bubble fraction: idle time over the rank's work, ``(p-1)/m`` for 1F1B).
 
 MFU is the model's FLOPs (no recomputation) over ``step_time × peak × world``.
 """
@@ -33,6 +36,7 @@ from .collectives import (MESH_ORDER, all_to_all_time, bandwidth, collective_tim
                           ring_attention_time)
 from .flops import ModelFlops, model_flops
 from .gemm import gemm_efficiency, linear_splits, unit_work
+from .non_gemm import gemm_constants, non_gemm_term
 
 __all__ = ["CostConstants", "DEFAULT_CONSTANTS", "StepEstimate", "estimate_step", "calibrate",
            "links", "groups", "MESH_ORDER", "step_time_bound", "flops_of", "collective_time",
@@ -200,8 +204,9 @@ def step_time_bound(result, device: Device, constants: CostConstants | None = No
     (:func:`tpplan.analysis.traced_rows` of the same layout without activation
     checkpointing, whose collectives a recomputing step issues all of, and more): their
     TP, ep and cp terms, and the bubble on TP, join each rank's. Needs ``pipeline`` (the
-    schedule's facts) under a pipeline."""
-    c = constants or DEFAULT_CONSTANTS
+    schedule's facts) under a pipeline. GEMMs at their own rate where the device prices a
+    non-GEMM term (at least the estimate's, with the term or without)."""
+    c = gemm_constants(constants or DEFAULT_CONSTANTS, bool(device.memory_bandwidth))
     terms, _, _ = _compute(result, device, c, flops or flops_of(result))
     busy = terms["compute"] + terms["recompute"]
     bubble = (result.extra.get("pipeline") or {}).get("bubble_fraction", 0.0)
@@ -256,9 +261,14 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         raise ValueError("the dry run has no pipeline schedule (its memory analysis failed)")
     world = result.world_size
     flops = flops or flops_of(result)
-    terms, tokens, (rank_flops, run_flops) = _compute(result, device, c, flops)
+    ng = non_gemm_term(result, device)  # the traced kernels that are not GEMMs, where traced
+    g = gemm_constants(c, ng is not None)
+    terms, tokens, (rank_flops, run_flops) = _compute(result, device, g, flops)
+    gemms = terms["compute"] + terms["recompute"]
+    if ng is not None:
+        terms["non_gemm"] = ng["seconds"]
     raw, comm = _comm(result, device, gpus_per_node, c)
-    busy = terms["compute"] + terms["recompute"]
+    busy = sum(terms.values())  # what the collectives hide behind and the bubble grows with
     pipe = result.extra.get("pipeline") or {}
     terms.update(_terms(raw, comm["first"], busy, pipe.get("bubble_fraction", 0.0), c))
     step_time = sum(terms.values())
@@ -268,7 +278,7 @@ def estimate_step(result, device: Device, gpus_per_node: int = 8,
         flops_per_token=flops.train_per_token, matmul_params=flops.matmul_params,
         attention_width=flops.attention_width, model_flops_per_step=model,
         rank_flops_per_step=rank_flops,
-        gemm_efficiency=run_flops / (busy * _rate(device, c)) if busy else 1.0,
+        gemm_efficiency=run_flops / (gemms * _rate(device, g)) if gemms else 1.0, non_gemm=ng,
         comm_seconds_before_overlap=raw, comm_latency_seconds=comm["latency"],
         first_unit_exposure=comm["first"], bubble_fraction=pipe.get("bubble_fraction", 0.0))
     return StepEstimate(

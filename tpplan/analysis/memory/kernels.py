@@ -80,17 +80,19 @@ class KernelCount:
         return sum(cost(sizes) * weight.get(stage, 1) for stage, sizes in self.sizes.items())
 
 
-def kernel_profile(spec, mesh, build, shape, n_blocks: int, blocks: str | None) -> dict[str, Any]:
+def kernel_profile(spec, mesh, build, shape, n_blocks: int, blocks: str | None, io=None) -> dict[str, Any]:
     """The step's memory-bound kernels, ``{traces, depths, periods, accum}``: traced at one
     and two periods of blocks (the period of selective checkpointing, else 1) where the
     model has identical repeated blocks (``periods``: how many the whole model has, for a
-    linear extrapolation), else traced whole. No pipeline (its stages run their own steps).
+    linear extrapolation), else traced whole. ``io``: ``build`` makes one pipeline stage
+    (a :class:`~tpplan.analysis.memory.step.StageIO`), traced as
+    :func:`~tpplan.analysis.memory.stages.stage_traces` traces its memory.
     :func:`tpplan.analysis.cost.non_gemm.non_gemm_seconds` prices it."""
     k = spec.activation_checkpointing.every
     depths = [k, 2 * k] if blocks is not None and n_blocks >= 2 * k and not n_blocks % k else [None]
     traces = []
     for depth in depths:
         traces.append(KernelCount())
-        count_kernels(spec, mesh, build, shape, depth, traces[-1])
+        count_kernels(spec, mesh, build, shape, depth, traces[-1], io)
     return dict(traces=traces, depths=depths, periods=n_blocks // k if depths[0] else 1,
                 accum=shape.grad_accum)

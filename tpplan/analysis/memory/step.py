@@ -164,10 +164,11 @@ def first_forward_ends(spec: PlanSpec, mesh, build: Callable[[], nn.Module],
 
 
 def count_kernels(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
-                  depth: int | None, kernels) -> None:
+                  depth: int | None, kernels, io: StageIO | None = None) -> None:
     """The trainer's step for ``spec`` (its first ``depth`` blocks) on fake tensors, every
-    operator of it counted into ``kernels`` (a :class:`~tpplan.analysis.memory.kernels.KernelCount`)."""
-    with _on_fake_tensors(spec, mesh, build, depth, None) as (spec, model, blocks, io):
+    operator of it counted into ``kernels`` (a :class:`~tpplan.analysis.memory.kernels.KernelCount`);
+    ``io``: ``build`` makes one pipeline stage (:func:`trace_step`'s)."""
+    with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
         _run(spec, model, blocks, shape, io, kernels=kernels)
 
 

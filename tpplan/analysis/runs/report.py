@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunError", "run_metrics", "run_report", "world_size_of"]
+__all__ = ["RunError", "replica_groups", "run_metrics", "run_report", "world_size_of"]
 
 
 class RunError(Exception):
@@ -50,6 +50,22 @@ def run_metrics(folder: Path) -> tuple[list[dict[str, Any]], int]:
     return _metrics(folder / "metrics.jsonl")
 
 
+def replica_groups(folder: Path, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A fault-tolerant run's rows and events (docs/fault-tolerance.md): group 0's rows (the
+    run folder's), with the steps it missed while it was down taken from the other groups'
+    (``replica-g/metrics.jsonl``; every group logs the quorum's loss), and each group's
+    ``fault`` / ``rejoin`` / ``recovered`` events once per step, in step order."""
+    by_step = {r["step"]: r for r in rows}
+    events: dict[tuple[int, str], dict[str, Any]] = {}
+    for group_rows in [rows, *(_metrics(p)[0] for p in sorted(folder.glob("replica-*/metrics.jsonl")))]:
+        for r in group_rows:
+            by_step.setdefault(r["step"], r)
+            if isinstance(r.get("event"), str):
+                events.setdefault((r["step"], r["event"]), {"step": r["step"], "event": r["event"],
+                                                             "replicas": r.get("replicas")})
+    return [by_step[s] for s in sorted(by_step)], [events[k] for k in sorted(events)]
+
+
 def world_size_of(rows: list[dict[str, Any]]) -> int | None:
     """The run's world size, from its own figures: tokens/s over tokens/s per device."""
     for row in reversed(rows):
@@ -71,13 +87,14 @@ def run_report(run_dir: str | Path, world_size: int | None = None) -> dict[str, 
         raise RunError(f"{folder}: no metrics.jsonl here; a run folder is what "
                        "`tpplan train` writes (metrics.run_dir, default runs/<plan name>)")
     rows, skipped = _metrics(metrics)
+    rows, events = replica_groups(folder, rows)
     plan_file = folder / "plan.yaml"
     plan_yaml = plan_file.read_text() if plan_file.is_file() else None
     source = None
     if plan_yaml and plan_yaml.startswith("# resolved from "):
         source = plan_yaml.splitlines()[0].removeprefix("# resolved from ").strip()
     world = world_size or world_size_of(rows)
-    out: dict[str, Any] = {"run": dict(dir=str(folder), metrics=rows, skipped_lines=skipped,
+    out: dict[str, Any] = {"run": dict(dir=str(folder), metrics=rows, events=events, skipped_lines=skipped,
                                        plan_yaml=plan_yaml, plan_source=source, world_size=world,
                                        estimate=_json(folder / "estimate.json"),
                                        profile=[_json(p) for p in sorted(

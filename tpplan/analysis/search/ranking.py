@@ -16,9 +16,11 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    traced_rows`), or for a pipeline those of its stages' interior periods where the whole
    model's trace ran (:func:`tpplan.analysis.comm.stage_bound.interior_rows`), back into the queue
    where that is higher (and looked at again there, as such a trace may have run since);
-2. its communication analysis (TP traced, cached by what the trace reads) and a first
-   estimate, without the pipeline's point-to-point traffic (which the memory trace
-   measures): a tighter bound;
+2. its communication analysis (TP traced, cached by what the trace reads), its non-GEMM
+   kernels traced (:func:`tpplan.analysis.analyses.analyze_kernels`, cached by what the trace
+   reads: :mod:`tpplan.analysis.search.kernel_cache`) and a first estimate,
+   without the pipeline's point-to-point traffic (which the memory trace measures): a
+   tighter bound;
 3. then the memory analysis (the trainer's step on fake tensors, cached; a pipeline's
    stages until a pp rank does not fit, the rank with the highest first-forward bound
    first) and the device's verdict
@@ -46,6 +48,7 @@ from typing import Any, Callable, Sequence
 from ...models.introspect import find_blocks
 from ...plan.devices import Device
 from .candidates import Options, candidates
+from .kernel_cache import KernelCache
 from ..analyses import fsdp_rows, traced_rows
 from ..cost.step_time import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
 from ..dryrun import DryRun, fake_process_group
@@ -124,6 +127,8 @@ class _Search:
         self.size = smallest_element(ev.model)  # its smallest parameter dtype (every candidate's model)
         self.floors: dict[tuple, int] = {}  # split_free's largest, per layout but its dp split
         self.unrecomputed: dict[tuple, list] = {}  # traced_rows, per layout without checkpointing
+        self.kernels: dict[tuple, Any] = {}  # analyze_kernels' profile (None: failed), per candidate
+        self.kernel_traces = KernelCache(ev.traces)  # the profiles, shared by what their traces read
 
     def too_large(self, peak: int) -> bool:
         return needed(peak) > self.device.memory
@@ -145,7 +150,18 @@ class _Search:
         return r
 
     def estimated(self, r: DryRun, c) -> Any:
+        """The estimate: its communication analysed and, the first time, the step's non-GEMM
+        kernels traced where the device prices them (once: the first estimate and the final
+        one price the same kernels, or both fall back on ``compute_efficiency``; the traces
+        cached by what they read, :mod:`.kernel_cache`)."""
         self.ev.comm(r)
+        if self.device.memory_bandwidth and r.ok and tuple(c.sets) not in self.kernels:
+            try:
+                self.kernel_traces(r)
+            except Exception:  # noqa: BLE001 - without the term, compute_efficiency stands for it
+                pass
+            self.kernels[tuple(c.sets)] = r.extra.get("kernels")
+        r.extra["kernels"] = self.kernels.get(tuple(c.sets))
         est = _estimate(r, self.device, self.gpus_per_node, self.constants, self.flops[0]) if r.ok else None
         if isinstance(est, (type(None), str)):
             self.drop(f"analysis failed: {est or r.analysis_errors[0].message}", c)

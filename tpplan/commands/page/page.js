@@ -295,9 +295,11 @@
     const series = [["loss", "loss"], ["eval_loss", "validation loss"], ["val_loss", "validation loss"], ["tokens_per_s", "tokens/s (global)"],
                     ["grad_norm", "grad norm"], ["lr", "learning rate"]];
     const charts = el("div", { class: "charts", id: "charts" });
+    // a fault-tolerant run's faults and rejoins (docs/fault-tolerance.md), marked on the curves
+    const marks = (run.events || []).filter((e) => e.event === "fault" || e.event === "rejoin");
     for (const [key, label] of series) {
       const points = rows.filter((r) => typeof r[key] === "number" && isFinite(r[key])).map((r) => [r.step, r[key]]);
-      if (points.length) charts.append(chart(key, label, points));
+      if (points.length) charts.append(chart(key, label, points, key === "loss" || key === "tokens_per_s" ? marks : []));
     }
     root.append(el("h2", { text: "Training over steps (metrics.jsonl)" }), charts);
     if (rows.length) {
@@ -322,7 +324,7 @@
   }
   const fmt = (v) => Math.abs(v) >= 1e5 ? Math.round(v).toLocaleString("en-US") : Number(v.toPrecision(4)).toString();
 
-  function chart(key, label, points) {
+  function chart(key, label, points, marks = []) {
     const W = 440, H = 200, L = 56, B = 24, T = 10, R = 10;
     const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
     const [x0, x1] = [Math.min(...xs), Math.max(...xs)], [y0, y1] = [Math.min(...ys), Math.max(...ys)];
@@ -337,6 +339,13 @@
       svg("text", { x: L, y: H - 6, text: `step ${x0}` }), svg("text", { x: W - R - 60, y: H - 6, text: `step ${x1}` }),
       svg("polyline", { fill: "none", stroke: "#4e79a7", "stroke-width": 1.6,
         points: points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" ") }));
+    marks.filter((m) => m.step >= x0 && m.step <= x1).forEach((m, i) => {  // a dashed line and its label
+      const x = sx(m.step).toFixed(1), colour = m.event === "fault" ? "#c2410c" : "#1f8a4c";
+      box.append(svg("g", { class: "event", "data-event": m.event, "data-step": m.step, "data-x": x },
+        svg("line", { x1: x, x2: x, y1: T, y2: H - B, stroke: colour, "stroke-dasharray": "4,3" }),
+        svg("text", { x: Number(x) + 3, y: T + 10 + 12 * (i % 3), fill: colour, text: `${m.event} (${m.replicas ?? "?"})` }),
+        svg("title", { text: `step ${m.step}: ${m.event}, ${m.replicas ?? "?"} replica groups` })));
+    });
     return el("div", { class: "chart-box" }, el("h3", { text: `${label}: ${fmt(points[points.length - 1][1])} at step ${points[points.length - 1][0]}` }), box);
   }
 
