@@ -47,6 +47,9 @@ DEVICE_OF = {**DEVICES, TORCHTITAN_H100.name: TORCHTITAN_H100}
 BF16 = "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"
 FLAT = "mesh.dp_replicate=1"
 DDP = "mesh={pp: 16, dp_replicate: 8, dp_shard: 1, tp: 8}"  # replicated weights, as Megatron's DP
+# Megatron's DP keeps its weights resident (nothing to gather): FSDP2 at dp_shard 1 would
+# otherwise free them after forward and gather and cast them again in backward.
+RESIDENT = "fsdp.reshard_after_forward=false"
 # GPT-3 175B as a Llama with the same matmuls: 96 heads of 128 (no GQA), an MLP of
 # 8h² weights (SwiGLU 3 × h × 8h/3 = GPT's 2 × h × 4h), a 51,200-token vocabulary.
 GPT3 = "model={name: llama3, config: 405b, kwargs: {dim: 12288, n_layers: 96, n_heads: 96, " \
@@ -85,7 +88,7 @@ CONFIGS = [
                    "train.global_batch_size=512", "activation_checkpointing={mode: full}"],
      ("tps", 597.3)),
     ("Megatron-LM GPT-3 175B, 1024 A100", "Megatron-LM README (2022), 'GPT-3 Example'; examples/pretrain_gpt3_175B.sh",
-     "a100-80gb", 1024, [GPT3, DDP, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=2048",
+     "a100-80gb", 1024, [GPT3, DDP, RESIDENT, "mesh.tp=8", "mesh.pp=16", BF16, "train.seq_len=2048",
                          "train.global_batch_size=1536", "train.micro_batch_size=1",
                          "activation_checkpointing={mode: full}", pipe("1f1b", 192)],
      ("seconds", 32.0)),
@@ -102,6 +105,43 @@ CONFIGS = [
       for gpus, m, tflops in ((8192, 32, 430), (16384, 16, 400))],
 ]
 SOURCE_V = {"Llama 3 405B": 8}  # the v the source implies, where tpplan lays out another
+
+# Narayanan et al. 2021 (arXiv 2104.04473), Table 1, weak scaling on A100s: GPT models of
+# vocabulary 51,200 and sequence 2,048, fp16, activation recomputation, Megatron's replicated
+# data parallelism. (params B, layers, hidden, heads, tp, pp, GPUs, batch, TFLOP/s per GPU.)
+WEAK_SCALING = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 30, 3072, 32, 2, 1, 64, 512, 138),
+                (7.5, 36, 4096, 32, 4, 1, 128, 512, 142), (18.4, 40, 6144, 48, 8, 1, 256, 1024, 135),
+                (39.1, 48, 8192, 64, 8, 2, 512, 1536, 138), (76.1, 60, 10240, 80, 8, 4, 1024, 1792, 140),
+                (145.6, 80, 12288, 96, 8, 8, 1536, 2304, 148), (310.1, 96, 16384, 128, 8, 16, 1920, 2160, 155),
+                (529.6, 105, 20480, 128, 8, 35, 2520, 2520, 163), (1008.0, 128, 25600, 160, 8, 64, 3072, 3072, 163)]
+WEAK_SOURCE = "Narayanan et al. 2021, 'Efficient Large-Scale Language Model Training ...', Table 1"
+
+
+def megatron_step(batch: int, layers: int, hidden: int, tflops: float, gpus: int, seq: int = 2048,
+                  vocab: int = 51200) -> float:
+    """The paper's step time: its own FLOP count (eq. 3, ``96·B·s·l·h²·(1 + s/6h + V/16lh)``, which
+    counts the recomputed forward) over its achieved TFLOP/s per GPU times the GPUs."""
+    flops = 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return flops / (tflops * 1e12 * gpus)
+
+
+def weak_scaling_row(params, layers, hidden, heads, tp, pp, gpus, batch, tflops) -> tuple:
+    """A Table 1 row as a Llama with GPT's matmuls: SwiGLU width 8h/3 (to a multiple of 64,
+    within 0.2% of GPT's 8h² MLP), no GQA; micro-batch 1 and 1F1B, as Megatron's GPT-3 example."""
+    dp = gpus // (tp * pp)
+    model = (f"model={{name: llama3, config: 405b, kwargs: {{dim: {hidden}, n_layers: {layers}, n_heads: {heads}, "
+             f"n_kv_heads: {heads}, vocab_size: 51200, ffn_hidden: {64 * round(8 * hidden / 3 / 64)}, "
+             "max_seq_len: 2048}}")
+    sets = [model, f"mesh={{pp: {pp}, dp_replicate: {dp}, dp_shard: 1, tp: {tp}}}", RESIDENT, BF16,
+            "train.seq_len=2048", f"train.global_batch_size={batch}", "train.micro_batch_size=1",
+            "activation_checkpointing={mode: full}"]
+    if pp > 1:
+        sets.append(pipe("1f1b", batch // dp))
+    return (f"Megatron weak scaling {params:g}B, {gpus:,} A100", WEAK_SOURCE, "a100-80gb", gpus, sets,
+            ("seconds", megatron_step(batch, layers, hidden, tflops, gpus)))
+
+
+CONFIGS += [weak_scaling_row(*row) for row in WEAK_SCALING]
 
 
 def measured_seconds(kind: str, value: float, est, world: int) -> float:

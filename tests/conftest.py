@@ -1,4 +1,6 @@
+import fcntl
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,15 +33,32 @@ def write_plan(tmp_path):
     return write
 
 
+def _made_once(tmp_path_factory, name: str, make) -> Path:
+    """``make(folder)`` run once per session, also across pytest-xdist's workers: the first
+    worker to get here makes it in the session's shared temporary folder under a file lock,
+    the others wait for it and reuse it (what it makes is only read afterwards)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, above every worker's popen-gwK/
+    out = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".made").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            make(out)
+            (out / ".made").touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory) -> Path:
     """``tpplan train`` of the tiny Llama in one process, no parallelism: the curve every
     mesh shape, restart and resume must reproduce (tests/trainrun.py)."""
     from trainrun import ok, tpplan_train
 
-    d = tmp_path_factory.mktemp("reference") / "single"
-    ok(tpplan_train(d, sets=["mesh.tp=1"]))
-    return d
+    return _made_once(tmp_path_factory, "reference",
+                      lambda out: ok(tpplan_train(out / "single", sets=["mesh.tp=1"]))) / "single"
 
 
 @pytest.fixture(scope="session")
@@ -55,11 +74,9 @@ def tiny_hf(tmp_path_factory):
     def make(family: str = "llama", dtype: str = "float32") -> Path:
         key = (family, dtype)
         if key not in made:
-            out = tmp_path_factory.mktemp(f"tiny-{family}-{dtype}")
-            subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"),
-                            "--family", family, "--dtype", dtype, "--out", str(out)],
-                           check=True, capture_output=True, env=cli_env())
-            made[key] = out
+            made[key] = _made_once(tmp_path_factory, f"tiny-{family}-{dtype}", lambda out: subprocess.run(
+                [sys.executable, str(ROOT / "scripts" / "make_tiny_hf.py"), "--family", family,
+                 "--dtype", dtype, "--out", str(out)], check=True, capture_output=True, env=cli_env()))
         return made[key]
 
     return make

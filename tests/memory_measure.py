@@ -87,7 +87,10 @@ def compare(predicted: dict, measured: dict) -> list[dict]:
 def _local(t):
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    t = t.to_local() if isinstance(t, DTensor) else t
+    # torchao's float8 wrappers (emulated float8 runs) hold their bytes in an inner tensor
+    inner = {"Float8TrainingTensor": "_data", "WeightWithDynamicFloat8CastTensor": "_tensor"}.get(type(t).__name__)
+    return getattr(t, inner) if inner else t
 
 
 def _bytes(tensors) -> int:
@@ -138,7 +141,12 @@ def measure_worker(rank: int, world: int, port: int, plan_path: str, overrides: 
     shape = plan.step_shape(world)
     mesh = plan.build_mesh("cpu")
     try:
-        model = plan.apply(build_model(plan.model, "meta", real_buffers=True), mesh)
+        model = build_model(plan.model, "meta", real_buffers=True)
+        if plan.spec.float8 is not None:  # torchao's emulated float8 on CPU, as the dry run traces it
+            from tpplan.parallel.float8 import apply_float8, gathers_float8
+
+            apply_float8(model, plan.spec, gathers_float8(plan.spec, plan.parallel_dims(world)), emulate=True)
+        model = plan.apply(model, mesh)
         materialize(model, "cpu")
         init_weights(model, 0, "cpu", plan.model)
         t = plan.train

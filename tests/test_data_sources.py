@@ -2,7 +2,9 @@
 megatron-core's own reader, flat files with a stated dtype, the token store ``tpplan data
 prepare`` writes (the same bytes for 1 or 2 workers, and after a kill and a restart), the
 mixture's shares and its purity in (seed, step), and each kind of bad data as one line
-naming its file. No process group: the training runs are in tests/test_data_train.py.
+naming its file; a run's token cache made by worker processes into the store ``data prepare``
+makes (and one 1-process ``tpplan train`` on it). The multi-rank training runs are in
+tests/test_data_train.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_main, tpplan_cli
+from helpers import PLANS, run_main, tpplan_cli
 from hooked import KILL_PREPARE
 from tpplan.data.errors import DataError
 from tpplan.data.feed import Source, TokenFeed
@@ -57,6 +59,32 @@ def test_megatron_documents_equal_megatron_cores_reader(tmp_path, dtype):
     starts = set(np.cumsum([0] + [len(theirs[i]) for i in range(len(theirs))]).tolist())
     assert [p == 0 for p in positions[1:]] == [3 * 64 + j in starts for j in range(1, 65)]
     assert np.array_equal(open_tokens(str(prefix) + ".bin", None).document(7), ours.document(7))
+
+
+def test_megatron_documents_of_several_sequences_cost_one_pointer_each(tmp_path, monkeypatch):
+    """Sentence-split data (``preprocess_data.py --split-sentences``): a document is several
+    sequences. It reads as the concatenation of megatron-core's sequences for it, and the rank
+    holds one int64 per document (its first sequence's pointer), gathered a block at a time."""
+    import tpplan.data.megatron as reader
+
+    monkeypatch.setattr(reader, "BLOCK", 7)  # several blocks, one cut inside a run of documents
+    prefix = tmp_path / "split_text_sentence"
+    builder = megatron.IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        for _ in range(int(rng.integers(1, 5))):
+            builder.add_item(torch.tensor(rng.integers(0, 500, int(rng.integers(1, 20)))))
+        builder.end_document()
+    builder.finalize(str(prefix) + ".idx")
+    theirs = megatron.IndexedDataset(str(prefix))
+    ours = open_tokens(str(prefix), None)
+    bounds = theirs.document_indices
+    assert ours.documents == 50 and len(theirs) > 60  # more sequences than documents
+    for d in range(50):
+        whole = np.concatenate([theirs[j] for j in range(bounds[d], bounds[d + 1])]).astype(np.int64)
+        assert np.array_equal(ours.document(d), whole), d
+    (_, starts, _), = ours.starts.pieces
+    assert starts.dtype == np.int64 and starts.shape == (50,) and starts.base is None  # its own, 8 bytes a document
 
 
 def test_truncated_megatron_files_are_named(tmp_path):
@@ -115,6 +143,15 @@ def test_sources_weights_are_checked_in_the_plan(tmp_path):
     assert f"{plan}:4:29: 'data.sources[0].weight' must be at least 0, got -1.0" in text
     assert f"{plan}:4:40: 'data.sources[0].dtype' must be one of uint16, uint32, int32" in text
     assert f"{plan}:4:5: 'data.sources' has no positive weight: no source would be drawn" in text
+    plan.write_text("model: {name: llama3, config: debug}\ndata: {path: t.txt, tokenizer: tok, workers: 0}\n")
+    with pytest.raises(PlanErrors, match=rf"{plan}:2:46: 'data.workers' must be at least 1, got 0"):
+        load(str(plan))
+    plan.write_text("model: {name: llama3, config: debug}\ndata: {path: t.txt, workers: two}\n")
+    with pytest.raises(PlanErrors, match=rf"{plan}:2:30: 'data.workers' must be"):
+        load(str(plan))
+    plan.write_text("model: {name: llama3, config: debug}\ndata: {path: t.txt, workers: 2}\n")
+    with pytest.raises(PlanErrors, match=rf"{plan}:2:30: 'data.workers' needs 'data.tokenizer'"):
+        load(str(plan))
 
 
 def _flat(tmp_path: Path, name: str, n: int, offset: int) -> Path:
@@ -292,3 +329,111 @@ def test_negative_ids_float_megatron_data_and_stray_carriage_returns(tmp_path):
     pq.write_table(pa.table({"text": [f"row{i}" for i in range(10)]}), tmp_path / "t.parquet", row_group_size=3)
     units = plan_units(tmp_path / "t.parquet", "auto", 4)  # units across row groups: each read once
     assert [d.value for u in units for d in unit_documents(u, "auto", "text")] == [f"row{i}" for i in range(10)]
+
+
+def test_the_runs_token_cache_is_made_by_workers_into_the_store_data_prepare_makes(tmp_path, tiny_llama):
+    """A ``.jsonl`` of 20,500 records (three units of 10,000): a run's token cache made by 2
+    worker processes (``data.workers``) is the same shards as by 1 and as ``tpplan data
+    prepare`` makes of the same input; the trainer reads the three shards as one stream from
+    their maps (a held-out split across a shard boundary too); and ``tpplan train`` making its
+    own cache with 2 workers trains on it, each step's batch the corpus's function of (seed, step)."""
+    from tpplan.data.prepare import PrepareJob, prepare
+    from tpplan.plan.specs import DataSpec, EvalSpec
+    from tpplan.train.cache import CACHE_DIR
+    from tpplan.train.corpora import load_corpora
+    from tpplan.train.data import Corpus, step_batch
+    from tpplan.train.joined import Joined
+    from hooked import RECORD_BATCHES
+
+    rng = np.random.default_rng(3)
+    words = ["data", "token", "shard", "mesh", "plan", "rank", "loss", "store", "epoch", "weight"]
+    src = tmp_path / "records.jsonl"
+    src.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(1, 6))))}) + "\n"
+                           for _ in range(20_500)))
+    made = {w: load_corpora(DataSpec(path=str(src), tokenizer=str(tiny_llama), workers=w, max_bytes=1 << 30),
+                            EvalSpec(), tmp_path / f"run{w}", 512, 16) for w in (2, 1)}
+    prepare(PrepareJob(str(src), str(tmp_path / "prepared"), str(tiny_llama)))
+    stores = [tmp_path / f"run{w}" / CACHE_DIR / "train" for w in (2, 1)]
+    hashes = _shard_hashes(tmp_path / "prepared")
+    assert len([n for n in hashes if n.endswith(".ids")]) == 3
+    assert _shard_hashes(stores[0]) == _shard_hashes(stores[1]) == hashes
+    assert "(3 shard(s) by 2 process(es) in" in made[2].notes[0]
+    assert "(3 shard(s) by 1 process(es) in" in made[1].notes[0]
+    c = made[2].train
+    assert isinstance(c.tokens, Joined) and c.mask is None
+    whole = torch.from_numpy(open_tokens(str(stores[0]), None).tokens.read(0, len(c)))
+    assert len(c) == len(whole) == json.loads((stores[0] / "tokens.json").read_text())["tokens"]
+    first = json.loads((stores[0] / "shards" / "00000.json").read_text())["tokens"]
+    idx = torch.tensor([[0, 1, 2], [first - 1, first, first + 1], [len(c) - 3, len(c) - 2, len(c) - 1]])
+    assert torch.equal(c.tokens[idx], whole[idx])
+    ref = Corpus(whole, c.vocab_size, c.source, None, True, c.separator)
+    for step in (1, 2, 3):
+        assert torch.equal(step_batch(c, 0, step, 8, 16, 0, 1).tokens, step_batch(ref, 0, step, 8, 16, 0, 1).tokens)
+    cut = (first // 16) * 16  # a split whose held-out part starts in the first shard
+    held = Corpus(c.tokens[cut:], c.vocab_size, c.source, None, True, c.separator)
+    assert len(held) == len(c) - cut and torch.equal(held.tokens[torch.arange(len(held))], whole[cut:])
+    run = tmp_path / "trained"
+    sets = [f"data.path={src}", f"data.tokenizer={tiny_llama}", "data.workers=2", "data.max_bytes=1073741824",
+            "mesh.tp=1", "model.kwargs.n_layers=1", "model.kwargs.dim=16", "model.kwargs.n_heads=2",
+            "model.kwargs.n_kv_heads=1", "model.kwargs.vocab_size=512", "train.steps=2", "train.seq_len=16",
+            "train.global_batch_size=8", "checkpoint.enabled=false", f"metrics.run_dir={run}"]
+    proc = tpplan_cli("train", "--plan", PLANS / "llama.yaml", *[a for s in sets for a in ("--set", s)],
+                      env={RECORD_BATCHES: "1"}, check=True)
+    assert "(3 shard(s) by 2 process(es) in" in proc.stdout
+    assert _shard_hashes(run / CACHE_DIR / "train") == hashes
+    digests = [json.loads(line) for line in (run / "batches" / "rank0.jsonl").read_text().splitlines()]
+    assert [d["digest"] for d in digests] == [
+        hashlib.sha256(step_batch(ref, 0, s, 8, 16, 0, 1).tokens.numpy().tobytes()).hexdigest()[:16] for s in (1, 2)]
+
+
+def test_closing_a_feed_unmaps_its_sources(tmp_path, tiny_llama):
+    """``TokenFeed.close`` stops the background reads and unmaps every file the feed maps --
+    a store's ids, document starts and loss mask, a Megatron ``.bin`` and ``.idx``, the
+    held-out source -- so the rank holds none of them after (``/proc/self/maps``); a second
+    close does nothing, and a batch after it is refused."""
+    from tpplan.data.prepare import PrepareJob, prepare
+    from tpplan.plan.specs import DataSpec, EvalSpec, SourceSpec
+
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    (chats / "c.jsonl").write_text((tiny_llama / "chat.jsonl").read_text())
+    prepare(PrepareJob(str(chats), str(tmp_path / "store"), str(tiny_llama)))
+    _megatron(tmp_path / "web", _docs(200))
+    _megatron(tmp_path / "held", _docs(100, seed=1))
+    data = DataSpec(sources=[SourceSpec(str(tmp_path / "store"), 0.5), SourceSpec(str(tmp_path / "web"), 0.5)])
+    feed = open_feed(data, EvalSpec(path=str(tmp_path / "held")), 0, 4, 16, 512)
+    feed.batch(1, 0, 1)  # the next steps' windows now read in the background
+
+    def mapped() -> set[str]:
+        names = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+        return {n for n in names if n.startswith(str(tmp_path))}
+
+    before = mapped()
+    assert {"store/shards/00000.ids", "store/shards/00000.docs", "store/shards/00000.mask", "web.bin", "web.idx",
+            "held.bin", "held.idx"} <= {str(Path(n).relative_to(tmp_path)) for n in before}
+    maps = [m for s in feed.sources for m in s.file.tokens.maps if m is not None]
+    feed.close()
+    assert mapped() == set() and maps and all(mm.closed for mm, _ in maps)
+    feed.close()
+    with pytest.raises(RuntimeError, match="the token feed is closed"):
+        feed.batch(2, 0, 1)
+
+
+def test_an_output_inside_its_input_is_refused_before_any_work(tmp_path, tiny_llama, capsys):
+    """``data prepare`` reads every file under its input: a store written inside it would be
+    read as input by the next prepare (or a restart, whose key would no longer match). Refused
+    in one line naming both folders, nothing written; the same for a run's token cache when
+    ``data.path`` is a folder holding the run folder."""
+    from tpplan.plan.specs import DataSpec, EvalSpec
+    from tpplan.train.corpora import load_corpora
+
+    texts = _texts(tmp_path / "texts", 3)
+    for out in (texts / "store", texts):
+        rc, printed = run_main(capsys, "data", "prepare", texts, "--tokenizer", tiny_llama, "--output", out)
+        assert rc == 1 and printed.strip() == (
+            f"error: {out}: the output folder is inside the input folder {texts}; its shards would be read as "
+            f"input by a later or restarted prepare: choose an output outside {texts}")
+    assert sorted(p.name for p in texts.iterdir()) == ["doc000.txt", "doc001.txt", "doc002.txt"]
+    with pytest.raises(DataError, match=rf"^{texts / 'run' / 'tokens' / 'train'}: the output folder is inside"):
+        load_corpora(DataSpec(path=str(texts), tokenizer=str(tiny_llama)), EvalSpec(), texts / "run", 512, 16)
+    assert not (texts / "run").exists()

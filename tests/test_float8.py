@@ -114,3 +114,38 @@ def test_float8_with_tp_is_planned_and_still_refused_on_cpu(root):
     assert not float8_problems(spec, "cuda", (9, 0), "NVIDIA H200")
     (cpu,) = float8_problems(spec, "cpu")
     assert cpu.loc is spec.float8.loc and "this run is on cpu" in cpu.message
+
+
+@pytest.mark.parametrize("name, plan_path, world, overrides", [
+    # FSDP2 gathers the float8 weights (tensorwise); bf16 mixed precision under it
+    ("fsdp 2, tensorwise", "llama-fsdp.yaml", 2,
+     [F8 % "tensorwise", "fsdp.mixed_precision={param_dtype: bfloat16, reduce_dtype: float32}"]),
+    ("tp 2, rowwise", "llama-tp.yaml", 2, ["mesh.tp=2", F8 % "rowwise"]),  # the casts saved for backward
+])
+def test_the_dry_runs_float8_memory_is_a_real_float8_steps(name, plan_path, world, overrides, root, tmp_path):
+    """``validate``'s memory of a float8 plan: the linears converted as torchao converts them
+    (emulated on CPU, in the dry run and in the real step alike: the same casts, scales and
+    saved tensors), the trace against the real step's figures, part by part, within 10%; and
+    not the figures of the plan without float8."""
+    import json
+
+    from helpers import PLANS
+    from memory_measure import compare, measure_worker
+
+    from tpplan.analysis import ANALYSES
+    from tpplan.analysis.dryrun import dry_run
+    from tpplan.parallel.runtime import spawn
+
+    memory = [a for a in ANALYSES if a[0] == "memory_per_rank"]
+    sets = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", *overrides]
+    predicted = dry_run(str(PLANS / plan_path), world, sets, memory)
+    plain = dry_run(str(PLANS / plan_path), world, sets[:-1] if "rowwise" in name else sets[:3] + sets[4:], memory)
+    assert predicted.ok and plain.ok, (predicted.analysis_errors, plain.analysis_errors)
+    spawn(measure_worker, world, str(PLANS / plan_path), sets, str(tmp_path))
+    measured = json.loads((tmp_path / "measured.json").read_text())
+    rows = compare(predicted.extra["memory_per_rank"], measured)
+    off = [r for r in rows if abs(r["ratio"] - 1) > 0.10]
+    assert not off, "\n".join(f"{r['part']}: predicted {r['predicted']}, measured {r['measured']}" for r in off)
+    peak = next(r for r in rows if r["part"] == "peak")
+    assert predicted.extra["memory_per_rank"]["peak"] != plain.extra["memory_per_rank"]["peak"]
+    assert abs(plain.extra["memory_per_rank"]["peak"] / peak["measured"] - 1) > abs(peak["ratio"] - 1), name

@@ -85,8 +85,9 @@ OUTSIDE = {
     "operator is several times the 5 µs floor, autograd's own host work is not counted",
 }
 # Every H200 row (one dry run for the 1B's four), a published FSDP row and an FSDP + TP one (the
-# pipeline rows: their dry runs take 14-38 s each). scripts/non_gemm_rows.py runs every row.
-TESTED = ("H200", "torchtitan 8B, 8 GPUs", "torchtitan 70B")
+# pipeline rows: their dry runs take 14-38 s each), and the smallest of Megatron's A100 weak-scaling
+# rows (4 s). scripts/non_gemm_rows.py runs every row.
+TESTED = ("H200", "torchtitan 8B, 8 GPUs", "torchtitan 70B", "Megatron weak scaling 1.7B")
 CHEAP = [row for row in non_gemm_rows.ROWS if row[0].startswith(TESTED)]
 
 

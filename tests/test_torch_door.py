@@ -161,9 +161,10 @@ def _launch():
 
     _has(get_args_parser(), "_actions")  # shutdown_timeout_args reads its option strings
     # run_forked: torchrun's own parse, then its agent with a function entrypoint, forked
-    args = get_args_parser().parse_args(["--start-method=forkserver", "--nproc-per-node=2", "x"])
-    config, _, _ = config_from_args(args)
-    assert isinstance(config, LaunchConfig) and config.start_method == "forkserver"
+    for method in ("forkserver", "fork"):  # a CPU run's workers forked from the agent itself
+        args = get_args_parser().parse_args([f"--start-method={method}", "--nproc-per-node=2", "x"])
+        config, _, _ = config_from_args(args)
+        assert isinstance(config, LaunchConfig) and config.start_method == method
     assert _params(elastic_launch)[:2] == ["config", "entrypoint"]
     assert FAILURE_LOGGER in logging.Logger.manager.loggerDict or \
         importlib.import_module(FAILURE_LOGGER).logger.name == FAILURE_LOGGER
@@ -250,3 +251,36 @@ def test_the_names_used_outside_the_door_exist():
     assert "_apply" in ParallelStyle.__abstractmethods__
     assert _params(ParallelStyle._apply) == ["self", "module", "device_mesh"]
     assert _params(ColwiseParallel._partition_linear_fn) == ["self", "name", "module", "device_mesh"]
+
+
+SIGNALS_SEEN = """
+import signal, sys
+from tpplan._torch.launch import run_forked
+
+def seen(path):
+    names = {signal.SIG_DFL: "default", signal.default_int_handler: "python"}
+    with open(path, "w") as f:
+        f.write(" ".join(names.get(signal.getsignal(s), "other")
+                         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)))
+
+if __name__ == "__main__":  # a forkserver's worker imports this script as its main module
+    for method, from_here in (("fork", True), ("forkserver", False)):
+        assert run_forked(["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+                           "--nproc-per-node=1", "-m", "x"], seen, (sys.argv[1] + method,), [], from_here)
+"""
+
+
+def test_forked_workers_start_with_a_new_interpreters_signal_handlers(tmp_path):
+    """Workers forked from the agent itself (``from_here``, a CPU run's) or from a server:
+    SIGTERM and SIGHUP at their defaults, SIGINT Python's, not the agent's handlers that
+    raise torchrun's ``SignalException`` (which a worker forked from it would inherit)."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    script = tmp_path / "seen.py"
+    script.write_text(SIGNALS_SEEN)
+    subprocess.run([sys.executable, str(script), str(tmp_path / "seen-")], check=True, env=cli_env(), timeout=120)
+    for method in ("fork", "forkserver"):
+        assert (tmp_path / f"seen-{method}").read_text() == "default python default", method

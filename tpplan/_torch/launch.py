@@ -24,12 +24,18 @@ def shutdown_timeout_args(seconds: int) -> list[str]:
 
 
 def run_forked(torchrun_args: Sequence[str], entry: Callable[..., Any], entry_args: tuple,
-               preload: Sequence[str]) -> bool:
+               preload: Sequence[str], from_here: bool = False) -> bool:
     """torchrun's agent as ``torchrun torchrun_args`` runs it (rendezvous, ``--max-restarts``,
     signals passed on, ``--shutdown-timeout``), each worker calling ``entry(*entry_args)`` in
     a process forked from a server that imported ``preload`` once: N workers do not each
     import torch (about 3 CPU-s apiece). The server imports nothing but ``preload`` and
     starts no thread, so CUDA and gloo start fresh in every worker, as in a new interpreter.
+
+    ``from_here``: the workers forked from this process itself (torchrun's ``fork`` start
+    method), which has imported what they need: no server's interpreter to start either
+    (about 3 more CPU-s a launch). Only for workers that use no CUDA: a process that has
+    asked CUDA anything (``torch.cuda.is_available()`` does) cannot be forked into one that
+    uses it. Each worker starts with the default signal handlers, not the agent's.
 
     Returns False, starting nothing, where the platform has no forkserver (Windows): the
     caller runs the command line instead. Raises what ``torchrun`` raises
@@ -44,10 +50,30 @@ def run_forked(torchrun_args: Sequence[str], entry: Callable[..., Any], entry_ar
 
     _one_line_failures()
     config, _cmd, _cmd_args = config_from_args(
-        get_args_parser().parse_args(["--start-method=forkserver", *torchrun_args]))
-    multiprocessing.set_forkserver_preload(list(preload))  # read when the server starts
-    elastic_launch(config, entrypoint=entry)(*entry_args)
+        get_args_parser().parse_args([f"--start-method={'fork' if from_here else 'forkserver'}", *torchrun_args]))
+    if not from_here:  # (forked from this process, the workers have what it imported)
+        multiprocessing.set_forkserver_preload(list(preload))  # read when the server starts
+    elastic_launch(config, entrypoint=_WithDefaultSignals(entry))(*entry_args)
     return True
+
+
+class _WithDefaultSignals:
+    """``entry`` called with the signal handlers a new interpreter has: a worker forked from
+    the agent would otherwise inherit the agent's (a SIGTERM raising torchrun's
+    ``SignalException`` inside the worker). Picklable (a forkserver sends it); named as
+    ``entry`` is, which the agent reads."""
+
+    def __init__(self, entry: Callable[..., Any]) -> None:
+        self.entry = entry
+        self.__name__ = self.__qualname__ = getattr(entry, "__qualname__", type(self).__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return self.entry(*args)
 
 
 # The logger by which torchrun's agent reports a failed worker of a function entrypoint.

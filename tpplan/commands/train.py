@@ -97,7 +97,7 @@ def _relaunch(args: argparse.Namespace) -> int:
     try:
         main = getattr(args, "main", None)  # set by the command line; else no fork
         if main is None or not run_forked(argv + worker, WORKER_ENTRY or run_worker, (main, worker),
-                                          preload):
+                                          preload, from_here=_workers_on_cpu(args.device)):
             torchrun(argv + worker)
     except ChildFailedError:  # the failing rank already printed why, as "error: ..."
         print(f"tpplan train: the run on {args.nproc} processes did not finish (the reason is "
@@ -106,6 +106,18 @@ def _relaunch(args: argparse.Namespace) -> int:
     except SignalException as e:  # the workers had SHUTDOWN_S to finish a step and save
         return EXIT_STOPPED if _stopped_cleanly(args, launch) else 128 + int(e.sigval)
     return 0
+
+
+def _workers_on_cpu(device: str | None) -> bool:
+    """Will the workers run on the CPU, known without asking CUDA (which would make this
+    process unfit to fork a CUDA worker from): ``--device cpu``, ``TPPLAN_DEVICE=cpu``, or a
+    torch built without CUDA and ROCm."""
+    import torch
+
+    chosen = device or os.environ.get("TPPLAN_DEVICE")
+    if chosen:
+        return chosen == "cpu"
+    return torch.version.cuda is None and torch.version.hip is None
 
 
 def run_worker(main: Callable[[list[str]], int], argv: list[str]) -> None:

@@ -49,6 +49,7 @@ class TokenFeed:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[tuple[int, int, int, int], Future] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def source(self) -> str:
@@ -98,6 +99,8 @@ class TokenFeed:
         the plan's); the next steps' are gathered meanwhile in a background thread."""
         b = global_batch or self.global_batch
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the token feed is closed: its sources are unmapped")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="tpplan-data")
             fut = self._pending.pop((step, dp_rank, dp, b), None)
@@ -109,9 +112,15 @@ class TokenFeed:
         return fut.result() if fut is not None else self._make(step, dp_rank, dp, b)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the background reads (the one running finishes), then unmap every source and
+        the held-out one. Idempotent; the feed serves no batch after."""
+        with self._lock:
+            pool, self._pool, self._closed = self._pool, None, True
+            self._pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        for f in [s.file for s in self.sources] + ([self.held_out.file] if self.held_out is not None else []):
+            f.close()
 
     def used(self, steps: int) -> list[tuple[int, float]]:
         """(tokens, epochs) each source has given after ``steps`` steps."""

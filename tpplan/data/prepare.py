@@ -31,10 +31,11 @@ from .store import MANIFEST, STORE_FORMAT, VERSION, id_dtype, shard_done, write_
 from .tokenizer import TextTokenizer
 from .units import Unit, plan_units, unit_documents
 
-__all__ = ["PrepareJob", "Prepared", "pack", "prepare", "store_manifest", "write_manifest"]
+__all__ = ["PrepareJob", "Prepared", "pack", "prepare", "refuse_output_inside", "store_manifest", "write_manifest"]
 
 JOB_FILE = "prepare.json"
 ENCODE_CHUNK = 256  # texts encoded together (the tokenizers library batches in Rust)
+PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 @dataclass
@@ -62,7 +63,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _start_worker(job: dict[str, Any]) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault(PARALLELISM, "false")
     tok = TextTokenizer(Path(job["tokenizer"]))
     _WORKER.update(job=job, tok=tok, sep=tok.separator(job["separator"])[1],
                    dtype=id_dtype(tok.vocab_size))
@@ -99,9 +100,20 @@ def _documents(unit: Unit):
 @contextlib.contextmanager
 def _pool(workers: int, spec: dict[str, Any]) -> Iterator[ProcessPoolExecutor | None]:
     """``workers`` tokenizing processes, or None for one (this process). Forked where the
-    platform allows (no second import of torch per worker), before any other thread runs."""
+    platform allows (no second import of torch per worker), before any other thread runs.
+    One worker is this process, its tokenizer single-threaded as a worker's is (so 1 and N
+    workers compare like for like), and the setting given back after: a training rank that
+    builds its token cache here keeps its own environment."""
     if workers <= 1:
-        yield None
+        before = os.environ.get(PARALLELISM)
+        _start_worker(spec)
+        try:
+            yield None
+        finally:
+            if before is None:
+                os.environ.pop(PARALLELISM, None)
+            else:
+                os.environ[PARALLELISM] = before
         return
     method = "fork" if "fork" in get_all_start_methods() and sys.platform == "linux" else "spawn"
     with ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=_start_worker,
@@ -145,6 +157,16 @@ def _claim(out: Path, key: dict[str, Any], overwrite: bool) -> None:
     job_file.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n")
 
 
+def refuse_output_inside(src: Path, out: Path) -> None:
+    """Refuse an output folder inside the input folder (or the same one), before any work:
+    the input is every file under it, so a restarted or later prepare would read the store's
+    own shards as input (and its key, the inputs' sizes, would change under it)."""
+    a, b = src.resolve(), out.resolve()
+    if a.is_dir() and (b == a or a in b.parents):
+        raise DataError(f"{out}: the output folder is inside the input folder {src}; its shards would be read "
+                        f"as input by a later or restarted prepare: choose an output outside {src}")
+
+
 def store_manifest(job: PrepareJob, tok: TextTokenizer, metas: list[dict[str, Any]],
                    inputs: list) -> dict[str, Any]:
     """The store's ``tokens.json`` for shards ``metas`` (in order) of ``job``."""
@@ -173,6 +195,7 @@ def prepare(job: PrepareJob, workers: int = 1, overwrite: bool = False,
     """Tokenize ``job.input`` into the store ``job.output`` with ``workers`` processes;
     ``progress(shards done, shards, documents, tokens)`` after each shard."""
     t0 = time.perf_counter()
+    refuse_output_inside(Path(job.input), Path(job.output))
     tok = TextTokenizer(Path(job.tokenizer))
     tok.separator(job.separator)  # a missing separator said before any work
     out = Path(job.output)
@@ -188,9 +211,8 @@ def prepare(job: PrepareJob, workers: int = 1, overwrite: bool = False,
     todo = [i for i in range(len(units)) if i not in metas]
     docs, tokens = (sum(m[k] for m in metas.values()) for k in ("documents", "tokens"))
     spec = asdict(job)
-    with _pool(workers, spec) as pool:
+    with _pool(min(workers, len(todo)), spec) as pool:  # no process forked for no unit
         if pool is None:
-            _start_worker(spec)
             made = ((_make_shard(i, units[i]), i) for i in todo)
         else:  # every unit queued (the workers forked) before the progress bar's thread starts
             futures = {pool.submit(_make_shard, i, units[i]): i for i in todo}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Pieces", "Starts", "TokenFile", "map_file"]
+__all__ = ["Pieces", "Starts", "TokenFile", "map_file", "unmap"]
 
 AROUND = 1 << 16  # Linux's fault-around block (fault_around_bytes), a multiple of the page
 
@@ -44,6 +44,33 @@ def _mapping(a: np.ndarray | None) -> tuple[mmap.mmap, int] | None:
     return view.obj, a.ctypes.data - np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
+def _dont_need(mm: mmap.mmap, start: int, size: int) -> None:
+    # whole fault-around blocks: the kernel maps the cached pages around a faulting one
+    first = start // AROUND * AROUND
+    end = min(-(-(start + size) // AROUND) * AROUND, len(mm))
+    mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def unmap(a: np.ndarray, lo: int, n: int) -> None:
+    """Drop items ``[lo, lo + n)`` of ``a`` -- a contiguous array of :func:`map_file`, or a
+    view into one -- from this process's resident set again (the pages stay in the page
+    cache): what a pass over a large map read does not stay counted against the rank."""
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    found = _mapping(root)
+    if found is not None and n > 0:
+        mm, base = found
+        _dont_need(mm, base + (a.ctypes.data - root.ctypes.data) + lo * a.itemsize, n * a.itemsize)
+
+
+def _mmap_of(a: np.ndarray | None) -> mmap.mmap | None:
+    """The mmap an array of :func:`map_file` (or a view of one) reads, else None."""
+    while isinstance(a, np.ndarray):
+        a = a.base
+    return a.obj if isinstance(a, memoryview) and isinstance(a.obj, mmap.mmap) else None
+
+
 class Pieces:
     """Arrays read as one stream (a store's shards; a single file is one piece). What a read
     mapped is unmapped from the process again once copied (``MADV_DONTNEED``: the pages stay
@@ -56,14 +83,10 @@ class Pieces:
         self.offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # one per piece
 
     def _release(self, i: int, lo: int, n: int) -> None:
-        if self.maps[i] is None or n <= 0:
-            return
-        mm, base = self.maps[i]
-        item = self.arrays[i].itemsize
-        # whole fault-around blocks: the kernel maps the cached pages around a faulting one
-        first = (base + lo * item) // AROUND * AROUND
-        end = min(-(-(base + (lo + n) * item) // AROUND) * AROUND, len(mm))
-        mm.madvise(mmap.MADV_DONTNEED, first, end - first)
+        if self.maps[i] is not None and n > 0:
+            mm, base = self.maps[i]
+            item = self.arrays[i].itemsize
+            _dont_need(mm, base + lo * item, n * item)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -155,3 +178,19 @@ class TokenFile:
             last = np.concatenate([[0], cuts])[np.searchsorted(cuts, index, side="right")]
             positions = index - last
         return ids, mask, positions
+
+    def close(self) -> None:
+        """Unmap every file this source maps (ids, loss mask, document starts, a Megatron
+        index): the address space goes back and the files may be deleted or rewritten. The
+        source reads nothing after; a second close does nothing. A map that something else
+        still views (an array taken from the source by its caller) is left to that view."""
+        arrays = [*self.tokens.arrays, *(self.mask.arrays if self.mask is not None else ()),
+                  *(s for _, s, _ in (self.starts.pieces if self.starts is not None else ()))]
+        maps = {id(m): m for m in map(_mmap_of, arrays) if m is not None}
+        self.tokens, self.mask, self.starts = Pieces([]), None, None
+        del arrays  # the last views of the maps: each map's buffer is no longer exported
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass

@@ -51,6 +51,7 @@ class DataSpec:
     format: str = "auto"  # one of DATA_FORMATS
     text_field: str = "text"  # the field of a .jsonl / .parquet record that holds the text
     separator: str | None = None  # token between packed documents; null: the tokenizer's eos
+    workers: int | None = None  # processes tokenizing the per-run cache; null: min(8, CPUs this process may use)
     document_mask: bool = True  # packed documents attend within themselves only (positions restart)
     base_dir: str | None = None  # the plan's folder: relative paths are looked for there first
     loc: Loc | None = None

@@ -98,10 +98,11 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
                     dtype=_token_dtype(r, "dtype", r.get("dtype", str, None)), sources=_sources(r),
                     tokenizer=r.get("tokenizer", str, None), format=r.get("format", str, d.format),
                     text_field=r.get("text_field", str, d.text_field),
-                    separator=r.get("separator", str, None),
+                    separator=r.get("separator", str, None), workers=r.get("workers", int, None),
                     document_mask=r.get("document_mask", bool, True),
                     base_dir=str(Path(doc.loc.file).parent), loc=r.m.loc, locs=r.locs())
     r.at_least("max_bytes", spec.max_bytes, 1)
+    r.at_least("workers", spec.workers, 1)
     if spec.format not in DATA_FORMATS:
         errs.add(f"'data.format' must be one of {', '.join(DATA_FORMATS)}, got "
                  f"'{spec.format}'{nearest(spec.format, DATA_FORMATS)}", r.loc("format"))
@@ -109,7 +110,7 @@ def parse_data(doc: LMap, errs: ErrorList) -> DataSpec:
     if spec.sources and spec.path is not None:
         errs.add("'data' takes 'path' (one source) or 'sources' (a mixture), not both", r.loc("sources"))
     if spec.tokenizer is None:
-        needs = [k for k in ("format", "separator", "text_field") if k in r.m
+        needs = [k for k in ("format", "separator", "text_field", "workers") if k in r.m
                  and not (k == "format" and spec.format in ("auto", "text"))]
         for key in needs:
             errs.add(f"'data.{key}' needs 'data.tokenizer' (without one the data is read as "

@@ -1,15 +1,21 @@
 """The training and held-out corpora a plan asks for (``data`` and ``eval`` sections).
 
-Without ``data.tokenizer``: bytes or ``.bin``, as always. With one: the sources are read
-(:mod:`.sources`), tokenized (:mod:`.tokens`, chats by :mod:`.chat`) and packed -- each
-document followed by the separator token -- into the run folder's token cache
-(:mod:`.cache`), once. A chat's separator is not a loss target (the template's own end of
-turn is); a text's is (the model learns where documents end).
+Without ``data.tokenizer``: bytes or ``.bin``, as always. With one: the sources are
+tokenized (chats with their template) and packed -- each document followed by the separator
+token -- into the run folder's token cache (:mod:`.cache`), once: the whole input by
+``data.workers`` processes into the store ``tpplan data prepare`` would make of it
+(:func:`tpplan.data.prepare.prepare`), or, when the input is larger than ``data.max_bytes``,
+its first ``max_bytes`` in this process into one shard (the header says so). A chat's
+separator is not a loss target (the template's own end of turn is); a text's is (the model
+learns where documents end).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import shutil
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..data.feed import HeldOut, Source, TokenFeed
@@ -17,14 +23,14 @@ from ..data.formats import is_token_source, open_tokens
 from ..data.scan import check_source
 from ..plan import ErrorList, PlanErrors
 from ..plan.specs import DataSpec, EvalSpec, SourceSpec
-from ..data.prepare import PrepareJob, pack, store_manifest, write_manifest
+from ..data.prepare import PrepareJob, pack, prepare, refuse_output_inside, store_manifest, write_manifest
 from ..data.store import id_dtype, write_shard
 from .cache import CACHE_DIR, cached, file_digest
 from .data import Corpus, DataError, load_corpus
 from .sources import read_documents, source_files
 from .tokens import TextTokenizer
 
-__all__ = ["Corpora", "data_plan", "load_corpora", "open_feed", "token_sources"]
+__all__ = ["Corpora", "data_plan", "default_workers", "load_corpora", "open_feed", "token_sources"]
 
 @dataclass
 class Corpora:
@@ -55,34 +61,58 @@ def _tokenizer(data: DataSpec, model_vocab: int | None) -> TextTokenizer:
     return tok
 
 
+def default_workers() -> int:
+    """``data.workers`` left out: one process per CPU this process may run on, at most 8 (a
+    default that forks no dozens of processes on a large node; ``data.workers`` sets more)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return min(8, cpus)
+
+
 def _tokenized(role: str, path: Path, data: DataSpec, tok: TextTokenizer,
-               cache_dir: Path) -> tuple[Corpus, str]:
+               cache_dir: Path) -> tuple[Corpus, list[str]]:
     files = source_files(path, data.format)
     if not files:
         raise DataError(f"{path}: no {data.format} files in this folder")
+    refuse_output_inside(path, cache_dir / role)  # data.path holding the run folder would read its own cache
     sep_name, sep = tok.separator(data.separator)
     key = {"sources": [{"path": str(f.resolve()), "bytes": f.stat().st_size,
                         "sha256": file_digest(f)} for f in files],
            "tokenizer": tok.identity(), "format": data.format, "text_field": data.text_field,
            "separator": sep_name, "max_bytes": data.max_bytes}
-
+    size = sum(k["bytes"] for k in key["sources"])
+    cut = size > data.max_bytes
     job = PrepareJob(str(path), "", str(tok.path), data.format, data.text_field, data.separator)
+    workers = data.workers or default_workers()
 
     def build(store: Path) -> dict:
-        # prepare's packing into one shard of a store; read_documents applies data.max_bytes
+        if not cut:  # the whole input: the store `tpplan data prepare` makes of it, by as many workers
+            return prepare(replace(job, output=str(store)), workers, overwrite=True).manifest
+        # the first data.max_bytes of it (the header says so), in this process, into one shard
+        shutil.rmtree(store)
         docs = read_documents(files, data.format, data.text_field, data.max_bytes)
         meta = write_shard(store, 0, id_dtype(tok.vocab_size), pack(docs, tok, sep))
         inputs = [[k["path"], k["bytes"], k["sha256"]] for k in key["sources"]]
         return write_manifest(store, store_manifest(job, tok, [meta], inputs))
 
+    t0 = time.perf_counter()
     tokens, mask, manifest, reused = cached(cache_dir, role, key, build)
     source = f"{path} ({manifest['documents']} documents, tokenizer {tok.path})"
     counted = (f", {manifest['loss_tokens']:,} of them assistant tokens (the loss)"
                if manifest["masked"] else "")
-    note = (f"{role} tokens: {manifest['tokens']:,}{counted}; "
-            f"{'reused' if reused else 'made'} the token store {cache_dir / role}")
+    shards = manifest.get("shards", 1)
+    how = "" if reused else (f" ({shards} shard(s) by {min(workers, shards) if not cut else 1} "
+                             f"process(es) in {time.perf_counter() - t0:.1f} s)")
+    notes = [f"{role} tokens: {manifest['tokens']:,}{counted}; "
+             f"{'reused' if reused else 'made'} the token store {cache_dir / role}{how}"]
+    if cut:
+        notes.append(f"data.max_bytes={data.max_bytes:,} cut {role} data {path} ({size:,} bytes) at its first "
+                     f"{data.max_bytes:,} bytes; the rest is not tokenized (raise data.max_bytes to tokenize "
+                     f"all of it with data.workers processes, or prepare it with tpplan data prepare)")
     return Corpus(tokens, manifest["max_token"] + 1, source, mask, packed=True,
-                  separator=sep), note
+                  separator=sep), notes
 
 
 def _read(role: str, path: str, data: DataSpec, tok: TextTokenizer | None,
@@ -93,8 +123,7 @@ def _read(role: str, path: str, data: DataSpec, tok: TextTokenizer | None,
                   f"{data.max_bytes:,} bytes; the rest is not read (raise data.max_bytes, or prepare "
                   f"it with tpplan data prepare)"] if len(corpus) >= data.max_bytes else []
         return corpus, capped
-    corpus, note = _tokenized(role, Path(path), data, tok, cache_dir)
-    return corpus, [note]
+    return _tokenized(role, Path(path), data, tok, cache_dir)
 
 
 def load_corpora(data: DataSpec, ev: EvalSpec, run_dir: Path, model_vocab: int | None,

@@ -116,9 +116,11 @@ _WORK: dict[tuple, tuple[object, object, dict]] = {}
 def unit_work(flops, splits: dict[str, str], tp: int, tokens: int, micro_batch: int,
               seq: int, device: Device, rate: float) -> dict[str, tuple[float, float]]:
     """Per unit of ``flops`` (:class:`tpplan.analysis.cost.flops.ModelFlops`): ``(forward,
-    training, run)``: forward and training FLOPs per token divided by each GEMM's efficiency
-    (and causal attention's skipped half), and the forward FLOPs the kernels run (causal
-    attention's share only), so that ``FLOPs / rate``
+    training, run, op_forward, op_run)``: forward and training FLOPs per token divided by each
+    GEMM's efficiency (and causal attention's skipped half), the forward FLOPs the kernels run
+    (causal attention's share only), and the same two of the matmuls per-operator
+    checkpointing recomputes (every second Linear: :mod:`tpplan.parallel.op_sac` saves the
+    outputs of the others and of attention), so that ``FLOPs / rate``
     becomes seconds at the shapes one rank runs: its Linears' local shapes under TP
     (``splits``) on ``tokens`` rows per micro-batch, and attention's ``QKᵀ`` and ``AV`` as
     a batch of ``micro_batch × heads/tp`` GEMMs of ``seq × seq × head_dim`` and ``seq ×
@@ -148,20 +150,22 @@ def _unit_work(flops, splits, tp, tokens, micro_batch, seq, device, rate):
     causal = causal_fraction(seq)
     out = {}
     for unit, forward in flops.forward.items():
-        fwd = train = 0.0
-        linear = 0.0
-        for path, i, o in flops.linears.get(unit, ()):
+        fwd = train = linear = op_fwd = op_run = 0.0
+        for n, (path, i, o) in enumerate(flops.linears.get(unit, ())):
             part = splits.get(path) if tp > 1 else None
             li, lo = (i // tp if part == "in" else i), (o // tp if part == "out" else o)
             f, d, w = linear_efficiencies(tokens, li, lo, device, rate)
             fwd += 2.0 * i * o / f
             train += 2.0 * i * o * (1 / f + 1 / d + 1 / w)
             linear += 2.0 * i * o
+            if n % 2:  # per-operator checkpointing recomputes every second matmul (op_sac)
+                op_fwd += 2.0 * i * o / f
+                op_run += 2.0 * i * o
         rest = forward - linear  # attention's matmuls (blocks only)
         run = linear
         if rest > 0:
             fwd += rest * (attn or 1.0)
             train += 3 * rest * (attn or 1.0)
             run += rest * (causal if attn else 1.0)
-        out[unit] = (fwd, train, run)
+        out[unit] = (fwd, train, run, op_fwd, op_run)
     return out

@@ -145,16 +145,18 @@ def _rank_flops(flops: ModelFlops, result, work: dict[str, tuple[float, float, f
     ranks = flops.rank_units(pipe.get("stages") if pipe else None)
     ac = result.plan.spec.activation_checkpointing
     ckpt = set(result.resolution.ac_blocks[::ac.every]) if ac.enabled else set()
+    # A checkpointed block recomputes its forward; per-operator, only its unsaved matmuls (unit_work)
+    fwd, fwd_run = (3, 4) if ac.mode == "op" else (0, 2)
 
     def cost(units) -> tuple[float, float]:
         return (sum(work[u][1] for u in units if u in work),
-                sum(work[u][0] for u in units if u in work and u in ckpt))
+                sum(work[u][fwd] for u in units if u in work and u in ckpt))
 
     best = max(ranks, key=lambda u: sum(cost(u)))
-    train, recomputed = cost(best)
-    run = sum(work[u][2] * (3 + (u in ckpt)) for u in best if u in work)
-    return (train, recomputed, run, 3 * flops.forward_of(best) + flops.forward_of(ckpt & set(best)),
-            len(ranks))
+    (train, recomputed), again = cost(best), [u for u in best if u in work and u in ckpt]
+    run = sum(work[u][2] * 3 for u in best if u in work) + sum(work[u][fwd_run] for u in again)
+    counted = flops.forward_of(ckpt & set(best)) if fwd == 0 else sum(work[u][4] for u in again)
+    return train, recomputed, run, 3 * flops.forward_of(best) + counted, len(ranks)
 
 
 def flops_of(result) -> ModelFlops:

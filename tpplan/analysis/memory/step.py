@@ -28,6 +28,8 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.util
+import math
 import warnings
 from typing import Callable, Iterator
 
@@ -37,6 +39,7 @@ from ..._torch.modules import own_children, swapped
 from ...models.introspect import find_blocks
 from ...models.moe_loss import gather_router_logits
 from ...parallel.apply import apply_plan
+from ...parallel.float8 import apply_float8
 from ...parallel.pipeline.split import StageBuilder
 from ...plan.specs import PlanSpec
 from ...plan.step import StepShape
@@ -105,6 +108,19 @@ def _parent(model: nn.Module, blocks: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_path) if parent_path else model), attr
 
 
+def _float8_emulated(spec: PlanSpec, model: nn.Module, mesh) -> None:
+    """The plan's ``float8`` linears converted as a GPU run converts them, in torchao's emulated
+    mode (the same casts, scales and tensors saved for backward, FSDP2's float8 all-gather under
+    tensorwise scaling; only the product is taken in fp32 from upcast operands), so the trace holds
+    what float8 keeps. Where torchao is not installed they are traced in the parameter dtype."""
+    if spec.float8 is None or mesh.device_type == "cuda" or importlib.util.find_spec("torchao") is None:
+        return
+    names = mesh.mesh_dim_names or ()
+    shards = math.prod(mesh[n].size() for n in ("dp_shard", "cp") if n in names)
+    gathers = spec.float8.scaling == "tensorwise" and spec.fsdp is not None and shards > 1
+    apply_float8(model, spec, gathers, emulate=True)
+
+
 @contextlib.contextmanager
 def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth: int | None,
                      io: StageIO | None) -> Iterator[tuple[PlanSpec, nn.Module, str | None, StageIO]]:
@@ -120,6 +136,7 @@ def _on_fake_tensors(spec: PlanSpec, mesh, build: Callable[[], nn.Module], depth
         setattr(parent, attr, truncated(getattr(parent, attr), depth))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        _float8_emulated(spec, model, mesh)
         gather_router_logits(model, apply_plan(spec, model, mesh, stage=io is not None).router_shards)
         with fake_mode(allow_non_fake_inputs=True), as_the_real_run_decides(model):
             model.to_empty(device="cpu")

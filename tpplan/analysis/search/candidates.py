@@ -12,6 +12,8 @@ the same checks as ``validate``). What is enumerated:
 - expert parallelism: where the plan has an ``expert_parallel`` rule, each ``ep`` dividing
   ``dp_shard`` (the ranks it borrows);
 - activation checkpointing: none, full, and selective every ``k`` for each ``k`` asked;
+  per-operator (``op``) where a layout does not fit without (:func:`op_twin`, added by the
+  search once that layout's memory is known, with ``Options.op``);
 - without a pipeline: each micro-batch size that divides a data-parallel rank's share of
   the global batch (the rest is gradient accumulation);
 - with one (``pp > 1``): each schedule of :data:`tpplan.plan.pipeline.SCHEDULES`, with one
@@ -28,7 +30,7 @@ from ...plan.specs import DEFAULT_BLOCKS, PlanSpec
 from ...plan.styles import EP_STYLES
 
 __all__ = ["Candidate", "Options", "candidates", "divisors", "factorizations", "meshes",
-           "LONG_SEQUENCE"]
+           "LONG_SEQUENCE", "ac_settings", "op_twin"]
 
 # From this many tokens a sequence is long: search tries context parallelism unasked.
 LONG_SEQUENCE = 32768
@@ -44,6 +46,7 @@ class Options:
     schedules: tuple[str, ...] = tuple(SCHEDULES)
     cp: tuple[int, ...] | None = None  # cp degrees tried; None: every divisor, where cp applies
     ep: tuple[int, ...] | None = None  # ep degrees tried; None: every divisor of dp_shard
+    op: bool = True  # per-operator checkpointing tried where a layout does not fit without
 
 
 @dataclass
@@ -117,6 +120,17 @@ def ac_settings(spec: PlanSpec, every: tuple[int, ...], model_blocks: str | None
     out += [f"activation_checkpointing={{mode: selective, every: {k}{extra}}}"
             for k in every if k > 1]
     return out
+
+
+def op_twin(c: Candidate, acs: list[str]) -> Candidate | None:
+    """``c`` with per-operator checkpointing (``op``) in place of none, for a layout ``c``
+    without checkpointing that does not fit (``acs``: :func:`ac_settings`, its ``full`` line
+    giving the blocks); None for any other. Only there: where a layout fits without
+    checkpointing, ``op`` is never faster (it adds recomputation and saves only memory)."""
+    if c.sets[1] != acs[0]:
+        return None
+    return Candidate(c.pp, c.dp_replicate, c.dp_shard, c.tp,
+                     [c.sets[0], acs[1].replace("mode: full", "mode: op"), *c.sets[2:]], c.cp, c.ep)
 
 
 def _pipelines(per_rank: int, pp: int, options: Options) -> list[str]:

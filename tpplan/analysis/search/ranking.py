@@ -29,7 +29,9 @@ then run best first (branch and bound), each candidate as far as its bound asks:
    traced is dropped untraced when :func:`.bounds.split_free` of that trace (the bytes no split
    changes) does not fit already;
 
-each result goes back into the queue under its new figure, and a final estimate taken
+a layout without checkpointing dropped there for memory brings its twin with per-operator
+checkpointing into the queue (:func:`.candidates.op_twin`); each result goes back into the
+queue under its new figure, and a final estimate taken
 from the queue's front is ranked. Every bound is at most the final step time, so once
 ``top`` are ranked no candidate left can beat them: the ranking is exactly that of
 estimating every candidate (``exhaustive`` does). The ones left are counted, by how far
@@ -47,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from ...models.introspect import find_blocks
 from ...plan.devices import Device
-from .candidates import Options, candidates
+from .candidates import Options, ac_settings, candidates, op_twin
 from .kernel_cache import KernelCache
 from ..analyses import fsdp_rows, traced_rows
 from ..cost.step_time import DEFAULT_CONSTANTS, CostConstants, estimate_step, flops_of, step_time_bound
@@ -118,8 +120,9 @@ class _Search:
     far tell the bounds of the candidates still queued."""
 
     def __init__(self, ev: Evaluator, device: Device, gpus_per_node: int, constants: CostConstants | None,
-                 exhaustive: bool):
+                 exhaustive: bool, acs: list[str] | None = None, first_twin: int = 0):
         self.ev, self.device, self.gpus_per_node = ev, device, gpus_per_node
+        self.acs, self.first_twin, self.twins = acs, first_twin, 0  # op twins: their settings, order
         self.constants, self.exhaustive = constants, exhaustive
         self.dropped: Counter = Counter()
         self.examples: dict[str, list[str]] = {}
@@ -136,6 +139,7 @@ class _Search:
     def drop(self, reason: str, c) -> None:
         self.dropped[reason] += 1
         self.examples.setdefault(reason, c.sets)
+        self.last = reason
 
     def checked(self, c) -> DryRun | None:
         r = self.ev.check(c.sets)
@@ -237,6 +241,11 @@ class _Search:
                     heapq.heappush(queue, (tighter, i, Stage.BOUNDED, c, row))
                     continue
             if stage == Stage.COMMUNICATED and not self.fits(r, c):
+                twin = self.acs and self.last.startswith("does not fit") and op_twin(c, self.acs)
+                if twin and (t := self.checked(twin)) is not None:
+                    self.twins += 1  # ordered after every candidate, by its own layout's order
+                    heapq.heappush(queue, (step_time_bound(t, self.device, self.constants, self.flops[0]),
+                                           self.first_twin + i, Stage.CHECKED, twin, None))
                 continue
             est = self.estimated(r, c)
             if est is not None:
@@ -263,7 +272,8 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     blocks = find_blocks(ev.model)
     cands = candidates(ev.base, world_size, options, blocks and f"{blocks}.*")
     say(f"{len(cands)} candidates")
-    state = _Search(ev, device, gpus_per_node, constants, exhaustive)
+    acs = ac_settings(ev.base, options.ac_every, blocks and f"{blocks}.*") if options.op else None
+    state = _Search(ev, device, gpus_per_node, constants, exhaustive, acs, len(cands))
     queue: list[tuple[float, int, Stage, Any, Any]] = []  # (step time bound, order, stage, candidate, row)
     with fake_process_group(world_size):
         for i, c in enumerate(cands):
@@ -282,7 +292,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
                      stages_per_rank=list(options.stages_per_rank),
                      schedules=list(options.schedules)),
         constants=(constants or DEFAULT_CONSTANTS).to_json(),
-        candidates=len(cands), passed_checks=passed, fitting=fitting,
+        candidates=len(cands), op_twins=state.twins, passed_checks=passed, fitting=fitting,
         not_ranked=dict(bound_only=left[Stage.CHECKED] + left[Stage.BOUNDED], comm_only=left[Stage.COMMUNICATED],
                         fitting=left[Stage.RANKED]),
         ranked=ranked,
