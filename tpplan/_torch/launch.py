@@ -51,7 +51,7 @@ def run_forked(torchrun_args: Sequence[str], entry: Callable[..., Any], entry_ar
     _one_line_failures()
     config, _cmd, _cmd_args = config_from_args(
         get_args_parser().parse_args([f"--start-method={'fork' if from_here else 'forkserver'}", *torchrun_args]))
-    if not from_here:  # (forked from this process, the workers have what it imported)
+    if not from_here:  # workers forked from here have what this process imported
         multiprocessing.set_forkserver_preload(list(preload))  # read when the server starts
     elastic_launch(config, entrypoint=_WithDefaultSignals(entry))(*entry_args)
     return True
