@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from toy_models import MLP  # nanoGPT's MLP (c_fc, GELU, c_proj), as the toy GPT has it
 
 
 class RMSNorm(nn.Module):
@@ -183,16 +184,6 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(b, s, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
 
 
 class NanoBlock(nn.Module):
