@@ -15,6 +15,14 @@ if str(TESTS) not in sys.path:
 
 from helpers import ROOT  # noqa: E402
 
+# transformers' model base imported here, before any test asks for ranks: the ranks' server,
+# started at the first tpplan.parallel.runtime.spawn of this process, then has it too, and a
+# HuggingFace model's ranks do not each import it (about 2 CPU-s apiece).
+try:
+    import transformers.modeling_utils  # noqa: E402, F401
+except ImportError:  # the hf extra not installed: those tests skip
+    pass
+
 
 @pytest.fixture
 def root() -> Path:

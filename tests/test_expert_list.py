@@ -232,7 +232,8 @@ def test_a_run_with_an_expert_list_resumes_on_another_ep_along_one_curve(tmp_pat
 
     def train(run, nproc: int, steps: int, ep: int, *extra: str):
         ok(tpplan_cli("train", "--plan", plan, "--nproc", nproc, "--set", f"mesh.ep={ep}",
-                      "--set", f"train.steps={steps}", "--set", f"metrics.run_dir={run}", *extra,
+                      "--set", f"train.steps={steps}", "--set", f"metrics.run_dir={run}",
+                      "--set", "metrics.dry_run=false", *extra,  # rank 0's dry run: not read here
                       env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}))  # moe_models
 
     whole, parts = tmp_path / "whole", tmp_path / "parts"

@@ -18,7 +18,8 @@ SHORT = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
 
 
 def train_2x2(plan: Path, run_dir: Path, *sets: str) -> None:
-    args = ["train", "--plan", plan, "--nproc", "4", "--set", f"metrics.run_dir={run_dir}"]
+    args = ["train", "--plan", plan, "--nproc", "4", "--set", f"metrics.run_dir={run_dir}",
+            "--set", "metrics.dry_run=false"]  # rank 0's dry run: not read here
     for s in [*SHORT, *sets]:
         args += ["--set", s]
     tpplan_cli(*args, check=True)

@@ -36,7 +36,7 @@ def hf_run(tiny_llama, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("hfrun")
     (base / "plan.yaml").write_text(HF_PLAN.format(folder=tiny_llama))
     tpplan_cli("train", "--plan", base / "plan.yaml", "--nproc", "2", "--set",
-               f"metrics.run_dir={base / 'run'}", check=True)
+               f"metrics.run_dir={base / 'run'}", "--set", "metrics.dry_run=false", check=True)
     return base / "run"
 
 

@@ -218,7 +218,7 @@ LORA_STEPS = 6
 def lora_train(plan: str, folder, run_dir, *extra: str, nproc: int | None = None, sets=()):
     from helpers import tpplan_cli
 
-    args = ["train", "--plan", plan]
+    args = ["train", "--plan", plan, "--set", "metrics.dry_run=false"]  # not read here
     for s in lora_sets(folder, run_dir, sets):
         args += ["--set", s]
     return tpplan_cli(*args, *extra, *(["--nproc", str(nproc)] if nproc else []), timeout=240)

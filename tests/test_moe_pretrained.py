@@ -160,7 +160,8 @@ def _train(run_dir: Path, folder: Path, nproc: int, *sets: str):
               "train.global_batch_size=4", "train.seq_len=32", f"metrics.run_dir={run_dir}",
               # the model's own loss, its load-balancing term included (per micro-batch:
               # the same sequences in each forward on every mesh)
-              "model.config.output_router_logits=true", "train.micro_batch_size=1", *sets]:
+              "model.config.output_router_logits=true", "train.micro_batch_size=1",
+              "metrics.dry_run=false", *sets]:  # nothing here reads rank 0's dry run
         args += ["--set", s]
     return tpplan_cli(*args, timeout=240)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from helpers import ROOT, cli_env, tpplan_command
 from hooked import DIE_DURING_SAVE, SLOW_STEP
-from trainrun import STEPS, TINY, assert_same_curve, metrics
+from trainrun import QUICK_START, STEPS, TINY, assert_same_curve, metrics
 
 from tpplan.parallel.runtime import free_port
 
@@ -29,7 +29,7 @@ HSDP = ["mesh.tp=1", "mesh.dp_shard=2", "mesh.dp_replicate=2"]  # replicas = nod
 
 def _node(run_dir: Path, port: int, launch: str, *extra: str, restarts: int = 0,
           env: dict | None = None) -> subprocess.Popen:
-    sets = [f"--set={s}" for s in [*TINY, *HSDP, f"metrics.run_dir={run_dir}"]]
+    sets = [f"--set={s}" for s in [*TINY, *QUICK_START, *HSDP, f"metrics.run_dir={run_dir}"]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={launch}",
            f"--max-restarts={restarts}", *tpplan_command(env), "train", "--plan",

@@ -253,6 +253,15 @@ def test_every_train_key_train_rejects_is_a_validate_error_at_its_line(write_pla
     assert "'train.steps' must be an integer, got a number 1.5" in errors[3].message
 
 
+def test_metrics_dry_run_is_a_boolean_at_its_line(write_plan):
+    """``metrics.dry_run`` (rank 0's dry run before the first step) takes true or false."""
+    e = one_error(write_plan(BASE + "metrics: {log_interval: 2, dry_run: sometimes}\n"))
+    assert (e.loc.line, e.loc.column) == (4, 37)
+    assert e.message == "'metrics.dry_run' must be true or false, got a string 'sometimes'"
+    assert tpplan.load(write_plan(BASE + "metrics: {dry_run: false}\n")).spec.metrics.dry_run is False
+    assert tpplan.load(write_plan(BASE)).spec.metrics.dry_run is True
+
+
 def test_a_batch_that_does_not_split_over_the_mesh_is_an_error(write_plan):
     e = one_error(write_plan(BASE + "train: {global_batch_size: 6}\n"), world=8)  # dp 4
     assert e.message.startswith("train.global_batch_size=6 is not divisible by the "

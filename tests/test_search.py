@@ -205,6 +205,36 @@ def test_cached_kernel_profiles_equal_uncached_traces():
     assert cache.traces["kernels_cached"] >= 2 and cache.traces["kernels"] >= 5, cache.traces
 
 
+def test_a_step_traced_once_for_kernels_and_memory_equals_the_two_traced_apart():
+    """An exhaustive search traces each candidate's step once for its kernel count and its
+    memory (``shared_steps``): both figures equal those of the two traces run apart, for a
+    whole model at two dp_shard splits and for the stages of a pipeline."""
+    from tpplan.analysis.analyses import analyze_kernels
+    from tpplan.analysis.cost.non_gemm import non_gemm_term
+    from tpplan.analysis.memory.step import shared_steps
+    from tpplan.analysis.search.kernel_cache import KernelCache
+
+    sets = [["mesh={pp: 1, dp_replicate: 1, dp_shard: 4, tp: 2}", "train.micro_batch_size=1"],
+            ["mesh={pp: 1, dp_replicate: 2, dp_shard: 2, tp: 2}", "train.micro_batch_size=2"],
+            ["mesh={pp: 2, dp_replicate: 1, dp_shard: 2, tp: 2}", "pipeline={schedule: 1f1b, microbatches: 4}"]]
+    overrides = SMALL + ["train.global_batch_size=16", "model.kwargs.n_layers=2"]  # traced whole
+    _, apart = _evaluated(overrides, 8, sets)
+    ev, h100 = Evaluator(PLAN, overrides, 8), DEVICES["h100"]
+    with fake_process_group(8), shared_steps() as shared:
+        for s, alone in zip(sets, apart):
+            r = ev.check(s)
+            ev.comm(r)
+            KernelCache()(r)  # the kernel count first, as search asks
+            assert shared.traces, s  # its steps kept for the memory trace...
+            ev.memory(r)
+            assert not shared.traces, s  # ...which took them
+            assert _comparable(r) == _comparable(alone), s
+            counted = non_gemm_term(r, h100)
+            with shared_steps(enabled=False):  # its own trace, apart
+                analyze_kernels(alone)
+            assert counted is not None and counted == non_gemm_term(alone, h100), s
+
+
 def test_the_top_layout_validates_to_the_same_memory_and_estimate(capsys):
     small = SMALL + ["model.kwargs.n_layers=2"]
     assert main(["search", "--plan", PLAN, "--world-size", "4", "--device", "h100",

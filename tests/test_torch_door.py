@@ -166,6 +166,9 @@ def _launch():
         config, _, _ = config_from_args(args)
         assert isinstance(config, LaunchConfig) and config.start_method == method
     assert _params(elastic_launch)[:2] == ["config", "entrypoint"]
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    assert _params(dynamic_rendezvous.get_method_name) == ["depth"]  # quick_rendezvous_event_names
     assert FAILURE_LOGGER in logging.Logger.manager.loggerDict or \
         importlib.import_module(FAILURE_LOGGER).logger.name == FAILURE_LOGGER
 
@@ -268,6 +271,35 @@ if __name__ == "__main__":  # a forkserver's worker imports this script as its m
         assert run_forked(["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
                            "--nproc-per-node=1", "-m", "x"], seen, (sys.argv[1] + method,), [], from_here)
 """
+
+
+def test_rendezvous_events_get_the_name_torchruns_own_lookup_gives():
+    """The cheap name of a rendezvous event is the one ``inspect.stack()`` gives: the method
+    that called the handler's recorder (two frames up), or torchrun's placeholder past the
+    top of the stack."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from tpplan._torch.launch import quick_rendezvous_event_names
+
+    original = dynamic_rendezvous.get_method_name
+    try:
+        quick_rendezvous_event_names()
+        quick = dynamic_rendezvous.get_method_name
+        assert quick is not original or original.__module__ == "tpplan._torch.launch"
+
+        def record(name_of):  # the handler's recorder, as dynamic_rendezvous calls it
+            return name_of(), inspect.stack()[1].function
+
+        def keep_alive(name_of):
+            return record(name_of)
+
+        assert keep_alive(quick) == ("keep_alive", "keep_alive")
+        if original is not quick:
+            assert keep_alive(original) == ("keep_alive", "keep_alive")
+            assert original(depth=10_000) == "no_method_name"
+        assert quick(depth=10_000) == "no_method_name"
+    finally:
+        dynamic_rendezvous.get_method_name = original
 
 
 def test_forked_workers_start_with_a_new_interpreters_signal_handlers(tmp_path):

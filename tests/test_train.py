@@ -94,6 +94,8 @@ def test_killed_during_save_resumes_from_previous_checkpoint_on_4x1(reference, k
     resumed = tpplan_train(d, "--resume", nproc=4, sets=["mesh.tp=1", "checkpoint.interval=3"])
     ok(resumed)
     assert "resumed from" in resumed.stdout and "step-000009" in resumed.stdout
+    # metrics.dry_run: false (tests/trainrun.py): nothing predicted, the record says so
+    assert json.loads((d / "estimate.json").read_text())["dry_run"] is None
     got = metrics(d)
     assert sorted(got) == list(range(1, STEPS + 1))  # rows past step 9 replaced, not doubled
     assert_same_curve(got, metrics(reference), range(10, STEPS + 1))

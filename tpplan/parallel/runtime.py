@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,9 @@ def as_spawned_rank(rank: int, world: int, port: int) -> None:
 # (four ``spawn``-ed ranks each import torch: about 10 s on 2 cores; forked: a tenth of one).
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.checkpoint",
             "torch.distributed.fsdp", "tpplan.models", "tpplan.analysis.verify.numerics"]
+# ...and, where the process asking for the ranks has imported it, transformers' model base
+# (about 2 CPU-s to import after torch: a HuggingFace model's four ranks would each pay it).
+_PRELOAD_IF_IMPORTED = ["transformers.modeling_utils"]
 
 
 class _InEnvironment:
@@ -119,7 +123,9 @@ class _InEnvironment:
 def spawn(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` fresh processes: forked
     from a server that has torch and tpplan imported where the platform has one (Linux,
-    macOS), else spawned. Each starts in this process's working folder and environment."""
+    macOS), else spawned. Each starts in this process's working folder and environment.
+    The server starts at the first call and lives as long as this process: transformers'
+    model base is in it where this process had imported that by then."""
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -128,7 +134,8 @@ def spawn(fn, world_size: int, *args) -> None:
     method = "spawn"
     if "forkserver" in multiprocessing.get_all_start_methods():
         method = "forkserver"
-        multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server starts
+        multiprocessing.set_forkserver_preload(  # read when the server starts
+            _PRELOAD + [m for m in _PRELOAD_IF_IMPORTED if m in sys.modules])
     for attempt in range(3):
         try:
             mp.start_processes(_InEnvironment(fn, dict(os.environ)),

@@ -34,12 +34,15 @@ WANDB_MODES = ("offline", "online")
 
 @dataclass
 class MetricsSpec:
-    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile."""
+    """``metrics:`` — the run folder, how often rank 0 reports, sinks, steps to profile, and
+    whether rank 0 runs the dry run before the first step to print its figures beside the
+    run's (``dry_run``)."""
 
     run_dir: str | None = None  # default runs/<plan file stem>
     log_interval: int = 1
     tensorboard: TensorBoardSpec | None = None
     wandb: WandbSpec | None = None
     profile: tuple[int, int] | None = None
+    dry_run: bool = True
     loc: Loc | None = None
     locs: dict[str, Loc] = field(default_factory=dict)

@@ -191,7 +191,7 @@ def parse_metrics(doc: LMap, errs: ErrorList) -> MetricsSpec:
     spec = MetricsSpec(run_dir=r.get("run_dir", str, None),
                        log_interval=r.get("log_interval", int, d.log_interval),
                        tensorboard=_tensorboard(r), wandb=_wandb(r), profile=_profile(r),
-                       loc=r.m.loc, locs=r.locs())
+                       dry_run=r.get("dry_run", bool, d.dry_run), loc=r.m.loc, locs=r.locs())
     r.at_least("log_interval", spec.log_interval, 1)
     return spec
 

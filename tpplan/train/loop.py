@@ -58,7 +58,8 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     the same error on every rank. Returns the summary shown at the end, plus ``losses`` and
     ``step_times`` per step, and ``stopped`` (a signal name) when a signal ended it early.
     ``estimate(world_size, device_type)``: the dry run's figures, called on rank 0 before the
-    process group starts and printed at the end next to what was measured (:mod:`.verdict`).
+    process group starts and printed at the end next to what was measured (:mod:`.verdict`),
+    unless the plan's ``metrics.dry_run`` is false.
     """
     _quiet_known_warnings()
     prep = prepare(plan_path, overrides, resume, overwrite)
@@ -66,7 +67,8 @@ def train(plan_path: str, overrides: Sequence[str] = (), resume: str | None = No
     float8_problems(prep.plan.spec, device_type, *cuda_capability(device_type)).raise_if_any()
     owned = not dist.is_initialized()  # a caller's own process group is left running
     predicted = None
-    if estimate is not None and owned and int(os.environ.get("RANK", "0")) == 0:
+    if estimate is not None and prep.plan.spec.metrics.dry_run and owned and \
+            int(os.environ.get("RANK", "0")) == 0:
         predicted = estimate(prep.dims.world_size, device_type)
     mesh = prep.plan.build_mesh(device_type)
     claimed: Claim | None = None

@@ -74,8 +74,8 @@ def compare_estimate(predicted: dict[str, Any] | None, measured_peak: int | None
                              "step_time_s": step_time},
                 "dry_run": predicted, "memory_tolerance": list(MEMORY_TOLERANCE)}
     if predicted is None:
-        c.rows["dry run"] = ("not run (train() was given no estimate, or was called with its "
-                             "caller's process group already up)")
+        c.rows["dry run"] = ("not run (metrics.dry_run: false; or train() was given no estimate, "
+                             "or was called with its caller's process group already up)")
         return c
     if predicted.get("error"):
         c.rows["dry run"] = f"could not run: {predicted['error']}"

@@ -25,6 +25,7 @@ names them).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -49,8 +50,8 @@ from ..fake.tensors import fake_mode
 from .step_loop import TracedStep, micro_batches_traced
 from .tracker import MemoryTracker
 
-__all__ = ["trace_step", "count_kernels", "first_forward_ends", "forward_activations", "truncated",
-           "micro_batches_traced", "StageIO", "ModelBuilder"]
+__all__ = ["trace_step", "count_kernels", "shared_steps", "SharedSteps", "first_forward_ends",
+           "forward_activations", "truncated", "micro_batches_traced", "StageIO", "ModelBuilder"]
 
 
 @dataclasses.dataclass
@@ -153,10 +154,26 @@ def trace_step(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: Step
     stage, its micro-batches run in turn; ``first_forward``: the first micro-batch's
     forward only (no warm-up, no optimizer state); ``scalable``: FSDP2's shards followed
     apart, a :class:`~tpplan.analysis.memory.dp_shards.ScaledTrace` returned (the moments at any
-    ``dp_shard``). Needs the dry run's fake process group."""
+    ``dp_shard``). Needs the dry run's fake process group. Inside :func:`shared_steps`, a
+    scalable step is the one :func:`count_kernels` ran with the same arguments, if it did."""
+    shared = _SHARED.get()
+    if shared is not None and scalable and not first_forward:
+        trace = shared.traces.pop(shared.key(spec, mesh, build, shape, depth, io), None)
+        if trace is not None:  # run by count_kernels: its moments are these
+            if io is not None:
+                io.sent = trace.sent
+            return trace
+    return _traced(spec, mesh, build, shape, depth, io, first_forward, scalable)
+
+
+def _traced(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: StepShape,
+            depth: int | None, io: StageIO | None, first_forward: bool = False,
+            scalable: bool = False, kernels=None):
+    """:func:`trace_step`'s trace; ``kernels``: every operator counted into it as well."""
     with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
         shards = fsdp_shards(model) if scalable else None
-        tracker = _run(spec, model, blocks, shape, io, first_forward, shards and shards[0])
+        tracker = _run(spec, model, blocks, shape, io, first_forward, shards and shards[0],
+                       kernels=kernels)
     if shards is None:
         return tracker.moments
     dp_shard = mesh["dp_shard"].size() if "dp_shard" in (mesh.mesh_dim_names or ()) else 1
@@ -184,9 +201,58 @@ def count_kernels(spec: PlanSpec, mesh, build: Callable[[], nn.Module], shape: S
                   depth: int | None, kernels, io: StageIO | None = None) -> None:
     """The trainer's step for ``spec`` (its first ``depth`` blocks) on fake tensors, every
     operator of it counted into ``kernels`` (a :class:`~tpplan.analysis.memory.kernels.KernelCount`);
-    ``io``: ``build`` makes one pipeline stage (:func:`trace_step`'s)."""
-    with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
-        _run(spec, model, blocks, shape, io, kernels=kernels)
+    ``io``: ``build`` makes one pipeline stage (:func:`trace_step`'s). Inside
+    :func:`shared_steps`, the step is traced as a scalable :func:`trace_step` and kept for it."""
+    shared = _SHARED.get()
+    if shared is None:
+        with _on_fake_tensors(spec, mesh, build, depth, io) as (spec, model, blocks, io):
+            _run(spec, model, blocks, shape, io, kernels=kernels)
+        return
+    shared.keep(shared.key(spec, mesh, build, shape, depth, io),
+                _traced(spec, mesh, build, shape, depth, io, scalable=True, kernels=kernels))
+
+
+class SharedSteps:
+    """One step traced for both analyses of an exhaustive search's candidate that run it: its
+    memory-bound kernels (:func:`count_kernels`, asked first) and its memory (a scalable
+    :func:`trace_step`, next), the same step on the same fake tensors, the kernel count
+    riding on the memory tracker (which only watches). Keyed by everything the step reads:
+    the plan (its text), the mesh, what ``build`` makes, the step's shape, the depth and the
+    stage's ends; taken once (the memory analysis keeps its own cache). At most ``KEPT``
+    wait, the oldest let go first (a memory analysis served by another dp_shard's trace,
+    or at other depths, never asks): one let go is traced again when asked for."""
+
+    KEPT = 64
+
+    def __init__(self) -> None:
+        self.traces: dict[tuple, ScaledTrace] = {}
+        self.meshes: list = []  # keyed by identity: kept alive while their keys are
+
+    def key(self, spec: PlanSpec, mesh, build, shape: StepShape, depth: int | None,
+            io: StageIO | None) -> tuple:
+        if not any(m is mesh for m in self.meshes):
+            self.meshes.append(mesh)
+        made = (build.stage.blocks, build.stage.extras) if isinstance(build, StageBuilder) else None
+        return (repr(spec), id(mesh), made, shape, depth, io and (io.first, io.last, io.received))
+
+    def keep(self, key: tuple, trace: ScaledTrace) -> None:
+        self.traces[key] = trace
+        while len(self.traces) > self.KEPT:
+            del self.traces[next(iter(self.traces))]
+
+
+_SHARED: contextvars.ContextVar[SharedSteps | None] = contextvars.ContextVar("shared_steps", default=None)
+
+
+@contextlib.contextmanager
+def shared_steps(enabled: bool = True) -> Iterator[SharedSteps | None]:
+    """Within (where ``enabled``): :class:`SharedSteps` between :func:`count_kernels` and
+    :func:`trace_step` (scalable), for one plan's model (an exhaustive ``search``)."""
+    token = _SHARED.set(SharedSteps() if enabled else None)
+    try:
+        yield _SHARED.get()
+    finally:
+        _SHARED.reset(token)
 
 
 def _run(spec: PlanSpec, model: nn.Module, blocks: str | None, shape: StepShape,

@@ -31,11 +31,10 @@ then run best first (branch and bound), each candidate as far as its bound asks:
 
 a layout without checkpointing dropped there for memory brings its twin with per-operator
 checkpointing into the queue (:func:`.candidates.op_twin`); each result goes back into the
-queue under its new figure, and a final estimate taken
-from the queue's front is ranked. Every bound is at most the final step time, so once
-``top`` are ranked no candidate left can beat them: the ranking is exactly that of
-estimating every candidate (``exhaustive`` does). The ones left are counted, by how far
-they were analysed.
+queue under its new figure, and a final estimate taken from the queue's front is ranked.
+Every bound is at most the final step time, so once ``top`` are ranked no candidate left
+can beat them: the ranking is exactly that of estimating every candidate (``exhaustive``
+does, one trace of each step for its kernels and memory). Those left are counted by stage.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ from ..dryrun import DryRun, fake_process_group
 from ..memory.fit import needed
 from ..comm.stage_bound import interior_rows
 from ..memory.floor import smallest_element
+from ..memory.step import shared_steps
 from ..memory.stages import pipeline_schedule
 from .bounds import sharded_state, split_free
 from .trace_cache import Evaluator
@@ -275,7 +275,7 @@ def search(plan_path: str, world_size: int, device: Device, overrides: Sequence[
     acs = ac_settings(ev.base, options.ac_every, blocks and f"{blocks}.*") if options.op else None
     state = _Search(ev, device, gpus_per_node, constants, exhaustive, acs, len(cands))
     queue: list[tuple[float, int, Stage, Any, Any]] = []  # (step time bound, order, stage, candidate, row)
-    with fake_process_group(world_size):
+    with fake_process_group(world_size), shared_steps(exhaustive):  # every candidate: both analyses
         for i, c in enumerate(cands):
             r = state.checked(c)
             if r is not None:
