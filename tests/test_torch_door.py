@@ -285,7 +285,7 @@ def test_rendezvous_events_get_the_name_torchruns_own_lookup_gives():
     try:
         quick_rendezvous_event_names()
         quick = dynamic_rendezvous.get_method_name
-        assert quick is not original or original.__module__ == "tpplan._torch.launch"
+        assert quick.__module__ == "tpplan._torch.launch"  # put in (earlier, if original is it)
 
         def record(name_of):  # the handler's recorder, as dynamic_rendezvous calls it
             return name_of(), inspect.stack()[1].function
