@@ -223,7 +223,7 @@ def test_a_run_with_an_expert_list_resumes_on_another_ep_along_one_curve(tmp_pat
     checkpoints) along the curve of one process run straight through, loss and gradient
     norm (clipped at 1.0: the norm decides the update) at every step."""
     from helpers import ROOT, tpplan_cli
-    from trainrun import metrics, ok
+    from trainrun import QUICK_START, metrics, ok
 
     plan = _plan(tmp_path, "train", "{ep: 4, dp_shard: -1}",  # byte tokens: vocabulary 256
                  "{num_experts: 8, top_k: 3, vocab_size: 256}", extra=FSDP + (
@@ -233,7 +233,7 @@ def test_a_run_with_an_expert_list_resumes_on_another_ep_along_one_curve(tmp_pat
     def train(run, nproc: int, steps: int, ep: int, *extra: str):
         ok(tpplan_cli("train", "--plan", plan, "--nproc", nproc, "--set", f"mesh.ep={ep}",
                       "--set", f"train.steps={steps}", "--set", f"metrics.run_dir={run}",
-                      "--set", "metrics.dry_run=false", *extra,  # rank 0's dry run: not read here
+                      *[a for s in QUICK_START for a in ("--set", s)], *extra,
                       env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}))  # moe_models
 
     whole, parts = tmp_path / "whole", tmp_path / "parts"

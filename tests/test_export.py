@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import PLANS, ROOT, TEST_PLANS, run_main, tpplan_cli
+from trainrun import QUICK_START
 
 SHORT = ["train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
          "train.micro_batch_size=1", "data.max_bytes=100000", "checkpoint.interval=3"]
 
 
 def train_2x2(plan: Path, run_dir: Path, *sets: str) -> None:
-    args = ["train", "--plan", plan, "--nproc", "4", "--set", f"metrics.run_dir={run_dir}",
-            "--set", "metrics.dry_run=false"]  # rank 0's dry run: not read here
-    for s in [*SHORT, *sets]:
+    args = ["train", "--plan", plan, "--nproc", "4", "--set", f"metrics.run_dir={run_dir}"]
+    for s in [*SHORT, *QUICK_START, *sets]:
         args += ["--set", s]
     tpplan_cli(*args, check=True)
 

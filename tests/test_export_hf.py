@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import PLANS, run_main, tpplan_cli
+from trainrun import QUICK_START
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,7 @@ def hf_run(tiny_llama, tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("hfrun")
     (base / "plan.yaml").write_text(HF_PLAN.format(folder=tiny_llama))
     tpplan_cli("train", "--plan", base / "plan.yaml", "--nproc", "2", "--set",
-               f"metrics.run_dir={base / 'run'}", "--set", "metrics.dry_run=false", check=True)
+               f"metrics.run_dir={base / 'run'}", *[a for s in QUICK_START for a in ("--set", s)], check=True)
     return base / "run"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import TEST_PLANS, tpplan_cli
-from trainrun import fails, metrics, ok
+from trainrun import QUICK_START, fails, metrics, ok
 
 import tpplan
 from tpplan.models import build_model, init_weights, materialize
@@ -34,7 +34,7 @@ def chat_sets(folder: Path, run_dir: Path) -> list[str]:
 
 def train(sets: list[str], *extra: str, nproc: int | None = None):
     args = ["train", "--plan", PLAN, *extra]
-    for s in ["metrics.dry_run=false", *sets]:  # rank 0's dry run: not read here
+    for s in [*QUICK_START, *sets]:
         args += ["--set", s]
     return tpplan_cli(*args, *(["--nproc", nproc] if nproc else []), timeout=240)
 

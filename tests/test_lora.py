@@ -217,9 +217,10 @@ LORA_STEPS = 6
 
 def lora_train(plan: str, folder, run_dir, *extra: str, nproc: int | None = None, sets=()):
     from helpers import tpplan_cli
+    from trainrun import QUICK_START
 
-    args = ["train", "--plan", plan, "--set", "metrics.dry_run=false"]  # not read here
-    for s in lora_sets(folder, run_dir, sets):
+    args = ["train", "--plan", plan]
+    for s in [*QUICK_START, *lora_sets(folder, run_dir, sets)]:
         args += ["--set", s]
     return tpplan_cli(*args, *extra, *(["--nproc", str(nproc)] if nproc else []), timeout=240)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import TEST_PLANS, tpplan_cli
+from trainrun import QUICK_START
 
 import tpplan
 from tpplan.models import build_model
@@ -37,7 +38,7 @@ def test_train_a_user_model_on_two_ranks_and_resume(plan, tmp_path):
     run = tmp_path / "run"
     sets = ["train.steps=4", "train.seq_len=16", "train.global_batch_size=2",
             "train.micro_batch_size=1", "checkpoint.interval=2", "data.max_bytes=100000",
-            f"metrics.run_dir={run}", "metrics.dry_run=false"]  # not read here
+            f"metrics.run_dir={run}", *QUICK_START]
     args = ["train", "--plan", plan, "--nproc", "2"]
     for s in sets:
         args += ["--set", s]

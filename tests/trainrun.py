@@ -22,9 +22,10 @@ TINY = ["model.kwargs.n_layers=2", "model.kwargs.dim=64", f"train.steps={STEPS}"
         "train.lr=0.003", "train.warmup_steps=2", "train.grad_clip=1.0",
         "data.max_bytes=200000", "checkpoint.interval=5"]
 TIMEOUT = 240
-# No test run through here reads the dry run rank 0 makes before the first step (its figures
-# in the summary and estimate.json: tests/test_observe.py runs its own): skipped, 1.6 CPU-s a
-# launch of 4 processes. A test's own --set metrics.dry_run=true comes after and wins.
+# No test run through here (or through the other files' train helpers, which add this too)
+# reads the dry run rank 0 makes before the first step (its figures in the summary and
+# estimate.json: tests/test_observe.py runs its own): skipped, 1.6 CPU-s a launch of 4
+# processes. A test's own --set metrics.dry_run=true comes after and wins.
 QUICK_START = ["metrics.dry_run=false"]
 
 

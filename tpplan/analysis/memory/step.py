@@ -226,14 +226,12 @@ class SharedSteps:
 
     def __init__(self) -> None:
         self.traces: dict[tuple, ScaledTrace] = {}
-        self.meshes: list = []  # keyed by identity: kept alive while their keys are
 
-    def key(self, spec: PlanSpec, mesh, build, shape: StepShape, depth: int | None,
+    @staticmethod
+    def key(spec: PlanSpec, mesh, build, shape: StepShape, depth: int | None,
             io: StageIO | None) -> tuple:
-        if not any(m is mesh for m in self.meshes):
-            self.meshes.append(mesh)
         made = (build.stage.blocks, build.stage.extras) if isinstance(build, StageBuilder) else None
-        return (repr(spec), id(mesh), made, shape, depth, io and (io.first, io.last, io.received))
+        return (repr(spec), mesh, made, shape, depth, io and (io.first, io.last, io.received))
 
     def keep(self, key: tuple, trace: ScaledTrace) -> None:
         self.traces[key] = trace
