@@ -3,13 +3,17 @@ switched on by one environment variable (off when it is unset).
 
 They make real failures happen at a chosen moment -- a worker killed by SIGKILL, every rank
 dying between a checkpoint's shards and its completion, a step slow enough to be
-interrupted -- record what a run did (each batch's digest), or do the wrong thing on purpose
+interrupted, a checkpoint's file damaged on disk --, put replica groups' events in a set
+order (a survivor that waits for a restarted group to ask for its quorum, a restarted group
+held back until a checkpoint exists), record what a run did (each batch's digest), or do
+the wrong thing on purpose
 (experts sharded without dispatch, which ``tpplan verify`` must catch), so tests can assert
 what a user sees. Nothing is simulated: the kill is a real ``SIGKILL`` of the real process.
 
 Each hook replaces a public product function in the process it runs in: the training loop's
 seams (:mod:`tpplan.train.hooks`), the checkpoint's hashing of its shards (called once the
-shards are written, before the checkpoint is completed), ``expert_parallel``'s
+shards are written, before the checkpoint is completed), a replica group's quorum and
+its joining (``Replica.next_step``, the loop's ``join_replicas``), ``expert_parallel``'s
 ``routed_forward``. They reach every process of a run: the workers ``--nproc`` starts run
 this script too (:data:`tpplan.commands.train.WORKER_COMMAND`), and the ranks ``tpplan
 verify`` spawns install them before they start (:class:`InRanks`). ``helpers.tpplan_command``
@@ -36,7 +40,13 @@ RECORD_BATCHES = "TPPLAN_TEST_RECORD_BATCHES"  # "1": <run_dir>/batches/rank<R>.
 DIE_DURING_SAVE = "TPPLAN_TEST_DIE_DURING_SAVE"  # "STEP": every rank exits 17 in that step's save
 NO_DISPATCH = "TPPLAN_TEST_EP_NO_DISPATCH"  # "1": each rank runs only its own experts' tokens
 KILL_PREPARE = "TPPLAN_TEST_KILL_PREPARE_AFTER"  # "N": SIGKILL `data prepare` after its N-th shard
-HOOKS = (KILL_AT, SLOW_STEP, RECORD_BATCHES, DIE_DURING_SAVE, NO_DISPATCH, KILL_PREPARE)
+# Replica groups' order of events, made certain instead of left to timing:
+MARKS = "TPPLAN_TEST_MARKS"  # a folder: a restarted group's ranks touch group<G>-restart<N> there at their first quorum
+AWAIT = "TPPLAN_TEST_AWAIT"  # "STEP:NAME,...": a rank waits after STEP (a launch's first round) until MARKS/NAME exists
+HOLD = "TPPLAN_TEST_HOLD"  # "G:PATH": group G's restarted ranks wait until PATH exists before they join the groups
+DAMAGE = "TPPLAN_TEST_DAMAGE"  # "RANK:STEP:PATH": after STEP (first round), that rank flips a byte in the file PATH
+HOOKS = (KILL_AT, SLOW_STEP, RECORD_BATCHES, DIE_DURING_SAVE, NO_DISPATCH, KILL_PREPARE, MARKS, AWAIT, HOLD, DAMAGE)
+WAIT_S = 240  # the longest AWAIT and HOLD wait: then the run goes on, and the test fails on what it did
 HERE = Path(__file__).resolve()
 
 
@@ -46,10 +56,10 @@ def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setat
     on = {name: env[name] for name in HOOKS if env.get(name)}
     if not on:
         return
-    if KILL_AT in on or SLOW_STEP in on or RECORD_BATCHES in on:
+    if KILL_AT in on or SLOW_STEP in on or AWAIT in on or DAMAGE in on or RECORD_BATCHES in on:
         from tpplan.train import hooks
 
-        if KILL_AT in on or SLOW_STEP in on:
+        if KILL_AT in on or SLOW_STEP in on or AWAIT in on or DAMAGE in on:
             put(hooks, "after_step", _after_step(on, hooks.after_step))
         if any(k.endswith(":recovery") for k in on.get(KILL_AT, "").split(",")):
             from tpplan.ft.replica import Replica
@@ -57,6 +67,14 @@ def install(env: Mapping[str, str], put: Callable[[Any, str, Any], None] = setat
             put(Replica, "load", _kill_in_recovery(on[KILL_AT].split(","), Replica.load))
         if RECORD_BATCHES in on:
             put(hooks, "batch_recorder", _record_batches)
+    if MARKS in on:
+        from tpplan.ft.replica import Replica
+
+        put(Replica, "next_step", _marking(Path(on[MARKS]), Replica.next_step))
+    if HOLD in on:
+        from tpplan.train import loop
+
+        put(loop, "join_replicas", _holding(on[HOLD], loop.join_replicas))
     if DIE_DURING_SAVE in on:
         from tpplan.checkpoint import sharded
 
@@ -97,16 +115,71 @@ def _spawning(spawn: Callable, hooks: dict[str, str]) -> Callable:
     return spawn_hooked
 
 
+def _restart_round() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _wait_for(path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _after_step(on: dict[str, str], then: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    waits = dict(spec.split(":", 1) for spec in on[AWAIT].split(",")) if AWAIT in on else {}
+    damage = on[DAMAGE].split(":", 2) if DAMAGE in on else None
+
     def after_step(rank: int, step: int) -> None:
         then(rank, step)
         if SLOW_STEP in on:
             time.sleep(float(on[SLOW_STEP]))
         # Only in the first round of a launch: the restarted workers must run on.
-        if f"{rank}:{step}" in on.get(KILL_AT, "").split(",") and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if _restart_round() != "0":
+            return
+        if str(step) in waits:
+            _wait_for(Path(on.get(MARKS, ".")) / waits[str(step)])
+        if damage is not None and damage[:2] == [str(rank), str(step)]:
+            _flip_a_byte(Path(damage[2]))
+        if f"{rank}:{step}" in on.get(KILL_AT, "").split(","):
             os.kill(os.getpid(), signal.SIGKILL)
     return after_step
+
+
+def _flip_a_byte(path: Path) -> None:
+    """Damage on disk that keeps the file's size: only its SHA-256 can tell."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _marking(folder: Path, next_step: Callable) -> Callable:
+    """``Replica.next_step`` that, at a restarted group's first quorum, says so in ``folder``
+    (``group<G>-restart<N>``) just before it asks for the quorum."""
+    asked = []
+
+    def next_step_marked(replica: Any) -> Any:
+        if not asked and _restart_round() != "0":
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"group{replica.group}-restart{_restart_round()}").touch()
+        asked.append(True)
+        return next_step(replica)
+    return next_step_marked
+
+
+def _holding(spec: str, join_replicas: Callable) -> Callable:
+    """The training loop's ``join_replicas`` that keeps a restarted group (its checkpoint
+    already read) away from the others until a path exists: a group back late."""
+    group, path = spec.split(":", 1)
+
+    def join_held(prep: Any, *args: Any) -> Any:
+        from tpplan.ft.groups import group_index
+
+        if group_index() == int(group) and _restart_round() != "0":
+            _wait_for(Path(path))
+        return join_replicas(prep, *args)
+    return join_held
 
 
 def _kill_in_recovery(kills: list[str], load: Callable) -> Callable:
@@ -116,7 +189,7 @@ def _kill_in_recovery(kills: list[str], load: Callable) -> Callable:
         import torch.distributed as dist
 
         rank = replica.group * dist.get_world_size() + dist.get_rank()
-        if f"{rank}:recovery" in kills and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "1":
+        if f"{rank}:recovery" in kills and _restart_round() == "1":
             os.kill(os.getpid(), signal.SIGKILL)
         load(replica, sent)
     return load_or_die

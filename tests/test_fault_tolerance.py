@@ -4,8 +4,11 @@
 plan made here. One rank of group 0 is SIGKILLed by a test hook (tests/hooked.py), then
 again while its restart takes the weights from group 1 (a second fault during recovery);
 group 1 goes on and writes the checkpoints while group 0 is down, group 0 restarts a second
-time, recovers and rejoins. Two launches in all (the HSDP run and the fault-tolerant one),
-shared by the tests below.
+time, recovers and rejoins. Two launches (the HSDP run and the fault-tolerant one) shared by
+the tests below, and one of groups that come back after the run went on without them.
+
+The order of events is made certain by hooks, not left to how fast a loaded machine starts
+a process: the survivor waits at chosen steps until the restarted group asks for its quorum.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import PLANS, ROOT, run_main
-from hooked import KILL_AT, SLOW_STEP
+from hooked import AWAIT, DAMAGE, HOLD, KILL_AT, MARKS
 from trainrun import assert_same_curve, metrics, ok, tpplan_train
 
 from tpplan import checkpoint as ckpt
@@ -26,7 +29,10 @@ from tpplan import checkpoint as ckpt
 FSDP2 = ["mesh.tp=1"]  # FSDP 2 inside each group: dp_shard takes the 2 ranks
 FT = ["fault_tolerance.replica_groups=2", "fault_tolerance.min_replicas=1"]
 KILLED = (1, 3)  # global rank 1 (group 0's rank 1) after step 3, before the first checkpoint
-FT_STEPS = 20  # long enough for two restarts of group 0 while group 1 steps on
+FT_STEPS = 20
+# group 1 goes on alone past the step-5 checkpoint, then waits after step 6 for group 0's first
+# restart to ask for a quorum (it dies taking the weights), after step 12 for its second
+WAITS = "6:group0-restart1,12:group0-restart2"
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +47,14 @@ def hsdp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory) -> tuple[Path, str]:
     """The fault-tolerant run with group 0's rank 1 killed after step 3 and again in its first
-    restart's recovery (every step slowed so the survivor is still stepping when the twice
-    restarted group is back; every checkpoint kept)."""
+    restart's recovery (the survivor still stepping when each restart is back: it waits for
+    it, :data:`WAITS`; every checkpoint kept)."""
     pytest.importorskip("torchft", reason="the tpplan[ft] extra (torchft) is not installed")
     d = tmp_path_factory.mktemp("ft") / "replicated"
     proc = tpplan_train(d, "--max-restarts", "2", nproc=2,
                         sets=[*FSDP2, *FT, f"train.steps={FT_STEPS}", "checkpoint.keep=0"],
-                        env={KILL_AT: f"{KILLED[0]}:{KILLED[1]},{KILLED[0]}:recovery", SLOW_STEP: "1.5"},
+                        env={KILL_AT: f"{KILLED[0]}:{KILLED[1]},{KILLED[0]}:recovery",
+                             MARKS: str(d.parent / "marks"), AWAIT: WAITS},
                         timeout=300)
     ok(proc)
     return d, proc.stdout + proc.stderr
@@ -105,6 +112,74 @@ def test_checkpoints_go_on_while_group_0_is_down(killed):
     group1 = {r["step"]: r for r in _rows(run_dir / "replica-1")}
     assert group1[5]["replicas"] == 1, "step 5 ran without group 0: group 1 wrote its checkpoint"
     assert not (run_dir / "replica-1" / "checkpoints").exists()
+
+
+def _step_lines(out: str) -> dict[int, list[str]]:
+    """Each progress line's loss and gradient norm, by step, in the order printed."""
+    said: dict[int, list[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("step ") and "  loss " in line:
+            words = line.split()
+            said.setdefault(int(words[1]), []).append(" ".join(words[2:6]))
+    return said
+
+
+def test_groups_back_after_the_run_went_on_take_its_checkpoints_not_their_own_past(tmp_path):
+    """Group 0 loses a rank after step 3; its restart (from step 0, or from the step-5
+    checkpoint if it is there yet) is held back until the run's last checkpoint exists.
+    Group 1 goes on alone, loses a rank after step 12 (its step-10 checkpoint damaged on
+    disk just before) and restarts from step 0 with no live group to take the weights from:
+    it takes the run's newest intact checkpoint (step 5), not a fresh start, and steps 6..12
+    come out as they did before its fault. Group 0, back once group 1 has finished, trains
+    nothing and writes nothing."""
+    pytest.importorskip("torchft", reason="the tpplan[ft] extra (torchft) is not installed")
+    d = tmp_path / "late"
+    folder = d / "checkpoints"
+    last, tenth = folder / f"step-{FT_STEPS:06d}", folder / "step-000010"
+    proc = tpplan_train(d, "--max-restarts", "1", nproc=2,
+                        sets=[*FSDP2, *FT, f"train.steps={FT_STEPS}", "checkpoint.keep=0", "metrics.log_interval=1"],
+                        env={KILL_AT: f"{KILLED[0]}:{KILLED[1]},3:12", HOLD: f"0:{last}",
+                             DAMAGE: f"3:12:{tenth / '__0_0.distcp'}"}, timeout=300)
+    ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-4000:]
+    said = out.splitlines()
+    starts = [line for line in said if line.startswith("tpplan train: ") and " cpu ranks | " in line]
+    assert len(starts) == 4, "each group started twice"
+    # (group 0's restart may say it too, when it looks for a checkpoint to resume after the damage)
+    damaged = [line for line in said if line.startswith("replica group 1: checkpoint step-000010 is damaged")]
+    assert damaged == [f"replica group 1: checkpoint step-000010 is damaged, not used: {tenth / '__0_0.distcp'}: "
+                       "contents do not match the manifest's SHA-256 (corrupted on disk)"], out[-4000:]
+    took = [line for line in said if "the run went on to step" in line]
+    assert took == [f"replica group 1: the run went on to step 5 without this group, and no group alive "
+                    f"holds it; took checkpoint {folder / 'step-000005'} and goes on from step 6"], out[-4000:]
+    assert f"replica group 0: the run finished at step {FT_STEPS} while this group was down (checkpoint {last}); " \
+        "nothing left to train" in said, out[-4000:]
+    # group 1's steps 6..12, before its fault and again from the checkpoint: the same
+    steps = _step_lines(out)
+    assert all(len(steps[s]) == 2 and steps[s][0] == steps[s][1] for s in range(6, 13)), steps
+    group1 = [r["step"] for r in _rows(d / "replica-1") if "loss" in r]
+    assert group1 == list(range(1, FT_STEPS + 1)), "its rows past step 5 were dropped at the restart"
+    assert [r["step"] for r in _rows(d)] == [1, 2, 3], "group 0 trained nothing once back"
+    saved = ckpt.complete_checkpoints(folder)
+    assert sorted(ckpt.step_of(p) for p in saved) == [5, 10, 15, FT_STEPS]
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert all(ckpt.check_contents(p) == [] for p in saved), "step 10 written again, intact"
+
+
+def test_a_restart_at_the_runs_last_checkpoint_joins_no_quorum(monkeypatch):
+    """A group restarted after the others finished starts at the run's last step: it has no
+    step to agree on, so no Manager is made (its rank 0 would stop serving it at once, while
+    another rank of the group still dials it)."""
+    from types import SimpleNamespace
+
+    from tpplan.plan.fault_tolerance import FaultToleranceSpec
+    from tpplan.train.replicated import join_replicas
+
+    monkeypatch.setenv("TPPLAN_REPLICA_GROUP", "0")
+    prep = SimpleNamespace(plan=SimpleNamespace(spec=SimpleNamespace(fault_tolerance=FaultToleranceSpec()),
+                                                train=SimpleNamespace(steps=FT_STEPS)))
+    assert join_replicas(prep, None, "cpu", None, FT_STEPS) is None
 
 
 def test_a_plan_with_the_section_without_torchft_is_one_line(tmp_path):

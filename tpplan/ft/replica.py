@@ -99,6 +99,9 @@ class Replica:
         self.checkpoints = None  # the run's checkpoint folder when this group may write it
         self.waited = 0.0  # seconds in quorums and failed tries since the last committed step
         self.tried: float | None = None  # when the current try of a step started
+        # step -> the step of the run's newest checkpoint at or past it, taken (None: none);
+        # asked at a quorum without every group (tpplan.train.replicated.catch_up)
+        self.catch_up: Callable[[int], int | None] | None = None
         timeout = timedelta(seconds=spec.timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self._store, host, port = _store()
@@ -126,9 +129,11 @@ class Replica:
         """The step this group resumes after (a checkpoint's), before the first quorum."""
         self.manager.load_state_dict({"step": step, "batches_committed": step})
 
-    def next_step(self) -> int:
+    def next_step(self) -> int | None:
         """A quorum for the next step (recovering from a peer if this group is behind); the
-        step's number."""
+        step's number. None when the run went on past it without this group and this group
+        took the run's newest checkpoint instead (:attr:`catch_up`): this try of the step is
+        dropped, and the next quorum is from that checkpoint's step."""
         t0 = time.perf_counter()
         if self.tried is not None:  # the last try of a step did not commit: its time is lost
             self.waited += t0 - self.tried
@@ -143,7 +148,17 @@ class Replica:
         self.tried = time.perf_counter()
         self.waited += self.tried - t0  # quorum, reconfiguration, recovery
         self.participants = self.manager.num_participants()
-        return self.manager.current_step() + 1
+        step = self.manager.current_step() + 1
+        if self.participants < self.spec.replica_groups and self.catch_up is not None:
+            at = self.catch_up(step)
+            if at is not None:
+                self.manager.report_error(RuntimeError(f"the run is at step {at}"))
+                self.manager.should_commit()  # False on every rank of the group: nothing applied
+                self.manager.load_state_dict({"step": at, "batches_committed": at})
+                self.healed_at = self.tried = None
+                self.logged = self.participants  # no fault said at the next commit: it is not one
+                return None
+        return step
 
     def event(self, step: int) -> str | None:
         """The committed ``step``'s event for metrics.jsonl, against the last committed step's

@@ -169,11 +169,13 @@ def _run(prep: Prepared, claimed: Claim, mesh, device_type: str,
         StepMemory(device_type),
         hooks.batch_recorder(prep.run_dir, rank, dp_rank, tp_rank),
         Evaluation(prep, trainee.parts[0], prep.step.micro_batch, dp_rank, device))  # no eval under pp
-    replica = join_replicas(prep, trainee, device_type, watch.reporter.note, start)
+    replica = join_replicas(prep, trainee, device_type, watch.reporter, start)
     where = _Rank(device, device_type, rank, dp_rank, pp_group, shapes, rate, replica)
     progress = _Progress(start, claimed.resume_from)
     try:
         _steps(prep, trainee, watch, where, progress)
+        if replica is not None:  # every rank done with the group's Manager before rank 0's stops
+            dist.barrier()
     finally:
         if replica is not None:
             replica.close()

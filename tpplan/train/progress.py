@@ -20,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .runfolder import trim_metrics
+
 __all__ = ["GPU_ONLY", "Reporter", "flops_per_token", "peak_flops"]
 
 GPU_ONLY = "n/a on CPU (GPU only)"
@@ -61,6 +63,7 @@ class Reporter:
         if not self.console.is_terminal:
             self.console.width = 160  # CI logs: one line per step, never wrapped at 80
         # Kept open for the run and flushed per row: a killed run keeps what it logged.
+        self.run_dir = run_dir
         self.metrics = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115
         self.console.print(header, soft_wrap=True, highlight=False)
         self.progress = None
@@ -91,6 +94,16 @@ class Reporter:
         elif show:
             self.console.print(f"step {row['step']:>6}  {info}  eta {self.eta(row['step'])}",
                                highlight=False)
+
+    def rewind(self, step: int) -> None:
+        """Drop the rows past ``step`` from ``metrics.jsonl`` and the ETA's: steps this run
+        trains again (a replica group that took a newer checkpoint, :mod:`.replicated`)."""
+        if not self.active:
+            return
+        self.metrics.close()
+        trim_metrics(self.run_dir, step)
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        self.rows = [r for r in self.rows if r["step"] <= step]
 
     def eta(self, step: int) -> str:
         """The time left: the steps to go at the mean step time of this run's steps so far

@@ -6,28 +6,32 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["checkpoint_writer", "group_targets", "hook_rank", "join_replicas", "lost_rank_hint", "replica_fields",
-           "share", "step_numbers"]
+__all__ = ["catch_up", "checkpoint_writer", "group_targets", "hook_rank", "join_replicas", "lost_rank_hint",
+           "replica_fields", "share", "step_numbers"]
 
 
-def join_replicas(prep, trainee, device_type: str, note: Callable[[str], None], start: int) -> Any:
-    """This rank's :class:`tpplan.ft.Replica` when it runs in a replica group, else None."""
+def join_replicas(prep, trainee, device_type: str, reporter, start: int) -> Any:
+    """This rank's :class:`tpplan.ft.Replica` when it runs in a replica group, else None
+    (also when the checkpoint it starts from is the run's last step: nothing to agree on)."""
     from ..ft.groups import group_checkpoints, group_index
 
     group = group_index()
-    if prep.plan.spec.fault_tolerance is None or group is None:
+    if prep.plan.spec.fault_tolerance is None or group is None or start >= prep.plan.train.steps:
         return None
     from ..ft.replica import Replica
 
-    replica = Replica(prep.plan.spec.fault_tolerance, group, trainee, device_type, note)
+    replica = Replica(prep.plan.spec.fault_tolerance, group, trainee, device_type, reporter.note)
     replica.start_at(start)
     replica.checkpoints = prep.ckpt_dir if prep.plan.checkpoint.enabled else group_checkpoints()
+    if not prep.overwrite:  # --overwrite's first round: the checkpoints there are an earlier run's
+        passed_over: set = set()  # checkpoints found damaged: not hashed again at each quorum
+        replica.catch_up = lambda step: catch_up(prep, trainee, reporter, group, step, passed_over)
     # which process is which rank of the group: `kill -9 $(cat <run_dir>/replica-1/rank1.pid)`
     (prep.run_dir / f"rank{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
     return replica
@@ -35,12 +39,61 @@ def join_replicas(prep, trainee, device_type: str, note: Callable[[str], None], 
 
 def step_numbers(start: int, steps: int, replica) -> Iterator[int]:
     """The steps after ``start``; in a replica group, the quorum's next step each time (the
-    same one again when it did not commit, a later one after a recovery from a peer)."""
+    same one again when it did not commit, a later one after a recovery from a peer or from
+    the run's newest checkpoint)."""
     if replica is None:
         yield from range(start + 1, steps + 1)
         return
     while replica.manager.current_step() < steps:  # committed steps, a peer's after a recovery
-        yield replica.next_step()
+        step = replica.next_step()
+        if step is not None:  # None: this group took a newer checkpoint; a quorum again
+            yield step
+
+
+def _sound(path) -> bool:
+    """Rank 0: whether a complete checkpoint reads (sizes, DCP metadata, trainer state)."""
+    from .. import checkpoint as ckpt
+
+    try:
+        ckpt.check_structure(path)
+    except ckpt.Damaged:
+        return False
+    return True
+
+
+def catch_up(prep, trainee, reporter, group: int, step: int, passed_over: set) -> int | None:
+    """Collective over the group's ranks, at a quorum without every group, before this group
+    trains ``step``. A group that left (finished the run, or died) may have gone past it: its
+    checkpoints, in the run's folder, are then the run's latest state, which no live group
+    holds. Returns the step of the newest intact checkpoint at or past ``step`` (this group
+    now stands there: the checkpoint loaded, or nothing to load when it is the run's last
+    step), None when there is none (this group is not behind the run). A checkpoint found
+    damaged is said once and added to ``passed_over``."""
+    from .. import checkpoint as ckpt
+    from ..ft.groups import run_checkpoints
+    from .trainee import load_checkpoint
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box = [[p for p in ckpt.complete_checkpoints(run_checkpoints(prep.plan, prep.run_dir, group))
+                if ckpt.step_of(p) >= step and p not in passed_over and _sound(p)]]
+    dist.broadcast_object_list(box, src=0)
+    for found in box[0]:  # newest first
+        at = ckpt.step_of(found)
+        if at >= prep.plan.train.steps:
+            reporter.note(f"replica group {group}: the run finished at step {at} while this group was "
+                          f"down (checkpoint {found}); nothing left to train")
+            return at
+        if prep.plan.checkpoint.verify and (problems := ckpt.check_contents(found)):
+            reporter.note(f"replica group {group}: checkpoint {found.name} is damaged, not used: {problems[0]}")
+            passed_over.add(found)
+            continue
+        load_checkpoint(prep, trainee, found)
+        reporter.rewind(at)
+        reporter.note(f"replica group {group}: the run went on to step {at} without this group, and no "
+                      f"group alive holds it; took checkpoint {found} and goes on from step {at + 1}")
+        return at
+    return None
 
 
 def checkpoint_writer(prep, replica) -> Any:

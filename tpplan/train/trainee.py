@@ -25,7 +25,7 @@ from .resume import Claim
 from .setup import Prepared, TrainError
 from .stepper import make_stepper
 
-__all__ = ["Trainee", "build_trainee", "save_checkpoint"]
+__all__ = ["Trainee", "build_trainee", "load_checkpoint", "save_checkpoint"]
 
 
 @dataclass
@@ -84,12 +84,19 @@ def build_trainee(prep: Prepared, claimed: Claim, mesh, device: torch.device) ->
     ep_local = expert_list_groups(parts)
     schedules = [torch.optim.lr_scheduler.LambdaLR(
         o, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.lr, t.min_lr)) for o in optimizers]
+    trainee = Trainee(stepper, parts, optimizers, schedules, trained, ep_local, init_method)
     if claimed.resume_from is not None:
-        state = ckpt.load(claimed.resume_from, parts, optimizers, trained_only=plan.lora is not None)
-        for schedule in schedules:
-            schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-    return Trainee(stepper, parts, optimizers, schedules, trained, ep_local, init_method)
+        load_checkpoint(prep, trainee, claimed.resume_from)
+    return trainee
+
+
+def load_checkpoint(prep: Prepared, trainee: Trainee, path: Path) -> None:
+    """Set ``trainee`` (weights, optimizer state, schedules, RNG) to the checkpoint ``path``.
+    Collective over the run's ranks (DCP)."""
+    state = ckpt.load(path, trainee.parts, trainee.optimizers, trained_only=prep.plan.lora is not None)
+    for schedule in trainee.schedules:
+        schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng"])
 
 
 def save_checkpoint(prep: Prepared, trainee: Trainee, step: int, reason: str, shapes: dict,
