@@ -6,9 +6,9 @@ dying between a checkpoint's shards and its completion, a step slow enough to be
 interrupted, a checkpoint's file damaged on disk --, put replica groups' events in a set
 order (a survivor that waits for a restarted group to ask for its quorum, a restarted group
 held back until a checkpoint exists), record what a run did (each batch's digest), or do
-the wrong thing on purpose
-(experts sharded without dispatch, which ``tpplan verify`` must catch), so tests can assert
-what a user sees. Nothing is simulated: the kill is a real ``SIGKILL`` of the real process.
+the wrong thing on purpose (experts sharded without dispatch, which ``tpplan verify`` must
+catch), so tests can assert what a user sees. Nothing is simulated: the kill is a real
+``SIGKILL`` of the real process.
 
 Each hook replaces a public product function in the process it runs in: the training loop's
 seams (:mod:`tpplan.train.hooks`), the checkpoint's hashing of its shards (called once the
@@ -157,13 +157,14 @@ def _flip_a_byte(path: Path) -> None:
 def _marking(folder: Path, next_step: Callable) -> Callable:
     """``Replica.next_step`` that, at a restarted group's first quorum, says so in ``folder``
     (``group<G>-restart<N>``) just before it asks for the quorum."""
-    asked = []
+    asked: list[bool] = []
 
     def next_step_marked(replica: Any) -> Any:
-        if not asked and _restart_round() != "0":
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"group{replica.group}-restart{_restart_round()}").touch()
-        asked.append(True)
+        if not asked:
+            asked.append(True)
+            if _restart_round() != "0":
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"group{replica.group}-restart{_restart_round()}").touch()
         return next_step(replica)
     return next_step_marked
 
